@@ -1,3 +1,8 @@
 """kiln: an LLM inference engine that compiles its kernels for the model it loads."""
 
 __version__ = "0.1.0"
+
+from .api import LLM, Completion, Stats, load  # noqa: E402
+from .errors import KilnError  # noqa: E402
+
+__all__ = ["load", "LLM", "Completion", "Stats", "KilnError", "__version__"]

@@ -1,0 +1,206 @@
+"""The Python API: `kiln.load(...) -> LLM`; `LLM.generate / stream / chat / chat_stream`."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from . import hub
+from .backends import get_ops
+from .engine import Engine, TokenStream
+from .errors import KilnError
+from .models import build_model
+from .models.base import eos_ids
+from .sampling import SamplingParams, StopMatcher
+from .weights import open_checkpoint
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    load_s: float = 0.0
+
+    def line(self) -> str:
+        return (f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok | "
+                f"prefill {self.prefill_tok_s:.1f} tok/s | decode {self.decode_tok_s:.1f} tok/s | "
+                f"load {self.load_s:.2f} s")
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str          # "stop" | "length"
+    stats: Stats = field(default_factory=Stats)
+
+
+def resolve_model(model: str | Path | None, quiet: bool = False) -> Path:
+    """A bundled model's name (pulled if missing), a path, or None for the default model."""
+    if model is None:
+        return hub.ensure(hub.DEFAULT_MODEL, quiet=quiet)
+    if str(model) in hub.BUNDLED:
+        return hub.ensure(str(model), quiet=quiet)
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise KilnError(f"no such model: {model} (not a path, nor a bundled model: {', '.join(hub.BUNDLED)})")
+    return p
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise KilnError(f"invalid device {device!r} (use auto, cpu or cuda[:N])") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise KilnError("device cuda was asked for, but no CUDA GPU is available")
+    return dev
+
+
+def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise KilnError(f"invalid dtype {dtype!r} (use one of: {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def _load_tokenizer(ckpt):
+    from .tokenizer import Tokenizer
+
+    if ckpt.gguf_metadata is not None:
+        st = ckpt.path.stat()
+        key = hashlib.sha256(f"{ckpt.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
+        return Tokenizer.from_gguf(ckpt.gguf_metadata, cache_key=key)
+    if (ckpt.path / "tokenizer.json").exists():
+        return Tokenizer.from_hf_dir(ckpt.path)
+    return None  # synthesized checkpoints: token ids in, token ids out
+
+
+class LLM:
+    def __init__(self, path: Path, model, tokenizer, engine: Engine, eos: list[int], load_s: float):
+        self.path, self.model, self.tokenizer, self.engine = path, model, tokenizer, engine
+        self.eos_ids, self.load_s = eos, load_s
+        self.config = model.cfg
+
+    # -- prompts -------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise KilnError("empty prompt")
+            if self.tokenizer is None:
+                raise KilnError("this model has no tokenizer; pass a list of token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        ids = list(prompt)
+        vocab = self.model.cfg.vocab_size
+        if not ids or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+            raise KilnError(f"token ids must be a non-empty list of integers in [0, {vocab})")
+        return ids
+
+    def chat_prompt(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        if self.tokenizer is None:
+            raise KilnError("this model has no tokenizer, so it cannot chat")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- generation ------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int], **sampling) -> Iterator[str]:
+        """Text pieces as they are generated, each valid UTF-8; stop strings excluded."""
+        run = _Run(self, self._prompt_ids(prompt), SamplingParams(**sampling))
+        yield from run
+
+    def generate(self, prompt: str | list[int], **sampling) -> Completion:
+        run = _Run(self, self._prompt_ids(prompt), SamplingParams(**sampling))
+        return run.complete()
+
+    def chat(self, messages: list[dict], tools: list | None = None, **sampling) -> Completion:
+        run = _Run(self, self.chat_prompt(messages, tools), SamplingParams(**sampling))
+        return run.complete()
+
+    def chat_stream(self, messages: list[dict], tools: list | None = None, **sampling) -> Iterator[str]:
+        yield from _Run(self, self.chat_prompt(messages, tools), SamplingParams(**sampling))
+
+
+class _Run:
+    """One request: token ids from the engine -> text pieces -> stop-string filter."""
+
+    def __init__(self, llm: LLM, ids: list[int], params: SamplingParams):
+        self.llm, self.params, self.prompt_ids = llm, params, ids
+        self.stream: TokenStream = llm.engine.generate(ids, params, llm.eos_ids)
+        self.token_ids: list[int] = []
+        self.text_parts: list[str] = []
+        self.finish_reason: str | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        tok = self.llm.tokenizer
+        decoder = None
+        if tok is not None:
+            from .tokenizer import StreamDecoder
+            decoder = StreamDecoder(tok)
+        stops = StopMatcher(self.params.stop)
+        eos = set(self.llm.eos_ids)
+        for token in self.stream.ids:
+            self.token_ids.append(token)
+            if decoder is None or token in eos:
+                continue
+            text, stopped = stops.push(decoder.push(token))
+            if text:
+                self.text_parts.append(text)
+                yield text
+            if stopped:
+                self.finish_reason = "stop"
+                return
+        self.finish_reason = self.stream.finish_reason
+        tail = stops.push(decoder.flush())[0] + stops.flush() if decoder is not None else ""
+        if tail:
+            self.text_parts.append(tail)
+            yield tail
+
+    def complete(self) -> Completion:
+        for _ in self:
+            pass
+        return Completion("".join(self.text_parts), self.token_ids, self.finish_reason or "length", self.stats())
+
+    def stats(self) -> Stats:
+        t = self.stream.times
+        decode_n = max(t.generated_tokens - 1, 0)
+        return Stats(
+            prompt_tokens=t.prompt_tokens, generated_tokens=t.generated_tokens,
+            prefill_tok_s=t.prompt_tokens / t.prefill_s if t.prefill_s else 0.0,
+            decode_tok_s=decode_n / t.decode_s if t.decode_s and decode_n else 0.0,
+            load_s=self.llm.load_s,
+        )
+
+
+def load(model: str | Path | None = None, device: str | None = "auto", dtype: str | None = None,
+         backend: str = "reference", max_context: int | None = None, quiet: bool = True) -> LLM:
+    """Load a model: a path (HF folder or GGUF file), a bundled model's name, or None (the default)."""
+    t0 = time.perf_counter()
+    path = resolve_model(model, quiet=quiet)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    ckpt = open_checkpoint(path)
+    ops = get_ops(backend, dev)
+    net = build_model(ckpt, ops, dt, dev)
+    limit = net.cfg.max_position_embeddings
+    if max_context is not None:
+        if max_context < 2:
+            raise KilnError(f"max context must be at least 2 tokens, got {max_context}")
+        limit = min(limit, max_context)
+    tokenizer = _load_tokenizer(ckpt)
+    eos = eos_ids(ckpt.config, ckpt.generation)
+    if tokenizer is not None:
+        eos += [i for i in tokenizer.eos_ids if i not in eos]
+    engine = Engine(net, dt, dev, limit)
+    return LLM(path, net, tokenizer, engine, eos, time.perf_counter() - t0)

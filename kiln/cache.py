@@ -1,0 +1,63 @@
+"""Per-layer decode state. Attention layers keep K/V; sliding-window layers keep a ring bounded by
+the window, not the context. (Recurrent GDN state arrives with the Qwen3.5 family.)"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K/V of every past position, [S, KV, D], in a buffer that grows by doubling."""
+
+    def __init__(self, n_kv: int, head_dim: int, dtype, device, capacity: int = 256):
+        self.k = torch.empty(capacity, n_kv, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def _reserve(self, n: int) -> None:
+        if n <= self.k.shape[0]:
+            return
+        cap = max(n, 2 * self.k.shape[0])
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty(cap, *old.shape[1:])
+            new[: self.length] = old[: self.length]
+            setattr(self, name, new)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Append [T, KV, D] at `positions` (contiguous from self.length); return all keys, values, key positions."""
+        end = self.length + k.shape[0]
+        self._reserve(end)
+        self.k[self.length:end] = k
+        self.v[self.length:end] = v
+        self.length = end
+        kpos = torch.arange(end, device=k.device)
+        return self.k[:end], self.v[:end], kpos
+
+    def truncate(self, n: int) -> None:
+        """Forget positions >= n (prefix reuse)."""
+        self.length = min(self.length, n)
+
+
+class RingKVCache:
+    """K/V of the last `window` positions only: a query at p sees keys in (p - window, p]."""
+
+    def __init__(self, n_kv: int, head_dim: int, window: int, dtype, device):
+        self.window = window
+        self.k = torch.empty(0, n_kv, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.pos = torch.empty(0, dtype=torch.long, device=device)
+        self.length = 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        keys, values = torch.cat([self.k, k]), torch.cat([self.v, v])
+        kpos = torch.cat([self.pos, positions.to(self.pos.device)])
+        # Future queries start at the next position, so only the last window-1 keys stay useful.
+        keep = self.window - 1
+        self.k, self.v, self.pos = keys[-keep:], values[-keep:], kpos[-keep:]
+        self.length = int(positions[-1]) + 1
+        return keys, values, kpos
+
+    def truncate(self, n: int) -> None:
+        if n < self.length:
+            raise NotImplementedError("a sliding-window cache cannot rewind")  # callers re-prefill instead

@@ -1,0 +1,122 @@
+"""Gemma 3 text: sandwich norms with (1 + w), q/k norm, 5:1 sliding/global layers, GeGLU MLP,
+embeddings scaled by sqrt(hidden). Sliding layers keep a ring of `sliding_window` positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..backends.reference import inv_freq
+from ..cache import KVCache, RingKVCache
+from .base import Model
+
+
+@dataclass
+class Gemma3Config:
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int = 1
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_local_base_freq: float = 10_000.0
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    sliding_window: int = 4096
+    sliding_window_pattern: int = 6
+    layer_types: list = field(default_factory=list)
+    query_pre_attn_scalar: float = 256
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        if not self.layer_types:
+            n = self.sliding_window_pattern
+            self.layer_types = ["full_attention" if (i + 1) % n == 0 else "sliding_attention"
+                                for i in range(self.num_hidden_layers)]
+        rp = self.rope_parameters or {}
+        full, local = rp.get("full_attention", {}), rp.get("sliding_attention", {})
+        self.rope_theta = full.get("rope_theta", self.rope_theta)
+        self.rope_local_base_freq = local.get("rope_theta", self.rope_local_base_freq)
+        if full.get("rope_type") == "linear":
+            self.rope_scaling = {"rope_type": "linear", "factor": full["factor"]}
+
+
+class Gemma3(Model):
+    config_class = Gemma3Config
+
+    def __init__(self, cfg, weights, ops):
+        super().__init__(cfg, weights, ops)
+        c = cfg
+        factor = (c.rope_scaling or {}).get("factor", 1.0) if (c.rope_scaling or {}).get("rope_type", (c.rope_scaling or {}).get("type")) == "linear" else 1.0
+        self.inv_freq = {
+            "full_attention": inv_freq(c.head_dim, c.rope_theta, factor).to(ops.device),
+            "sliding_attention": inv_freq(c.head_dim, c.rope_local_base_freq).to(ops.device),
+        }
+        self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+
+    @classmethod
+    def weight_shapes(cls, c):
+        h, d, f = c.hidden_size, c.head_dim, c.intermediate_size
+        shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,),
+                  "lm_head.weight": (c.vocab_size, h)}
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                      "post_feedforward_layernorm"):
+                shapes[p + n + ".weight"] = (h,)
+            shapes.update({
+                p + "self_attn.q_proj.weight": (c.num_attention_heads * d, h),
+                p + "self_attn.k_proj.weight": (c.num_key_value_heads * d, h),
+                p + "self_attn.v_proj.weight": (c.num_key_value_heads * d, h),
+                p + "self_attn.o_proj.weight": (h, c.num_attention_heads * d),
+                p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+            })
+        return shapes
+
+    @classmethod
+    def tied_names(cls, c):
+        return ("lm_head.weight",) if c.tie_word_embeddings else ()
+
+    def make_state(self, dtype, device):
+        c = self.cfg
+        return [RingKVCache(c.num_key_value_heads, c.head_dim, c.sliding_window, dtype, device)
+                if t == "sliding_attention" else KVCache(c.num_key_value_heads, c.head_dim, dtype, device)
+                for t in c.layer_types]
+
+    def attention(self, i, x, positions, cache, ropes):
+        c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.self_attn."
+        kind = c.layer_types[i]
+        q = ops.linear(x, w[p + "q_proj.weight"]).view(-1, c.num_attention_heads, c.head_dim)
+        k = ops.linear(x, w[p + "k_proj.weight"]).view(-1, c.num_key_value_heads, c.head_dim)
+        v = ops.linear(x, w[p + "v_proj.weight"]).view(-1, c.num_key_value_heads, c.head_dim)
+        q = ops.apply_rope(ops.rmsnorm(q, w[p + "q_norm.weight"], c.rms_norm_eps, "offset"), *ropes[kind])
+        k = ops.apply_rope(ops.rmsnorm(k, w[p + "k_norm.weight"], c.rms_norm_eps, "offset"), *ropes[kind])
+        window = c.sliding_window if kind == "sliding_attention" else None
+        o = ops.attention(q, k, v, cache, positions, c.query_pre_attn_scalar ** -0.5, window,
+                          c.attn_logit_softcapping)
+        return ops.linear(o.reshape(x.shape[0], -1), w[p + "o_proj.weight"])
+
+    def forward(self, ids, positions, state, last_only=True):
+        c, w, ops, eps = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps
+        x = ops.embed(ids, w["model.embed_tokens.weight"], scale=c.hidden_size ** 0.5)
+        ropes = {k: ops.rope_tables(positions, f, x.dtype) for k, f in self.inv_freq.items()}
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            h = ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps, "offset")
+            h = self.attention(i, h, positions, state[i], ropes)
+            x = x + ops.rmsnorm(h, w[p + "post_attention_layernorm.weight"], eps, "offset")
+            h = ops.rmsnorm(x, w[p + "pre_feedforward_layernorm.weight"], eps, "offset")
+            h = ops.gated_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                              w[p + "mlp.down_proj.weight"], c.hidden_activation)
+            x = x + ops.rmsnorm(h, w[p + "post_feedforward_layernorm.weight"], eps, "offset")
+        if last_only:
+            x = x[-1:]
+        x = ops.rmsnorm(x, w["model.norm.weight"], eps, "offset")
+        return ops.logits(x, self.lm_head, c.final_logit_softcapping)

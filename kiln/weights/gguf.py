@@ -1,0 +1,138 @@
+"""GGUF file -> HF-style config + tensors under HF names, dequantised at load.
+
+llama.cpp's converter renames tensors, permutes llama's Q/K rows for its interleaved RoPE and
+stores Gemma's zero-centred norms as `w + 1`; each is undone here so models see HF layout.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..errors import KilnError
+from . import Checkpoint
+from .gguf_file import GGUFFile
+
+_LAYER_NAMES = {  # llama.cpp leaf -> HF leaf, per architecture
+    "common": {
+        "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+    "llama": {"ffn_norm": "post_attention_layernorm"},
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_name(arch: str, name: str) -> str | None:
+    m = _BLK.match(name)
+    if m:
+        layer, leaf, kind = m.groups()
+        table = {**_LAYER_NAMES["common"], **_LAYER_NAMES.get(arch, {})}
+        return f"model.layers.{layer}.{table[leaf]}.{kind}" if leaf in table else None
+    stem, _, kind = name.rpartition(".")
+    return f"{_GLOBAL_NAMES[stem]}.{kind}" if stem in _GLOBAL_NAMES else None
+
+
+def _get(meta: dict, arch: str, key: str, default=None):
+    v = meta.get(f"{arch}.{key}", default)
+    if v is None:
+        raise KilnError(f"GGUF metadata lacks {arch}.{key}")
+    return v
+
+
+def _common_config(meta: dict, arch: str, tensor_names) -> dict:
+    heads = _get(meta, arch, "attention.head_count")
+    hidden = _get(meta, arch, "embedding_length")
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": _get(meta, arch, "block_count"),
+        "intermediate_size": _get(meta, arch, "feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _get(meta, arch, "attention.head_count_kv", heads),
+        "head_dim": meta.get(f"{arch}.attention.key_length", hidden // heads),
+        "rms_norm_eps": _get(meta, arch, "attention.layer_norm_rms_epsilon"),
+        "rope_theta": _get(meta, arch, "rope.freq_base", 10000.0),
+        "max_position_embeddings": _get(meta, arch, "context_length"),
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+
+
+def _llama_config(meta: dict, tensor_names) -> dict:
+    cfg = _common_config(meta, "llama", tensor_names)
+    cfg.update(model_type="llama", hidden_act="silu")
+    return cfg
+
+
+def _gemma3_config(meta: dict, tensor_names) -> dict:
+    cfg = _common_config(meta, "gemma3", tensor_names)
+    n = cfg["num_hidden_layers"]
+    cfg.update(
+        model_type="gemma3_text",
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=cfg["head_dim"],
+        sliding_window=_get(meta, "gemma3", "attention.sliding_window"),
+        rope_local_base_freq=10000.0,  # llama.cpp hard-codes the local base for gemma3
+        # every 6th layer is global (Gemma 3's 5:1 pattern)
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)],
+    )
+    factor = meta.get("gemma3.rope.scaling.factor")
+    if factor and meta.get("gemma3.rope.scaling.type", "linear") == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    return cfg
+
+
+_CONFIGS = {"llama": _llama_config, "gemma3": _gemma3_config}
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of Q/K (HF rotate_half pairs i, i+d/2; ggml pairs 2i, 2i+1)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _fixup(arch: str, cfg: dict, name: str, w: torch.Tensor) -> torch.Tensor:
+    if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
+        return _unpermute_qk(w, cfg["num_attention_heads"])
+    if arch == "llama" and name.endswith("self_attn.k_proj.weight"):
+        return _unpermute_qk(w, cfg["num_key_value_heads"])
+    if arch == "gemma3" and name.endswith("norm.weight"):
+        return w - 1  # stored as 1 + w; the model adds the 1 back as HF does
+    return w
+
+
+def open_gguf(path) -> Checkpoint:
+    from .dequant import dequantize
+
+    f = GGUFFile(path)
+    meta = f.metadata
+    arch = meta.get("general.architecture")
+    if arch not in _CONFIGS:
+        raise KilnError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(_CONFIGS)})")
+    cfg = _CONFIGS[arch](meta, f.tensors.keys())
+    names, shapes = {}, {}
+    for gname, info in f.tensors.items():
+        canon = hf_name(arch, gname)
+        if canon is None:
+            raise KilnError(f"{path}: unexpected tensor {gname} for architecture {arch}")
+        names[canon], shapes[canon] = gname, info.shape
+
+    def load(canon: str) -> torch.Tensor:
+        info = f.tensors[names[canon]]
+        w = dequantize(f.raw(info.name), info.ggml_type, info.shape)
+        return _fixup(arch, cfg, canon, w)
+
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    generation = {"eos_token_id": [i for i in (eos, meta.get("tokenizer.ggml.eot_token_id")) if i is not None]}
+    return Checkpoint(f.path, "gguf", cfg, shapes, load, generation, gguf_metadata=meta)

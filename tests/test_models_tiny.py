@@ -1,0 +1,156 @@
+"""Reference backend against HF transformers on tiny random configs of each family (HF folders)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kiln
+from kiln.errors import KilnError
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_llama():
+    return transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_theta=10000.0)
+
+
+def _tiny_gemma3():
+    return transformers.Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, sliding_window=5, max_position_embeddings=256,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], query_pre_attn_scalar=32)
+
+
+FAMILIES = {"llama": _tiny_llama, "gemma3": _tiny_gemma3}
+
+
+def _hf_model(config, seed=0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():  # norms start at 1 or 0; randomise them so a swapped norm would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0 if "gemma" in type(model).__name__.lower() else 1.0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tiny(request, tmp_path_factory):
+    model = _hf_model(FAMILIES[request.param]())
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return request.param, model, path
+
+
+def test_logits_match_transformers(tiny):
+    family, ref, path = tiny
+    llm = kiln.load(path, device="cpu", dtype="f32")
+    ids = torch.randint(0, 300, (11,), generator=torch.Generator().manual_seed(1))
+    state = llm.model.make_state(torch.float32, "cpu")
+    with torch.no_grad():
+        ours = llm.model.forward(ids, torch.arange(11), state, last_only=False)
+        theirs = ref(ids[None]).logits[0]
+    assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
+
+
+@pytest.mark.parametrize("chunk", [512, 3])
+def test_greedy_tokens_match_generate(tiny, chunk):
+    """Prompt longer than the sliding window, prefilled whole or in chunks of 3, then decoded."""
+    family, ref, path = tiny
+    llm = kiln.load(path, device="cpu", dtype="f32")
+    llm.engine.prefill_chunk = chunk
+    prompt = torch.randint(0, 300, (13,), generator=torch.Generator().manual_seed(2)).tolist()
+    out = llm.generate(prompt, max_new_tokens=20)
+    with torch.no_grad():
+        hf = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.token_ids == hf
+    assert out.finish_reason == "length" and out.stats.generated_tokens == 20
+
+
+def test_bf16_follows_reference_rounding(tiny):
+    family, ref, path = tiny
+    llm = kiln.load(path, device="cpu", dtype="bf16")
+    ref16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                              attn_implementation="eager").eval()
+    ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = llm.model.forward(ids, torch.arange(9), llm.model.make_state(torch.bfloat16, "cpu"), last_only=False)
+        theirs = ref16(ids[None]).logits[0]
+    # Same roundings in the same places and the same CPU kernels: bit-identical to HF eager.
+    assert torch.equal(ours, theirs)
+
+
+def _rewrite(path, transform_names, transform_config=None):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    save_file(transform_names(weights), path / "model.safetensors")
+    if transform_config:
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(transform_config(cfg)))
+
+
+def _copy(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_multimodal_wrapper_layout_loads(tiny, tmp_path):
+    family, ref, path = tiny
+    wrapped = _copy(path, tmp_path / "wrapped")
+
+    def rename(w):
+        out = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in w.items()}
+        out["model.vision_tower.patch_embed.weight"] = torch.zeros(2, 2)  # not text: ignored
+        return out
+
+    _rewrite(wrapped, rename, lambda c: {"model_type": "wrapper", "text_config": c, "tie_word_embeddings": True})
+    a = kiln.load(path, device="cpu").generate([1, 2, 3], max_new_tokens=5).token_ids
+    b = kiln.load(wrapped, device="cpu").generate([1, 2, 3], max_new_tokens=5).token_ids
+    assert a == b
+
+
+def test_sharded_checkpoint_loads(tiny, tmp_path):
+    family, ref, path = tiny
+    sharded = tmp_path / "sharded"
+    ref.save_pretrained(sharded, max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    a = kiln.load(path, device="cpu").generate([4, 5, 6], max_new_tokens=5).token_ids
+    b = kiln.load(sharded, device="cpu").generate([4, 5, 6], max_new_tokens=5).token_ids
+    assert a == b
+
+
+@pytest.mark.parametrize("damage", ["missing", "unexpected", "shape"])
+def test_strict_loading_names_the_tensor(tiny, tmp_path, damage):
+    family, ref, path = tiny
+    bad = _copy(path, tmp_path / "bad")
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    def edit(w):
+        if damage == "missing":
+            del w[name]
+        elif damage == "unexpected":
+            w["model.layers.1.mlp.extra.weight"] = torch.zeros(3)
+        else:
+            w[name] = w[name][:-1].contiguous()
+        return w
+
+    _rewrite(bad, edit)
+    with pytest.raises(KilnError) as e:
+        kiln.load(bad, device="cpu")
+    assert ("extra" if damage == "unexpected" else name) in str(e.value)
+
+
+def test_no_pickle_checkpoints(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(KilnError, match="safetensors"):
+        kiln.load(tmp_path, device="cpu")
