@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType as T
 
 import kiln.hub
 from kiln.errors import KilnError
-from kiln.weights.dequant import _BLOCKS, SUPPORTED, dequantize, type_name
+import kiln.weights.dequant as dq
+from kiln.weights.dequant import SUPPORTED, dequantize, type_name
 from kiln.weights.gguf_file import GGUFFile
 
 
@@ -113,12 +114,19 @@ def random_blocks(t: int, n_blocks: int) -> np.ndarray:
     return b.reshape(-1)
 
 
-def shape_crossing_chunks(t: int) -> tuple[int, int]:
-    """An odd row count, several blocks per row, and more blocks than one chunk of the kernel."""
-    block, _, _, chunk = _BLOCKS[int(t)]
-    per_row = 3 if block == 256 else 17
-    rows = (chunk + per_row * 5) // per_row | 1
-    return rows, per_row * block
+def block_of(t: int) -> int:
+    return gguf.GGML_QUANT_SIZES[T(t)][0]
+
+
+def odd_shape(t: int) -> tuple[int, int]:
+    """An odd row count and several blocks per row."""
+    return (37, 5 * 32) if block_of(t) == 32 else (13, 4 * 256)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Decode a few blocks per kernel call, so a tensor spans many chunks and ends in a partial one."""
+    monkeypatch.setattr(dq, "_CHUNK_ELEMS", 1000)
 
 
 QUANTISABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
@@ -127,8 +135,8 @@ TOLERANCE = {T.Q4_0: 0.2, T.Q4_1: 0.2, T.Q5_0: 0.1, T.Q5_1: 0.1, T.Q8_0: 0.01, T
 
 
 @pytest.mark.parametrize("t", QUANTISABLE + [T.BF16, T.F16], ids=lambda t: t.name)
-def test_quantised_weights_bit_exact(t):
-    rows, cols = (37, 5 * 32) if t in (T.BF16, T.F16) else shape_crossing_chunks(t)
+def test_quantised_weights_bit_exact(t, small_chunks):
+    rows, cols = odd_shape(t)
     w = weights(rows, cols)
     raw = np.ascontiguousarray(gguf.quants.quantize(w, t)).reshape(-1).view(np.uint8)
     ours = dequantize(raw, t, (rows, cols))
@@ -138,16 +146,18 @@ def test_quantised_weights_bit_exact(t):
 
 
 @pytest.mark.parametrize("t", sorted(F16_FIELDS), ids=lambda t: t.name)
-def test_random_blocks_bit_exact(t):
-    rows, cols = shape_crossing_chunks(t)
-    raw = random_blocks(t, rows * cols // _BLOCKS[int(t)][0])
+def test_random_blocks_bit_exact(t, small_chunks):
+    rows, cols = odd_shape(t)
+    nb = rows * cols // block_of(t)
+    assert nb > 2 * dq._CHUNK_ELEMS // block_of(t) and nb % (dq._CHUNK_ELEMS // block_of(t))
+    raw = random_blocks(t, nb)
     ours = dequantize(raw, t, (rows, cols))
     assert_bit_exact(ours, reference(raw, t, (rows, cols)))
 
 
 @pytest.mark.parametrize("t", [T.Q4_K, T.Q8_0, T.Q5_0], ids=lambda t: t.name)
 def test_three_dim_shape(t):
-    block = _BLOCKS[int(t)][0]
+    block = block_of(t)
     shape = (3, 5, 2 * block)
     raw = random_blocks(t, 3 * 5 * 2)
     assert_bit_exact(dequantize(raw, t, shape), reference(raw, t, shape))
@@ -174,9 +184,9 @@ def test_f32_is_a_copy():
     assert np.array_equal(raw.view(np.float32).reshape(7, 3), w)
 
 
-def test_q8_k_matches_its_definition():
+def test_q8_k_matches_its_definition(small_chunks):
     """Q8_K: gguf has no dequantizer for it; x = d (f32) * q (int8), the bsums are not used."""
-    n = 2 * _BLOCKS[int(T.Q8_K)][3] + 3
+    n = 37
     d = (rng.standard_normal(n) * 1e-3).astype(np.float32)
     q = rng.integers(-128, 128, size=(n, 256), dtype=np.int8)
     bsums = q.reshape(n, 16, 16).astype(np.int16).sum(-1, dtype=np.int16)

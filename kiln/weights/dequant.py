@@ -2,13 +2,15 @@
 
 `dequantize(raw, ggml_type, shape)` turns one tensor's bytes, exactly as stored in a GGUF file,
 into a float32 tensor of `shape`. Every block type is decoded with vectorised torch ops over
-chunks of a few thousand blocks (the Python loop is over chunks, never over blocks), writing
+chunks of about 4M elements (the Python loop is over chunks, never over blocks), writing
 straight into the preallocated result.
 
 Results are bit-exact with `gguf.quants.dequantize`: every scale is widened from f16 to f32
-first, and the float32 multiplies/adds happen in the same order as there. Each step is a separate
-torch op (no addcmul or other fused kernels, which could be compiled to FMA and round once
-instead of twice).
+first and the float32 ops follow its order: scale products first (d*sc, dmin*m), then (d*sc)*q,
+then the offset added/subtracted last. (Products of an f16 scale, a <=8-bit sub-scale and a
+<=6-bit quant need at most 23 significant bits, so they are exact in f32 whatever the order; the
+one rounding that can differ is the final add/sub, so that must stay last: d*q + m, never
+d*(q + m/d).) Each step is a separate torch op, no addcmul/fused kernels.
 
 Block layouts (byte offsets inside one block; "f16" = IEEE half, little-endian):
   Q4_0  18 B / 32:  d f16 | qs[16] (low nibbles = elements 0..15, high = 16..31);  x = d*(q-8)
@@ -92,7 +94,7 @@ def _q4_1(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
     d, m = _f16(b, 0), _f16(b, 2)
     q = _nibbles(b[:, 4:20], 1).reshape(n, 32)
-    torch.mul(d, q, out=out)  # (d * q) + m: two roundings, never fused
+    torch.mul(d, q, out=out)  # (d*q) + m: d*q is exact, the add is the one rounding
     out.add_(m)
 
 
@@ -107,7 +109,7 @@ def _q5_1(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
     d, m = _f16(b, 0), _f16(b, 2)
     q = _nibbles(b[:, 8:24], 1).reshape(n, 32) | (_qh_bits32(b[:, 4:8]) << 4)
-    torch.mul(d, q, out=out)  # (d * q) + m: two roundings, never fused
+    torch.mul(d, q, out=out)  # (d*q) + m: d*q is exact, the add is the one rounding
     out.add_(m)
 
 
@@ -120,11 +122,11 @@ def _q2_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
     sc = b[:, 0:16]
     d, dmin = _f16(b, 80), _f16(b, 82)
-    dl = (d * (sc & 0x0F)).unsqueeze(-1)  # d*sc and dmin*m are rounded to f32 first
+    dl = (d * (sc & 0x0F)).unsqueeze(-1)  # gguf order: scale products first (exact in f32)
     ml = (dmin * (sc >> 4)).unsqueeze(-1)
     q = _bits(b[:, 16:80].reshape(n, 2, 32), 8, 2, 3).reshape(n, 16, 16)
     o = out.view(n, 16, 16)
-    torch.mul(dl, q, out=o)  # (d*sc)*q - (dmin*m)
+    torch.mul(dl, q, out=o)  # (d*sc)*q - (dmin*m): the sub is the one rounding, last
     o.sub_(ml)
 
 
@@ -134,7 +136,7 @@ def _q3_k(b: torch.Tensor, out: torch.Tensor) -> None:
     lo = _nibbles(b[:, 96:104], 1).reshape(n, 16)       # scale j: low 4 bits
     hi = _bits(b[:, 104:108], 8, 2, 3).reshape(n, 16)   # scale j: top 2 bits
     sc = (lo | (hi << 4)).view(torch.int8) - 32
-    dl = (d * sc).unsqueeze(-1)  # d*sc rounded to f32 first
+    dl = (d * sc).unsqueeze(-1)  # gguf order: d*sc first (exact in f32)
     ql = _bits(b[:, 32:96].reshape(n, 2, 32), 8, 2, 3).reshape(n, 16, 16)
     hm = _bits(b[:, 0:32], 8, 1, 1).reshape(n, 16, 16)
     q = ql.view(torch.int8) - ((hm ^ 1) << 2).view(torch.int8)  # high bit clear means subtract 4
@@ -153,11 +155,11 @@ def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
     d, dmin = _f16(b, 0), _f16(b, 2)
     sc, mn = _k_scales(b[:, 4:16])
-    dl = (d * sc).unsqueeze(-1)  # d*sc and dmin*m are rounded to f32 first
+    dl = (d * sc).unsqueeze(-1)  # gguf order: scale products first (exact in f32)
     ml = (dmin * mn).unsqueeze(-1)
     q = _nibbles(b[:, 16:144].reshape(n, 4, 32), 2).reshape(n, 8, 32)
     o = out.view(n, 8, 32)
-    torch.mul(dl, q, out=o)  # (d*sc)*q - (dmin*m)
+    torch.mul(dl, q, out=o)  # (d*sc)*q - (dmin*m): the sub is the one rounding, last
     o.sub_(ml)
 
 
@@ -165,19 +167,19 @@ def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
     d, dmin = _f16(b, 0), _f16(b, 2)
     sc, mn = _k_scales(b[:, 4:16])
-    dl = (d * sc).unsqueeze(-1)  # d*sc and dmin*m are rounded to f32 first
+    dl = (d * sc).unsqueeze(-1)  # gguf order: scale products first (exact in f32)
     ml = (dmin * mn).unsqueeze(-1)
     ql = _nibbles(b[:, 48:176].reshape(n, 4, 32), 2).reshape(n, 8, 32)
     qh = _bits(b[:, 16:48], 8, 1, 1)  # (n, 8, 32): sub-block j takes bit j
     o = out.view(n, 8, 32)
-    torch.mul(dl, ql | (qh << 4), out=o)  # (d*sc)*q - (dmin*m)
+    torch.mul(dl, ql | (qh << 4), out=o)  # (d*sc)*q - (dmin*m): the sub is the one rounding, last
     o.sub_(ml)
 
 
 def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
     d = _f16(b, 208)
-    dl = (d * b[:, 192:208].view(torch.int8)).unsqueeze(-1)  # d*sc rounded to f32 first
+    dl = (d * b[:, 192:208].view(torch.int8)).unsqueeze(-1)  # gguf order: d*sc first (exact in f32)
     ql = _nibbles(b[:, 0:128].reshape(n, 2, 64), 2).reshape(n, 8, 32)
     qh = _bits(b[:, 128:192].reshape(n, 2, 32), 8, 2, 3).reshape(n, 8, 32)
     q = (ql | (qh << 4)).view(torch.int8) - 32
@@ -189,20 +191,23 @@ def _q8_k(b: torch.Tensor, out: torch.Tensor) -> None:
     torch.mul(d, b[:, 4:260].view(torch.int8), out=out)  # d * float(q)
 
 
-# type -> (elements per block, bytes per block, kernel, blocks per chunk)
+# type -> (elements per block, bytes per block, kernel)
 _BLOCKS = {
-    Q4_0: (32, 18, _q4_0, 16384),
-    Q4_1: (32, 20, _q4_1, 16384),
-    Q5_0: (32, 22, _q5_0, 16384),
-    Q5_1: (32, 24, _q5_1, 16384),
-    Q8_0: (32, 34, _q8_0, 65536),
-    Q2_K: (256, 84, _q2_k, 2048),
-    Q3_K: (256, 110, _q3_k, 2048),
-    Q4_K: (256, 144, _q4_k, 2048),
-    Q5_K: (256, 176, _q5_k, 2048),
-    Q6_K: (256, 210, _q6_k, 2048),
-    Q8_K: (256, 292, _q8_k, 8192),
+    Q4_0: (32, 18, _q4_0),
+    Q4_1: (32, 20, _q4_1),
+    Q5_0: (32, 22, _q5_0),
+    Q5_1: (32, 24, _q5_1),
+    Q8_0: (32, 34, _q8_0),
+    Q2_K: (256, 84, _q2_k),
+    Q3_K: (256, 110, _q3_k),
+    Q4_K: (256, 144, _q4_k),
+    Q5_K: (256, 176, _q5_k),
+    Q6_K: (256, 210, _q6_k),
+    Q8_K: (256, 292, _q8_k),
 }
+# Elements decoded per kernel call: bounds the temporaries and keeps them in cache; on 2 cores
+# 4M is faster than both much smaller chunks (per-op overhead) and no chunking at all.
+_CHUNK_ELEMS = 1 << 22
 _PLAIN = {F32: 4, F16: 2, BF16: 2}
 
 SUPPORTED: set[int] = set(_PLAIN) | set(_BLOCKS)
@@ -236,7 +241,7 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch
     if t in _PLAIN:
         block, tsize = 1, _PLAIN[t]
     else:
-        block, tsize = _BLOCKS[t][:2]
+        block, tsize, _ = _BLOCKS[t]
         if shape and shape[-1] % block:
             raise KilnError(f"{type_name(t)} tensor of shape {shape}: row length {shape[-1]} "
                             f"is not a multiple of the block size {block}")
@@ -244,7 +249,7 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch
             raise KilnError(f"{type_name(t)} tensor of shape {shape}: {n} elements is not a whole number of blocks")
     expected = n // block * tsize
     data = _as_torch_bytes(raw)
-    if data.numel() < expected:
+    if data.numel() != expected:
         raise KilnError(f"{type_name(t)} tensor of shape {shape} needs {expected} bytes, got {data.numel()}")
     if n == 0:
         return torch.empty(shape, dtype=torch.float32)
@@ -257,7 +262,8 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch
     if t == BF16:
         return data.view(torch.bfloat16).to(torch.float32).view(shape)  # exact: f32 bits = bf16 bits << 16
 
-    block, tsize, kernel, chunk = _BLOCKS[t]
+    block, tsize, kernel = _BLOCKS[t]
+    chunk = max(1, _CHUNK_ELEMS // block)
     nb = n // block
     blocks = data.view(nb, tsize)
     out = torch.empty(nb, block, dtype=torch.float32)
