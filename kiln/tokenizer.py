@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from datetime import datetime
 from functools import lru_cache
@@ -101,9 +100,9 @@ class Tokenizer:
     def from_gguf(cls, metadata: dict, cache_key: str | None = None) -> "Tokenizer":
         """Build from GGUF metadata (as GGUFFile(path).metadata gives it).
 
-        `cache_key` names a JSON copy of the built tokenizer in the kiln cache. Building is a few
-        seconds even for a 262k vocabulary, and loading that JSON is no faster, so the cache is only
-        used when the caller asks for it (e.g. a tokenizer type whose build becomes slow).
+        Gemma's 262k vocabulary has no merges in the file and takes ~2 s to rebuild; with
+        `cache_key` (a hash of the file's identity) the built tokenizer is kept as JSON in the kiln
+        cache and later loads take ~1 s. A corrupt cache file is ignored and rewritten.
         """
         backend = _cache_load(cache_key)
         if backend is None:
@@ -162,9 +161,10 @@ class Tokenizer:
         if source is None:
             raise KilnError("this model has no chat template; use `kiln run` for raw completion")
         template = _compile_template(source)
+        messages = _plain_messages(messages)
         variables = {**self.special_tokens, "documents": None, **extra}
         try:
-            return template.render(messages=_plain_messages(messages), tools=tools,
+            return template.render(messages=messages, tools=tools,
                                    add_generation_prompt=add_generation_prompt, **variables)
         except Exception as e:  # raise_exception(), undefined names, type errors inside the template
             raise KilnError(f"chat template error: {_one_line(e)}") from None
@@ -220,8 +220,7 @@ def _byte_level(md: dict, tokens: list[str]) -> _Backend:
     alphabet = set(spelling.values())
     vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
              for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ")) for m in md.get("tokenizer.ggml.merges") or []]
-    backend = _Backend(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+    backend = _Backend(models.BPE(vocab=vocab, merges=_file_merges(md), dropout=None, continuing_subword_prefix="",
                                   end_of_word_suffix="", fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -334,8 +333,8 @@ def _set_post_processor(backend: _Backend, md: dict) -> None:
 
 
 def _is_gemma_class(md: dict) -> bool:
-    kind, arch = md.get("tokenizer.ggml.model"), md.get("general.architecture")
-    return kind == "gemma4" or (kind == "llama" and arch in _GEMMA_ARCHS)
+    """Whether transformers' outer class is GemmaTokenizer (gemma4 files get the generic one)."""
+    return md.get("tokenizer.ggml.model") == "llama" and md.get("general.architecture") in _GEMMA_ARCHS
 
 
 def _nth(tokens, i):
@@ -370,10 +369,13 @@ def _byte_fallback_ids(backend: _Backend) -> frozenset[int]:
 # Cache (optional: see Tokenizer.from_gguf)
 
 
+BUILD_VERSION = 1  # bump whenever the GGUF tokenizer build changes: it names the cached builds
+
+
 def _cache_path(cache_key: str) -> Path:
     from .hub import cache_dir
 
-    return cache_dir() / "tokenizers" / f"{cache_key}.json"
+    return cache_dir() / "tokenizers" / f"{cache_key}-v{BUILD_VERSION}.json"
 
 
 def _cache_load(cache_key: str | None) -> _Backend | None:
@@ -389,14 +391,16 @@ def _cache_store(cache_key: str | None, backend: _Backend) -> None:
     if not cache_key:
         return
     path = _cache_path(cache_key)
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(backend.to_str())
         os.replace(tmp, path)   # readers see the old file or the whole new one, never half
-    except OSError:
-        pass   # a cache we cannot write only costs time
+    except OSError:   # a cache we cannot write only costs time
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,8 +500,7 @@ def _plain_messages(messages: list[dict]) -> list[dict]:
 
 
 def _one_line(e: Exception) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,7 +523,7 @@ class StreamDecoder:
     def __init__(self, tokenizer: Tokenizer, prompt_ids=None, skip_special_tokens: bool = False):
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids = [int(i) for i in (prompt_ids or [])][-self._CONTEXT:]
+        self._ids = [int(i) for i in prompt_ids][-self._CONTEXT:] if prompt_ids is not None else []
         self._start = 0                 # window start: decoding from here is consistent with what was sent
         self._sent = len(self._ids)     # ids before this have been turned into returned text
 

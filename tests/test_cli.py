@@ -1,0 +1,111 @@
+"""The CLI as a user runs it: a real `kiln` process, stdout for text, stderr for stats and errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kiln import hub
+
+
+def kiln(*args, stdin: str | None = None, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True,
+                          input=stdin, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed():
+    hub.ensure("smollm2-135m")
+
+
+def test_run_default_model_says_paris():
+    r = kiln("run", "--prompt", "The capital of France is", "--max-new", "12", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    stats = [line for line in r.stderr.splitlines() if "tok/s" in line]
+    assert len(stats) == 1 and "prompt 5 tok" in stats[0] and "load" in stats[0]
+
+
+def test_quiet_prints_nothing_on_stderr():
+    r = kiln("run", "smollm2-135m", "--prompt", "Hello", "--max-new", "3", "--quiet")
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.strip()
+
+
+def test_chat_messages_file_answers_paris(tmp_path):
+    m = tmp_path / "m.json"
+    m.write_text(json.dumps([{"role": "user", "content": "What is the capital of France?"}]))
+    r = kiln("chat", "smollm2-135m", "--messages", str(m), "--temperature", "0", "--max-new", "40")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_chat_interactive_reads_turns_from_stdin():
+    r = kiln("chat", "--temperature", "0", "--max-new", "20", "--quiet",
+             stdin="What is the capital of France?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_same_seed_same_text_other_seed_other_text():
+    args = ["run", "--prompt", "Once upon a time", "--max-new", "20", "--temperature", "1.0", "--quiet"]
+    a, b, c = kiln(*args, "--seed", "1"), kiln(*args, "--seed", "1"), kiln(*args, "--seed", "2")
+    assert a.returncode == b.returncode == c.returncode == 0
+    assert a.stdout == b.stdout and a.stdout != c.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["run", "no-such-model", "--prompt", "hi"], "no such model"),
+    (["run", "--prompt", "hi", "--temperature", "abc"], "temperature"),
+    (["run", "--prompt", "hi", "--top-p", "0"], "top_p"),
+    (["run", "--prompt", "hi", "--max-new", "0"], "max-new"),
+    (["run", "--prompt", ""], "empty prompt"),
+    (["run", "--prompt", "hi", "--dtype", "f8"], "dtype"),
+    (["run", "--prompt", "hi", "--device", "cuda:7"] if not __import__("torch").cuda.is_available()
+     else ["run", "--prompt", "hi", "--device", "nonsense"], "device"),
+    (["run", "--prompt", "one two three four five six", "--max-context", "3"], "max context"),
+    (["chat", "gemma3-270m", "--messages", "-"], "valid JSON"),
+    (["pull", "no-such-model"], "no bundled model"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_user_mistakes_get_one_line_and_exit_2(args, says):
+    r = kiln(*args, stdin="not json")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("kiln: error:")]
+    assert len(lines) == 1 and says in lines[0], r.stderr
+
+
+def test_chat_without_template_is_a_clear_error(tmp_path):
+    hub.ensure("gemma3-270m")
+    m = tmp_path / "m.json"
+    m.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    r = kiln("chat", "gemma3-270m", "--messages", str(m), "--quiet")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "chat template" in r.stderr
+
+
+@pytest.mark.parametrize("content", [b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 40, b"garbage bytes"])
+def test_corrupt_model_file_is_a_clear_error(tmp_path, content):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(content)
+    r = kiln("run", str(bad), "--prompt", "hi")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "kiln: error:" in r.stderr
+
+
+def test_truncated_gguf_is_a_clear_error(tmp_path):
+    src = hub.ensure("smollm2-135m")
+    bad = tmp_path / "truncated.gguf"
+    with open(src, "rb") as f:
+        bad.write_bytes(f.read(5_000_000))
+    r = kiln("run", str(bad), "--prompt", "hi")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "kiln: error:" in r.stderr
+
+
+def test_models_lists_bundled_names():
+    r = kiln("models")
+    assert r.returncode == 0
+    assert "smollm2-135m (default)" in r.stdout and "gemma3-270m" in r.stdout
+    assert str(hub.model_path("smollm2-135m")) in r.stdout
