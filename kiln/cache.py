@@ -1,5 +1,9 @@
 """Per-layer decode state. Attention layers keep K/V; sliding-window layers keep a ring bounded by
-the window, not the context. (Recurrent GDN state arrives with the Qwen3.5 family.)"""
+the window, not the context; Gated DeltaNet layers keep a conv window and an f32 recurrent state.
+
+Protocol of every per-layer state: `.length` is the number of tokens it has consumed, and
+`truncate(n) -> bool` makes it represent exactly the first n tokens if it can (True), or
+returns False when it cannot rewind that far (the engine then prefills from scratch)."""
 
 from __future__ import annotations
 
@@ -34,9 +38,12 @@ class KVCache:
         kpos = torch.arange(end, device=k.device)
         return self.k[:end], self.v[:end], kpos
 
-    def truncate(self, n: int) -> None:
+    def truncate(self, n: int) -> bool:
         """Forget positions >= n (prefix reuse)."""
-        self.length = min(self.length, n)
+        if n > self.length:
+            return False
+        self.length = n
+        return True
 
 
 class RingKVCache:
@@ -58,6 +65,6 @@ class RingKVCache:
         self.length = int(positions[-1]) + 1
         return keys, values, kpos
 
-    def truncate(self, n: int) -> None:
-        if n < self.length:
-            raise NotImplementedError("a sliding-window cache cannot rewind")  # callers re-prefill instead
+    def truncate(self, n: int) -> bool:
+        # Rewinding would need keys that already fell out of the ring.
+        return n == self.length

@@ -7,6 +7,8 @@ mistakes end with one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -78,6 +80,13 @@ def sampling_kwargs(a) -> dict:
                 min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=tuple(a.stop))
 
 
+def _exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is not there yet
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -102,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--quiet", action="store_true")
 
     sub.add_parser("models", help="list bundled models and where they are installed")
+    for module in PLUGINS.values():
+        if _exists(module):
+            importlib.import_module(module).add_parser(sub)
     return parser
 
 
@@ -221,12 +233,24 @@ def cmd_models(a) -> int:
 
 
 COMMANDS = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "models": cmd_models}
+# Subcommands that live in their own module: each has add_parser(subparsers) and main(args) -> int.
+PLUGINS = {
+    "serve": "kiln.server.cli",
+    "bench": "kiln.bench",
+    "profile": "kiln.profile",
+    "synth": "kiln.synth",
+    "compare": "kiln.compare",
+    "tune": "kiln.tune.cli",
+    "kernels": "kiln.tune.cli_kernels",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return COMMANDS[args.command](args)
+        if args.command in COMMANDS:
+            return COMMANDS[args.command](args)
+        return importlib.import_module(PLUGINS[args.command]).main(args)
     except KilnError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2

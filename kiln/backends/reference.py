@@ -54,6 +54,18 @@ class ReferenceOps:
         """down(act(gate(x)) * up(x)): SwiGLU / GeGLU."""
         return self.linear(_ACTIVATIONS[act](self.linear(x, gate_w)) * self.linear(x, up_w), down_w)
 
+    def moe_experts(self, x, idx, weights, gate_up, down, act: str) -> torch.Tensor:
+        """Routed experts: x [T, H]; idx/weights [T, k]; gate_up [E, 2I, H] (gate rows first);
+        down [E, H, I]. Each chosen expert's output, times its weight, is added into a zero buffer
+        in the activation dtype, experts in ascending id, as HF's experts module does."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            gate, up = self.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+            y = self.linear(_ACTIVATIONS[act](gate) * up, down[e]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
     # -- positions -----------------------------------------------------------------------------
     def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype, scaling: float = 1.0):
         """cos/sin [T, rotary_dim] computed in f32 then cast, as HF's rotary embedding does."""
