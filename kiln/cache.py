@@ -68,3 +68,16 @@ class RingKVCache:
     def truncate(self, n: int) -> bool:
         # Rewinding would need keys that already fell out of the ring.
         return n == self.length
+
+
+class GDNState:
+    """Gated DeltaNet layer state: the last K-1 conv inputs [K-1, C] in the activation dtype and
+    the recurrent state [Hv, dk, dv] kept in f32, as the reference keeps it."""
+
+    def __init__(self, conv_dim: int, kernel: int, heads: int, dk: int, dv: int, dtype, device):
+        self.conv = torch.zeros(kernel - 1, conv_dim, dtype=dtype, device=device)
+        self.ssm = torch.zeros(heads, dk, dv, dtype=torch.float32, device=device)
+        self.length = 0
+
+    def truncate(self, n: int) -> bool:
+        return n == self.length  # a recurrence cannot be rewound

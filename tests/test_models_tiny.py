@@ -27,16 +27,51 @@ def _tiny_gemma3():
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], query_pre_attn_scalar=32)
 
 
-FAMILIES = {"llama": _tiny_llama, "gemma3": _tiny_gemma3}
+def _tiny_qwen3():
+    return transformers.Qwen3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, max_position_embeddings=256, tie_word_embeddings=True)
+
+
+_HYBRID = dict(vocab_size=301, hidden_size=64, num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1,
+               head_dim=40, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
+               linear_value_head_dim=24, linear_conv_kernel_dim=4, max_position_embeddings=512,
+               layer_types=["linear_attention", "full_attention", "linear_attention"],
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+_MOE = dict(num_experts=10, num_experts_per_tok=3, moe_intermediate_size=40, shared_expert_intermediate_size=56)
+
+
+def _tiny_qwen35():
+    return transformers.Qwen3_5TextConfig(intermediate_size=96, tie_word_embeddings=False, **_HYBRID)
+
+
+def _tiny_qwen35_moe():
+    return transformers.Qwen3_5MoeTextConfig(**_HYBRID, **_MOE)
+
+
+def _tiny_qwen3_next():
+    return transformers.Qwen3NextConfig(intermediate_size=72, norm_topk_prob=False, mlp_only_layers=[1],
+                                        **_HYBRID, **_MOE)
+
+
+FAMILIES = {"llama": _tiny_llama, "gemma3": _tiny_gemma3, "qwen3": _tiny_qwen3, "qwen3_5": _tiny_qwen35,
+            "qwen3_5_moe": _tiny_qwen35_moe, "qwen3_next": _tiny_qwen3_next}
+ZERO_CENTRED_NORMS = ("gemma3", "qwen3_5", "qwen3_next")  # (1 + w) norms; the GDN gated norm is plain w
+
+
+def _eager_experts(model) -> dict:
+    """HF's MoE defaults to grouped_mm; its plain loop ("eager") is the reference kiln follows."""
+    return {"experts_implementation": "eager"} if "experts" in str(dict(model.named_modules()).keys()) else {}
 
 
 def _hf_model(config, seed=0):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    centred = config.model_type.startswith(ZERO_CENTRED_NORMS)
     with torch.no_grad():  # norms start at 1 or 0; randomise them so a swapped norm would show
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.normal_(0.0 if "gemma" in type(model).__name__.lower() else 1.0, 0.2)
+                p.normal_(0.0 if centred and "linear_attn.norm" not in name else 1.0, 0.2)
     return model
 
 
@@ -59,26 +94,41 @@ def test_logits_match_transformers(tiny):
     assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
 
 
-@pytest.mark.parametrize("chunk", [512, 3])
-def test_greedy_tokens_match_generate(tiny, chunk):
+@pytest.mark.parametrize("chunk, new", [(512, 48), (3, 12)])
+def test_greedy_tokens_match_generate(tiny, chunk, new):
     """Prompt longer than the sliding window, prefilled whole or in chunks of 3, then decoded."""
     family, ref, path = tiny
     llm = kiln.load(path, device="cpu", dtype="f32")
     llm.engine.prefill_chunk = chunk
     prompt = torch.randint(0, 300, (13,), generator=torch.Generator().manual_seed(2)).tolist()
-    out = llm.generate(prompt, max_new_tokens=20)
+    out = llm.generate(prompt, max_new_tokens=new)
     with torch.no_grad():
-        hf = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+        hf = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt):].tolist()
     assert out.token_ids == hf
-    assert out.finish_reason == "length" and out.stats.generated_tokens == 20
+    assert out.finish_reason == "length" and out.stats.generated_tokens == new
+
+
+def test_decode_steps_equal_one_prefill(tiny):
+    """Chunks of 50 (across the GDN chunk of 64 and the sliding window), then one token at a time,
+    give the logits of one whole prefill at every position."""
+    family, ref, path = tiny
+    llm = kiln.load(path, device="cpu", dtype="f32")
+    ids = torch.randint(0, 300, (140,), generator=torch.Generator().manual_seed(4))
+    fwd = llm.model.forward
+    with torch.no_grad():
+        whole = fwd(ids, torch.arange(140), llm.model.make_state(torch.float32, "cpu"), last_only=False)
+        st = llm.model.make_state(torch.float32, "cpu")
+        parts = [fwd(ids[a:a + 50], torch.arange(a, a + 50), st, last_only=False) for a in (0, 50)]
+        parts += [fwd(ids[i:i + 1], torch.arange(i, i + 1), st, last_only=False) for i in range(100, 140)]
+    assert (torch.cat(parts) - whole).abs().max() <= 1e-4 * whole.abs().max()
 
 
 def test_bf16_follows_reference_rounding(tiny):
     family, ref, path = tiny
     llm = kiln.load(path, device="cpu", dtype="bf16")
-    ref16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                              attn_implementation="eager").eval()
+    ref16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager",
+                                                              **_eager_experts(ref)).eval()
     ids = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ours = llm.model.forward(ids, torch.arange(9), llm.model.make_state(torch.bfloat16, "cpu"), last_only=False)
@@ -132,13 +182,13 @@ def test_sharded_checkpoint_loads(tiny, tmp_path):
 def test_strict_loading_names_the_tensor(tiny, tmp_path, damage):
     family, ref, path = tiny
     bad = _copy(path, tmp_path / "bad")
-    name = "model.layers.1.mlp.up_proj.weight"
+    name = "model.layers.1.self_attn.o_proj.weight"
 
     def edit(w):
         if damage == "missing":
             del w[name]
         elif damage == "unexpected":
-            w["model.layers.1.mlp.extra.weight"] = torch.zeros(3)
+            w["model.layers.1.self_attn.extra.weight"] = torch.zeros(3)
         else:
             w[name] = w[name][:-1].contiguous()
         return w

@@ -102,12 +102,128 @@ class ReferenceOps:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.einsum("hts,shd->thd", probs, values)
 
+    # -- mixture of experts ------------------------------------------------------------------------
+    def router_topk(self, logits: torch.Tensor, k: int, renormalize: bool = True):
+        """Softmax in f32, top-k, optional renormalisation in f32, weights cast back to the logits dtype."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, idx = torch.topk(probs, k, dim=-1)
+        if renormalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), idx
+
+    # -- gated deltanet (Qwen3.5 / Qwen3-Next linear attention) ------------------------------------
+    def gated_deltanet(self, qkv, z, b, a, p: dict, state, dims) -> torch.Tensor:
+        """The GDN mixer between the input projections and out_proj, one seam for a fused decode step.
+        qkv [T, 2*Hk*dk + Hv*dv] (q | k | v), z [T, Hv*dv], b/a [T, Hv]; p holds conv1d.weight [C, 1, K],
+        A_log, dt_bias, norm.weight; dims = (Hk, Hv, dk, dv, eps). Returns y [T, Hv*dv]."""
+        hk, hv, dk, dv, eps = dims
+        t = qkv.shape[0]
+        qkv = self.causal_conv1d(qkv, p["conv1d.weight"], state)
+        q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        beta = torch.sigmoid(b)
+        g = -p["A_log"].float().exp() * F.softplus(a.float() + p["dt_bias"])   # f32 log-decay
+        rule = self.gdn_recurrent if t == 1 else self.gdn_chunked
+        o = rule(q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv), g, beta, state)
+        y = self.gated_rmsnorm(o, z.view(t, hv, dv), p["norm.weight"], eps)
+        state.length += t
+        return y.reshape(t, hv * dv)
+
+    def causal_conv1d(self, x: torch.Tensor, w: torch.Tensor, state) -> torch.Tensor:
+        """Depthwise causal conv over time + SiLU. x [T, C]; w [C, 1, K]; state.conv holds the last
+        K-1 inputs [K-1, C] and is updated. Computed in the weight dtype, as HF's conv1d path is."""
+        k = w.shape[-1]
+        full = torch.cat([state.conv.to(x.dtype), x], dim=0)                   # [K-1+T, C]
+        state.conv = full[-(k - 1):].clone()
+        y = F.conv1d(full.T[None].to(w.dtype), w, groups=w.shape[0])[0].T      # [T, C]
+        return F.silu(y).to(x.dtype)
+
+    def gated_rmsnorm(self, x, z, w, eps: float) -> torch.Tensor:
+        """(w * rmsnorm_f32(x).cast) * silu(z.f32), then cast: plain w, not 1 + w."""
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return ((w * normed) * F.silu(z.float())).to(x.dtype)
+
+    @staticmethod
+    def _gdn_inputs(q, k, v, g, beta):
+        """Heads first in f32, q/k l2-normalised; key head j // (Hv/Hk) serves value head j."""
+        rep = v.shape[1] // q.shape[1]
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        q, k, v, g, beta = (x.transpose(0, 1).float() for x in (q, k, v, g, beta))   # [H, T, ...]
+        return _l2norm(q), _l2norm(k), v, g, beta
+
+    def gdn_recurrent(self, q, k, v, g, beta, state) -> torch.Tensor:
+        """Token by token: S = S*exp(g); u = (v - S^T k) * beta; S += k (x) u; o = S^T q.
+        q/k [T, Hk, dk], v [T, Hv, dv], g/beta [T, Hv]; state.ssm [Hv, dk, dv] f32, updated."""
+        dtype = v.dtype
+        q, k, v, g, beta = self._gdn_inputs(q, k, v, g, beta)
+        q = q / (q.shape[-1] ** 0.5)
+        s = state.ssm
+        out = torch.empty_like(v)
+        for t in range(q.shape[1]):
+            s = s * g[:, t].exp()[:, None, None]
+            kv = (s * k[:, t, :, None]).sum(dim=-2)                                     # [H, dv]
+            u = (v[:, t] - kv) * beta[:, t, None]
+            s = s + k[:, t, :, None] * u[:, None, :]
+            out[:, t] = (s * q[:, t, :, None]).sum(dim=-2)
+        state.ssm = s
+        return out.transpose(0, 1).to(dtype)
+
+    def gdn_chunked(self, q, k, v, g, beta, state, chunk: int = 64) -> torch.Tensor:
+        """The same rule in chunks: within a chunk the delta updates are condensed by a unit lower-
+        triangular solve (WY/UT form); chunks are scanned in order over the f32 state."""
+        dtype, n = v.dtype, v.shape[0]
+        q, k, v, g, beta = self._gdn_inputs(q, k, v, g, beta)
+        q = q * q.shape[-1] ** -0.5
+        pad = (chunk - n % chunk) % chunk
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+        h = q.shape[0]
+        v_beta, k_beta = v * beta[..., None], k * beta[..., None]
+        q, k, k_beta, v_beta = (x.reshape(h, -1, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+        cum = g.reshape(h, -1, chunk).cumsum(dim=-1)                                   # [H, N, C]
+        upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+        system = (k_beta @ k.transpose(-1, -2)) * decay
+        intra = (q @ k.transpose(-1, -2)) * decay
+        u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+        q = q * cum.exp()[..., None]
+        k = k * (cum[..., -1:] - cum).exp()[..., None]
+        step = cum[..., -1].exp()[..., None, None]
+        s, out = state.ssm, torch.empty_like(u)
+        for i in range(q.shape[1]):
+            v_new = u[:, i] - w[:, i] @ s
+            out[:, i] = q[:, i] @ s + intra[:, i] @ v_new
+            s = s * step[:, i] + k[:, i].transpose(-1, -2) @ v_new
+        state.ssm = s
+        return out.reshape(h, -1, out.shape[-1])[:, :n].transpose(0, 1).to(dtype)
+
     # -- output --------------------------------------------------------------------------------
     def logits(self, x: torch.Tensor, w: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
         out = self.linear(x, w)
         if softcap is not None:
             out = torch.tanh(out / softcap) * softcap
         return out
+
+    # -- gemma4 --
+    def rmsnorm_noscale(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm with no weight (Gemma 4's v_norm and router norm): normed in f32, then cast."""
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def scaled_router(self, x, scale, proj_w, expert_scale, k: int, eps: float):
+        """Gemma 4 router: proj(rmsnorm(x) * scale * H^-0.5), each product rounded to x's dtype as
+        in HF; softmax, top-k and renormalisation in f32; times per_expert_scale[idx]. The weights
+        stay f32 (the expert outputs are multiplied by them in f32, then rounded)."""
+        h = self.rmsnorm_noscale(x, eps) * scale * x.shape[-1] ** -0.5
+        probs = torch.softmax(self.linear(h, proj_w), dim=-1, dtype=torch.float32)
+        top, idx = torch.topk(probs, k, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        return top * expert_scale[idx], idx
+
+    def gated_input(self, x, gate_w, signal, proj_w, act: str) -> torch.Tensor:
+        """proj(act(gate(x)) * signal): Gemma 4's per-layer-input block."""
+        return self.linear(_ACTIVATIONS[act](self.linear(x, gate_w)) * signal, proj_w)
 
 
 def inv_freq(dim: int, theta: float, factor: float = 1.0) -> torch.Tensor:
@@ -117,3 +233,7 @@ def inv_freq(dim: int, theta: float, factor: float = 1.0) -> torch.Tensor:
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)

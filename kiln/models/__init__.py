@@ -11,6 +11,11 @@ from .base import config_from_dict, load_strict
 MODEL_TYPES = {
     "llama": ("llama", "Llama"),
     "gemma3_text": ("gemma3", "Gemma3"),
+    "gemma4_text": ("gemma4", "Gemma4"),
+    "qwen3": ("qwen3", "Qwen3"),
+    "qwen3_5_text": ("qwen3_5", "Qwen35"),
+    "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen35Moe"),
+    "qwen3_next": ("qwen3_next", "Qwen3Next"),
 }
 
 
@@ -25,5 +30,6 @@ def build_model(ckpt, ops, dtype, device):
     """Config from the checkpoint, weights loaded strictly, forward bound to `ops`."""
     cls = model_class(ckpt.config.get("model_type"))
     cfg = config_from_dict(cls.config_class, ckpt.config)
+    ckpt = cls.sanitize(ckpt)
     weights = load_strict(ckpt, cls.weight_shapes(cfg), dtype, device, tied=cls.tied_names(cfg))
     return cls(cfg, weights, ops)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import torch
@@ -48,6 +49,42 @@ def eos_ids(config: dict, generation: dict) -> list[int]:
     return ids
 
 
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_experts(ckpt):
+    """Per-expert checkpoint names (`experts.{e}.gate_proj.weight`, ...) -> the fused layout the
+    models use (`experts.gate_up_proj` [E, 2I, H], gate rows first; `experts.down_proj` [E, H, I]).
+    Fused checkpoints pass through unchanged."""
+    groups: dict[str, dict[int, dict[str, str]]] = {}
+    for name in ckpt.shapes:
+        m = _EXPERT.match(name)
+        if m:
+            groups.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = name
+    if not groups:
+        return ckpt
+    shapes = {n: s for n, s in ckpt.shapes.items() if not _EXPERT.match(n)}
+    parts: dict[str, list] = {}
+    for prefix, experts in groups.items():
+        count = max(experts) + 1
+        for e in range(count):
+            for kind in ("gate_proj", "up_proj", "down_proj"):
+                if kind not in experts.get(e, {}):
+                    raise KilnError(f"missing tensor in checkpoint: {prefix}.{e}.{kind}.weight")
+        gate, down = ckpt.shapes[experts[0]["gate_proj"]], ckpt.shapes[experts[0]["down_proj"]]
+        shapes[f"{prefix}.gate_up_proj"] = (count, 2 * gate[0], gate[1])
+        shapes[f"{prefix}.down_proj"] = (count, *down)
+        parts[f"{prefix}.gate_up_proj"] = [(experts[e]["gate_proj"], experts[e]["up_proj"]) for e in range(count)]
+        parts[f"{prefix}.down_proj"] = [(experts[e]["down_proj"],) for e in range(count)]
+
+    def load(name):
+        if name not in parts:
+            return ckpt.load(name)
+        return torch.stack([torch.cat([ckpt.load(n) for n in names]) for names in parts[name]])
+
+    return dataclasses.replace(ckpt, shapes=shapes, loader=load)
+
+
 class Model:
     """A model family: `weight_shapes` declares the checkpoint, `forward` is calls to `ops`."""
 
@@ -59,6 +96,11 @@ class Model:
     @classmethod
     def weight_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
         raise NotImplementedError
+
+    @classmethod
+    def sanitize(cls, ckpt):
+        """Checkpoint quirks, mapped to the names `weight_shapes` declares (default: none)."""
+        return ckpt
 
     def make_state(self, dtype, device) -> list:
         raise NotImplementedError

@@ -1,0 +1,177 @@
+"""Qwen3.5 text (dense hybrid): Gated DeltaNet layers and gated full-attention layers per
+`layer_types`, zero-centred RMSNorm (1 + w), q/k norm, partial rotary, SwiGLU MLP.
+
+Per-layer state: GDNState (conv window + f32 recurrent state) for linear_attention layers,
+KVCache for full_attention layers. Qwen3.5-MoE and Qwen3-Next build on this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..backends.reference import default_scale, inv_freq
+from ..cache import GDNState, KVCache
+from ..errors import KilnError
+from .base import Model
+
+
+@dataclass
+class Qwen35Config:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    intermediate_size: int = 0
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    rope_parameters: dict | None = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    layer_types: list = field(default_factory=list)
+    full_attention_interval: int = 4
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    # mixture of experts (Qwen3.5-MoE, Qwen3-Next)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+
+    def __post_init__(self):
+        rp = self.rope_parameters or {}
+        self.rope_theta = rp.get("rope_theta", self.rope_theta)
+        self.partial_rotary_factor = rp.get("partial_rotary_factor", self.partial_rotary_factor)
+        if not self.layer_types:
+            n = self.full_attention_interval
+            self.layer_types = ["full_attention" if (i + 1) % n == 0 else "linear_attention"
+                                for i in range(self.num_hidden_layers)]
+        if self.attention_bias:
+            raise KilnError("attention_bias=true is not supported for Qwen3.5 (no released model uses it)")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise KilnError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+class Qwen35(Model):
+    config_class = Qwen35Config
+
+    def __init__(self, cfg, weights, ops):
+        super().__init__(cfg, weights, ops)
+        self.inv_freq = inv_freq(cfg.rotary_dim, cfg.rope_theta).to(ops.device)
+        self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+
+    # -- declared weights -------------------------------------------------------------------------
+    @classmethod
+    def weight_shapes(cls, c):
+        h = c.hidden_size
+        shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,),
+                  "lm_head.weight": (c.vocab_size, h)}
+        for i, kind in enumerate(c.layer_types):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            mixer = cls.gdn_shapes(c) if kind == "linear_attention" else cls.attention_shapes(c)
+            shapes.update({p + k: v for k, v in mixer.items()})
+            shapes.update({p + k: v for k, v in cls.mlp_shapes(c, i).items()})
+        return shapes
+
+    @classmethod
+    def tied_names(cls, c):
+        return ("lm_head.weight",) if c.tie_word_embeddings else ()
+
+    @staticmethod
+    def attention_shapes(c):
+        d, h = c.head_dim, c.hidden_size
+        return {"self_attn.q_proj.weight": (2 * c.num_attention_heads * d, h),
+                "self_attn.k_proj.weight": (c.num_key_value_heads * d, h),
+                "self_attn.v_proj.weight": (c.num_key_value_heads * d, h),
+                "self_attn.o_proj.weight": (h, c.num_attention_heads * d),
+                "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+
+    @staticmethod
+    def gdn_dims(c):
+        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+        return hk, hv, c.linear_key_head_dim, c.linear_value_head_dim
+
+    @classmethod
+    def gdn_shapes(cls, c):
+        hk, hv, dk, dv = cls.gdn_dims(c)
+        conv = 2 * hk * dk + hv * dv
+        p, h = "linear_attn.", c.hidden_size
+        return {p + "in_proj_qkv.weight": (conv, h), p + "in_proj_z.weight": (hv * dv, h),
+                p + "in_proj_b.weight": (hv, h), p + "in_proj_a.weight": (hv, h),
+                p + "conv1d.weight": (conv, 1, c.linear_conv_kernel_dim), p + "dt_bias": (hv,),
+                p + "A_log": (hv,), p + "norm.weight": (dv,), p + "out_proj.weight": (h, hv * dv)}
+
+    @classmethod
+    def mlp_shapes(cls, c, layer: int):
+        h, f = c.hidden_size, c.intermediate_size
+        return {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+
+    # -- state ----------------------------------------------------------------------------------
+    def make_state(self, dtype, device):
+        c = self.cfg
+        hk, hv, dk, dv = self.gdn_dims(c)
+        return [GDNState(2 * hk * dk + hv * dv, c.linear_conv_kernel_dim, hv, dk, dv, dtype, device)
+                if kind == "linear_attention" else KVCache(c.num_key_value_heads, c.head_dim, dtype, device)
+                for kind in c.layer_types]
+
+    # -- forward --------------------------------------------------------------------------------
+    def gdn_projections(self, x, p):
+        """(qkv, z, b, a) from the layer input; Qwen3-Next overrides this for its packed layout."""
+        w, ops = self.w, self.ops
+        return (ops.linear(x, w[p + "in_proj_qkv.weight"]), ops.linear(x, w[p + "in_proj_z.weight"]),
+                ops.linear(x, w[p + "in_proj_b.weight"]), ops.linear(x, w[p + "in_proj_a.weight"]))
+
+    def linear_attention(self, i, x, state):
+        c, w, p = self.cfg, self.w, f"model.layers.{i}.linear_attn."
+        qkv, z, b, a = self.gdn_projections(x, p)
+        params = {n: w[p + n] for n in ("conv1d.weight", "A_log", "dt_bias", "norm.weight")}
+        y = self.ops.gated_deltanet(qkv, z, b, a, params, state, (*self.gdn_dims(c), c.rms_norm_eps))
+        return self.ops.linear(y, w[p + "out_proj.weight"])
+
+    def full_attention(self, i, x, positions, cache, rope):
+        c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.self_attn."
+        t, d, eps = x.shape[0], c.head_dim, c.rms_norm_eps
+        q, gate = ops.linear(x, w[p + "q_proj.weight"]).view(t, -1, 2 * d).chunk(2, dim=-1)   # per-head interleave
+        k = ops.linear(x, w[p + "k_proj.weight"]).view(t, -1, d)
+        v = ops.linear(x, w[p + "v_proj.weight"]).view(t, -1, d)
+        q = ops.apply_rope(ops.rmsnorm(q, w[p + "q_norm.weight"], eps, "offset"), *rope)
+        k = ops.apply_rope(ops.rmsnorm(k, w[p + "k_norm.weight"], eps, "offset"), *rope)
+        o = ops.attention(q, k, v, cache, positions, default_scale(d)).reshape(t, -1)
+        return ops.linear(o * gate.reshape(t, -1).sigmoid(), w[p + "o_proj.weight"])
+
+    def mlp(self, i, x):
+        w, p = self.w, f"model.layers.{i}.mlp."
+        return self.ops.gated_mlp(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"],
+                                  w[p + "down_proj.weight"], self.cfg.hidden_act)
+
+    def forward(self, ids, positions, state, last_only=True):
+        c, w, ops, eps = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps
+        x = ops.embed(ids, w["model.embed_tokens.weight"])
+        rope = ops.rope_tables(positions, self.inv_freq, x.dtype)
+        for i, kind in enumerate(c.layer_types):
+            p = f"model.layers.{i}."
+            h = ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps, "offset")
+            if kind == "linear_attention":
+                x = x + self.linear_attention(i, h, state[i])
+            else:
+                x = x + self.full_attention(i, h, positions, state[i], rope)
+            x = x + self.mlp(i, ops.rmsnorm(x, w[p + "post_attention_layernorm.weight"], eps, "offset"))
+        if last_only:
+            x = x[-1:]
+        return ops.logits(ops.rmsnorm(x, w["model.norm.weight"], eps, "offset"), self.lm_head)

@@ -1,0 +1,42 @@
+"""Qwen3.5-MoE text: the Qwen3.5 hybrid with a sparse MoE block in every layer (softmax router,
+top-k, renormalised weights, experts stored fused [E, 2I, H] / [E, H, I], and a shared expert
+scaled by a sigmoid gate)."""
+
+from __future__ import annotations
+
+from .base import fuse_experts
+from .qwen3_5 import Qwen35
+
+
+class Qwen35Moe(Qwen35):
+    @classmethod
+    def sanitize(cls, ckpt):
+        return fuse_experts(ckpt)  # checkpoints store experts one by one or fused; models use fused
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.sparse_layer(self.cfg, layer)
+
+    @staticmethod
+    def sparse_layer(c, layer: int) -> bool:
+        return True
+
+    @classmethod
+    def mlp_shapes(cls, c, layer: int):
+        if not cls.sparse_layer(c, layer):
+            return super().mlp_shapes(c, layer)
+        h, e, f, s = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+        return {"mlp.gate.weight": (e, h), "mlp.experts.gate_up_proj": (e, 2 * f, h),
+                "mlp.experts.down_proj": (e, h, f), "mlp.shared_expert.gate_proj.weight": (s, h),
+                "mlp.shared_expert.up_proj.weight": (s, h), "mlp.shared_expert.down_proj.weight": (h, s),
+                "mlp.shared_expert_gate.weight": (1, h)}
+
+    def mlp(self, i, x):
+        if not self.is_sparse(i):
+            return super().mlp(i, x)
+        c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.mlp."
+        shared = ops.gated_mlp(x, w[p + "shared_expert.gate_proj.weight"], w[p + "shared_expert.up_proj.weight"],
+                               w[p + "shared_expert.down_proj.weight"], c.hidden_act)
+        weights, idx = ops.router_topk(ops.linear(x, w[p + "gate.weight"]), c.num_experts_per_tok, c.norm_topk_prob)
+        routed = ops.moe_experts(x, idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
+                                 c.hidden_act)
+        return routed + ops.linear(x, w[p + "shared_expert_gate.weight"]).sigmoid() * shared
