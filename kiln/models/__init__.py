@@ -26,10 +26,10 @@ def model_class(model_type: str):
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
-def build_model(ckpt, ops, dtype, device):
+def build_model(ckpt, ops, dtype, device, progress: bool = False):
     """Config from the checkpoint, weights loaded strictly, forward bound to `ops`."""
     cls = model_class(ckpt.config.get("model_type"))
     cfg = config_from_dict(cls.config_class, ckpt.config)
     ckpt = cls.sanitize(ckpt)
-    weights = load_strict(ckpt, cls.weight_shapes(cfg), dtype, device, tied=cls.tied_names(cfg))
+    weights = load_strict(ckpt, cls.weight_shapes(cfg), dtype, device, tied=cls.tied_names(cfg), progress=progress)
     return cls(cfg, weights, ops)

@@ -21,14 +21,20 @@ def config_from_dict(cls, d: dict[str, Any]):
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
-def load_strict(ckpt, expected: dict[str, tuple[int, ...]], dtype, device, tied: tuple[str, ...] = ()):
+def load_strict(ckpt, expected: dict[str, tuple[int, ...]], dtype, device, tied: tuple[str, ...] = (),
+                progress: bool = False):
     """Tensors for exactly the `expected` names: anything missing, extra or mis-shaped is an error.
     `tied` names may be absent (they alias another weight)."""
+    import sys
+
+    from tqdm import tqdm
+
     extra = sorted(set(ckpt.shapes) - set(expected))
     if extra:
         raise KilnError(f"unexpected tensor in checkpoint: {extra[0]}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
     weights = {}
-    for name, shape in expected.items():
+    for name, shape in tqdm(expected.items(), desc="load", unit="tensor", disable=not progress, file=sys.stderr,
+                            leave=False):
         if name not in ckpt.shapes:
             if name in tied:
                 continue
