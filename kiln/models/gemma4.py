@@ -1,0 +1,298 @@
+"""Gemma 4 text (dense and MoE): sandwich norms with plain `w`, q/k norm and unscaled v norm,
+attention scale 1.0, sliding layers and full layers with their own head dim and KV heads
+(`per_layer_config`), keys doubling as values on full layers (`attention_k_eq_v`), proportional
+partial RoPE on full layers, a dense MLP plus routed experts, per-layer input embeddings (PLE),
+KV sharing for the last layers, `layer_scalar`, tanh logit softcap. Sliding layers keep a ring."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from ..backends.reference import inv_freq
+from ..cache import KVCache, RingKVCache
+from ..errors import KilnError
+from .base import Model, config_from_dict, fuse_experts
+
+_OVERRIDABLE = {"head_dim", "num_key_value_heads"}  # per_layer_config keys the HF model reads
+_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_MOE_NORMS = ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
+
+
+@dataclass
+class Gemma4Config:
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int = 4          # defaults are HF's, so a key a config omits means the same
+    head_dim: int = 256
+    global_head_dim: int = 512            # read only when per_layer_config is absent (configs
+    num_global_key_value_heads: int | None = None  # saved before transformers moved them there)
+    per_layer_config: dict | None = None  # {"05": {"head_dim": 512, "num_key_value_heads": 2}, ...}
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict | None = None
+    sliding_window: int = 512
+    layer_types: list | None = None
+    final_logit_softcapping: float | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 131_072
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    attention_k_eq_v: bool = False
+    use_bidirectional_attention: str | None = None
+    hidden_size_per_layer_input: int = 256
+    vocab_size_per_layer_input: int = 262_144
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    enable_moe_block: bool = False
+    num_experts: int | None = None
+    top_k_experts: int | None = None
+    moe_intermediate_size: int | None = None
+    head_dims: list = field(default_factory=list, init=False)   # resolved per layer
+    kv_heads: list = field(default_factory=list, init=False)
+    kv_source: list = field(default_factory=list, init=False)   # producer layer of a KV-shared layer
+
+    def __post_init__(self):
+        if self.use_bidirectional_attention == "all":
+            raise KilnError("gemma4: use_bidirectional_attention='all' (a non-causal model) is not supported")
+        if self.attention_bias:
+            raise KilnError("gemma4: attention_bias is not supported (no Gemma 4 checkpoint uses it)")
+        n = self.num_hidden_layers
+        if not self.layer_types:
+            self.layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
+        self.layer_types = list(self.layer_types)
+        self.layer_types[-1] = "full_attention"  # HF forces this too
+        self.rope_parameters = self.rope_parameters or {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+        self._resolve_heads()
+        self._resolve_kv_sharing()
+        if self.enable_moe_block and None in (self.num_experts, self.top_k_experts, self.moe_intermediate_size):
+            raise KilnError("gemma4: enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
+
+    def _resolve_heads(self):
+        overrides = self.per_layer_config
+        if overrides is None:  # HF's defaults: full layers get global_head_dim (and, with k_eq_v, KV heads)
+            full = {"head_dim": self.global_head_dim}
+            if self.attention_k_eq_v and self.num_global_key_value_heads is not None:
+                full["num_key_value_heads"] = self.num_global_key_value_heads
+            overrides = {i: full for i, t in enumerate(self.layer_types) if t == "full_attention"}
+        overrides = {int(i): o for i, o in overrides.items()}
+        for i, o in overrides.items():
+            if set(o) - _OVERRIDABLE:
+                raise KilnError(f"gemma4: per_layer_config[{i}] overrides {sorted(set(o) - _OVERRIDABLE)}, "
+                                "which kiln does not support")
+        layer = [overrides.get(i, {}) for i in range(self.num_hidden_layers)]
+        self.head_dims = [o.get("head_dim", self.head_dim) for o in layer]
+        self.kv_heads = [o.get("num_key_value_heads", self.num_key_value_heads) for o in layer]
+        for kind in set(self.layer_types):
+            if len({d for d, t in zip(self.head_dims, self.layer_types) if t == kind}) > 1:
+                raise KilnError(f"gemma4: {kind} layers differ in head_dim (RoPE is per layer type)")
+
+    def _resolve_kv_sharing(self):
+        """Layers from L - num_kv_shared_layers on reuse the K/V of the last earlier layer of their type."""
+        first = self.num_hidden_layers - self.num_kv_shared_layers
+        if first <= 0:
+            raise KilnError("gemma4: every layer is KV-shared (an assistant model); not supported")
+        self.kv_source = [None] * first
+        for t in self.layer_types[first:]:
+            if t not in self.layer_types[:first]:
+                raise KilnError(f"gemma4: a KV-shared {t} layer has no earlier {t} layer to read from")
+            self.kv_source.append(first - 1 - self.layer_types[:first][::-1].index(t))
+
+    @property
+    def first_shared(self) -> int:
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    def full(self, i: int) -> bool:
+        return self.layer_types[i] == "full_attention"
+
+
+def rope_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
+    """HF's inverse frequencies. "proportional": the first partial_rotary_factor of the head's
+    frequency pairs with exponents over the whole head dim, the rest 0 (cos 1, sin 0), so the
+    tables span the head dim and rotate_half pairs (i, i + head_dim/2)."""
+    kind, theta = params.get("rope_type", "default"), params["rope_theta"]
+    if kind == "default":
+        return inv_freq(head_dim, theta)
+    if kind != "proportional":
+        raise KilnError(f"gemma4: rope_type {kind!r} is not supported (default, proportional)")
+    angles = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    # NOTE: the same length of arange as HF: pow's vector and scalar paths may differ in the last bit.
+    rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
+    return torch.cat([rotated, torch.zeros(head_dim // 2 - angles)]) / params.get("factor", 1.0)
+
+
+class KVProducer:
+    """A layer's cache whose K/V the KV-shared layers after it also attend over: it keeps what its
+    last update returned (this forward's keys, values and key positions)."""
+    length = property(lambda self: self.cache.length)
+
+    def __init__(self, cache):
+        self.cache, self.last = cache, None
+
+    def truncate(self, n: int) -> bool:
+        return self.cache.truncate(n)
+
+    def update(self, k, v, positions):
+        self.last = self.cache.update(k, v, positions)
+        return self.last
+
+
+class KVShared:
+    """A KV-shared layer's state: nothing of its own; it reads its producer's last update."""
+    length = property(lambda self: self.producer.length)
+
+    def __init__(self, producer: KVProducer):
+        self.producer = producer
+
+    def truncate(self, n: int) -> bool:
+        return True
+
+    def update(self, k, v, positions):
+        return self.producer.last
+
+
+class Gemma4(Model):
+    config_class = Gemma4Config
+
+    def __init__(self, cfg, weights, ops):
+        super().__init__(cfg, weights, ops)
+        self.inv_freq = {t: rope_inv_freq(cfg.rope_parameters[t], cfg.head_dims[cfg.layer_types.index(t)])
+                         .to(ops.device) for t in set(cfg.layer_types)}
+        self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+
+    @classmethod
+    def weight_shapes(cls, c):
+        h, n, v = c.hidden_size, c.num_attention_heads, c.vocab_size
+        shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+        pl, ple = c.num_hidden_layers, c.hidden_size_per_layer_input
+        if ple:
+            shapes.update({"model.embed_tokens_per_layer.weight": (c.vocab_size_per_layer_input, pl * ple),
+                           "model.per_layer_model_projection.weight": (pl * ple, h),
+                           "model.per_layer_projection_norm.weight": (ple,)})
+        for i in range(pl):
+            p, d, f = f"model.layers.{i}.", c.head_dims[i], c.intermediate_size
+            f *= 2 if c.use_double_wide_mlp and c.kv_source[i] is not None else 1
+            shapes.update({p + "layer_scalar": (1,), p + "self_attn.q_norm.weight": (d,),
+                           p + "self_attn.q_proj.weight": (n * d, h), p + "self_attn.o_proj.weight": (h, n * d),
+                           p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                           p + "mlp.down_proj.weight": (h, f)})
+            shapes.update({f"{p}{k}.weight": (h,) for k in _NORMS})
+            if c.kv_source[i] is None:
+                shapes.update(cls._kv_shapes(c, i))
+            if ple:
+                shapes.update({p + "per_layer_input_gate.weight": (ple, h), p + "per_layer_projection.weight": (h, ple),
+                               p + "post_per_layer_input_norm.weight": (h,)})
+            if c.enable_moe_block:
+                e, m = c.num_experts, c.moe_intermediate_size
+                shapes.update({p + "router.proj.weight": (e, h), p + "router.scale": (h,),
+                               p + "router.per_expert_scale": (e,), p + "experts.gate_up_proj": (e, 2 * m, h),
+                               p + "experts.down_proj": (e, h, m)})
+                shapes.update({f"{p}{k}.weight": (h,) for k in _MOE_NORMS})
+        return shapes
+
+    @classmethod
+    def _kv_shapes(cls, c, i):
+        p, d, kv, h = f"model.layers.{i}.self_attn.", c.head_dims[i], c.kv_heads[i], c.hidden_size
+        shapes = {p + "k_proj.weight": (kv * d, h), p + "k_norm.weight": (d,)}
+        if not (c.attention_k_eq_v and c.full(i)):
+            shapes[p + "v_proj.weight"] = (kv * d, h)
+        return shapes
+
+    @classmethod
+    def tied_names(cls, c):
+        return ("lm_head.weight",) if c.tie_word_embeddings else ()
+
+    @classmethod
+    def sanitize(cls, ckpt):
+        """Experts stored one by one are fused; KV-shared layers may carry K/V weights they never
+        use (HF ignores them on load): those are dropped."""
+        c, ckpt = config_from_dict(cls.config_class, ckpt.config), fuse_experts(ckpt)
+        unused = {n for i, src in enumerate(c.kv_source) if src is not None for n in cls._kv_shapes(c, i)}
+        if not unused & set(ckpt.shapes):
+            return ckpt
+        return dataclasses.replace(ckpt, shapes={n: s for n, s in ckpt.shapes.items() if n not in unused})
+
+    def make_state(self, dtype, device):
+        c, state = self.cfg, []
+        producers = set(c.kv_source) - {None}
+        for i, kind in enumerate(c.layer_types):
+            if c.kv_source[i] is not None:
+                state.append(KVShared(state[c.kv_source[i]]))
+                continue
+            kv, d = c.kv_heads[i], c.head_dims[i]
+            cache = (KVCache(kv, d, dtype, device) if c.full(i)
+                     else RingKVCache(kv, d, c.sliding_window, dtype, device))
+            state.append(KVProducer(cache) if i in producers else cache)
+        return state
+
+    def attention(self, i, x, positions, cache, rope):
+        c, w, ops, eps, p = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps, f"model.layers.{i}.self_attn."
+        d, kv = c.head_dims[i], c.kv_heads[i]
+        q = ops.linear(x, w[p + "q_proj.weight"]).view(-1, c.num_attention_heads, d)
+        q = ops.apply_rope(ops.rmsnorm(q, w[p + "q_norm.weight"], eps, "plain"), *rope)
+        k = v = None  # a KV-shared layer reads its producer's K/V through `cache`
+        if c.kv_source[i] is None:
+            k = ops.linear(x, w[p + "k_proj.weight"]).view(-1, kv, d)
+            v = k if c.attention_k_eq_v and c.full(i) else ops.linear(x, w[p + "v_proj.weight"]).view(-1, kv, d)
+            k = ops.apply_rope(ops.rmsnorm(k, w[p + "k_norm.weight"], eps, "plain"), *rope)
+            v = ops.rmsnorm_noscale(v, eps)  # values are the un-normed, un-rotated keys when k_eq_v
+        window = None if c.full(i) else c.sliding_window
+        o = ops.attention(q, k, v, cache, positions, 1.0, window)
+        return ops.linear(o.reshape(x.shape[0], -1), w[p + "o_proj.weight"])
+
+    def experts(self, i, x):
+        """Routed experts on the attention block's output (the dense MLP's input residual)."""
+        c, w, ops, eps, p = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps, f"model.layers.{i}."
+        weights, idx = ops.scaled_router(x, w[p + "router.scale"], w[p + "router.proj.weight"],
+                                         w[p + "router.per_expert_scale"], c.top_k_experts, eps)
+        h = ops.rmsnorm(x, w[p + "pre_feedforward_layernorm_2.weight"], eps, "plain")
+        return ops.moe_experts(h, idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
+                               c.hidden_activation)
+
+    def layer(self, i, x, positions, cache, rope, ple):
+        c, w, ops, eps, p = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps, f"model.layers.{i}."
+        h = self.attention(i, ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps, "plain"), positions, cache, rope)
+        x = x + ops.rmsnorm(h, w[p + "post_attention_layernorm.weight"], eps, "plain")
+        h = ops.gated_mlp(ops.rmsnorm(x, w[p + "pre_feedforward_layernorm.weight"], eps, "plain"),
+                          w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"],
+                          c.hidden_activation)
+        if c.enable_moe_block:
+            h = (ops.rmsnorm(h, w[p + "post_feedforward_layernorm_1.weight"], eps, "plain")
+                 + ops.rmsnorm(self.experts(i, x), w[p + "post_feedforward_layernorm_2.weight"], eps, "plain"))
+        x = x + ops.rmsnorm(h, w[p + "post_feedforward_layernorm.weight"], eps, "plain")
+        if ple is not None:
+            h = ops.gated_input(x, w[p + "per_layer_input_gate.weight"], ple, w[p + "per_layer_projection.weight"],
+                                c.hidden_activation)
+            x = x + ops.rmsnorm(h, w[p + "post_per_layer_input_norm.weight"], eps, "plain")
+        return x * w[p + "layer_scalar"]
+
+    def per_layer_inputs(self, ids, x):
+        """PLE: (rmsnorm(proj(x) / sqrt(H)) + table[ids] * sqrt(P)) / sqrt(2), [T, L, P], each
+        product rounded to the activation dtype as in HF."""
+        c, w, ops = self.cfg, self.w, self.ops
+        shape = (-1, c.num_hidden_layers, c.hidden_size_per_layer_input)
+        token = ops.embed(ids, w["model.embed_tokens_per_layer.weight"], scale=c.hidden_size_per_layer_input ** 0.5)
+        ctx = ops.linear(x, w["model.per_layer_model_projection.weight"]) * c.hidden_size ** -0.5
+        ctx = ops.rmsnorm(ctx.view(shape), w["model.per_layer_projection_norm.weight"], c.rms_norm_eps, "plain")
+        return (ctx + token.view(shape)) * 2.0 ** -0.5
+
+    def forward(self, ids, positions, state, last_only=True):
+        c, w, ops = self.cfg, self.w, self.ops
+        x = ops.embed(ids, w["model.embed_tokens.weight"], scale=c.hidden_size ** 0.5)     # [T, H]
+        ple = self.per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
+        ropes = {t: ops.rope_tables(positions, f, x.dtype) for t, f in self.inv_freq.items()}
+        for i in range(c.num_hidden_layers):
+            if i == c.first_shared and last_only:  # KV-shared layers write no state: only the last row matters
+                x, positions, ple = x[-1:], positions[-1:], None if ple is None else ple[-1:]
+                ropes = {t: (cos[-1:], sin[-1:]) for t, (cos, sin) in ropes.items()}
+            x = self.layer(i, x, positions, state[i], ropes[c.layer_types[i]], None if ple is None else ple[:, i])
+        if last_only:
+            x = x[-1:]
+        x = ops.rmsnorm(x, w["model.norm.weight"], c.rms_norm_eps, "plain")
+        return ops.logits(x, self.lm_head, c.final_logit_softcapping)
