@@ -1,0 +1,487 @@
+"""`kiln bench`: prefill and decode tok/s per prompt length, optionally beside transformers.
+
+Protocol: the prompts are seeded random token ids (the prompt of n tokens is the first n of one
+sequence), the same for every engine. Per prompt length each engine runs once unmeasured (warm-up),
+then `--runs` measured times, the engines alternating which goes first; the median is reported.
+Prefill is timed from the ids going in to the first generated token read on the host; decode from
+there to the last of `--gen` tokens (greedy, never stopping at EOS), as a user waits for them.
+transformers runs in its own process (`python -m kiln.bench --worker`), driven one JSON line at a
+time over stdin/stdout, so each engine has the machine to itself while it is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .benchutil import (DTYPE_NAMES, at_least, check_writable, command_line, environment, markdown_table, now_iso,
+                        page_cache_note, peak_mem_gb, reset_peak, resident_fraction, sync, write_atomic)
+from .cli import add_runtime_flags
+from .errors import KilnError
+
+DEFAULT_LENGTHS = (512, 2048, 8192, 32768, 81920)
+FIELDS = ("engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
+          "kiln_commit", "date", "command", "load_s", "tune_s", "tune_cache", "peak_mem_gb",
+          "launches_per_token", "results", "baseline")
+
+
+# -- flags -------------------------------------------------------------------------------------------
+def _lengths(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {s!r}")
+    return sorted(set(vals))
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="prefill and decode tok/s per prompt length, optionally beside transformers")
+    add_runtime_flags(p)
+    p.add_argument("--prompt-lengths", type=_lengths, default=list(DEFAULT_LENGTHS), metavar="N,N,...",
+                   help="prompt lengths in tokens (default 512,2048,8192,32768,81920)")
+    p.add_argument("--gen", type=at_least(2), default=128,
+                   help="tokens generated after each prompt (default 128)")
+    p.add_argument("--runs", type=at_least(1), default=2,
+                   help="measured runs per length; the median is reported (default 2)")
+    p.add_argument("--baseline", choices=["transformers"], default=None,
+                   help="also run transformers, in its own process")
+    p.add_argument("--baseline-attn", choices=["sdpa", "eager"], default="sdpa",
+                   help="transformers attention implementation (default sdpa, its own default)")
+    p.add_argument("--seed", type=at_least(0), default=0, help="seed of the random-token prompts (default 0)")
+    p.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="plot tok/s against prompt length (needs matplotlib)")
+
+
+def _check_outputs(a) -> None:
+    if a.json_path:
+        check_writable(a.json_path, "--json")
+    if a.plot:
+        if Path(a.plot).suffix.lower() != ".png":
+            raise KilnError(f"--plot writes a PNG: give a file name ending in .png, got {a.plot!r}")
+        if importlib.util.find_spec("matplotlib") is None:
+            raise KilnError("--plot needs matplotlib (pip install 'kiln[bench]')")
+        check_writable(a.plot, "--plot")
+
+
+# -- measuring one engine -----------------------------------------------------------------------------
+def _oom(e: BaseException) -> str | None:
+    """The skip reason when `e` means the prompt did not fit in memory, else None."""
+    text = str(e)
+    if isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text:
+        return "out of memory: " + text.splitlines()[0][:200] if text else "out of memory"
+    return None
+
+
+def _free_cuda(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class KilnRunner:
+    name = "kiln"
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    @torch.inference_mode()
+    def _run(self, ids: list[int], gen: int) -> dict:
+        eng = self.llm.engine
+        state = eng.model.make_state(eng.dtype, eng.device)
+        sync(eng.device)
+        t0 = time.perf_counter()
+        tok = int(torch.argmax(eng.prefill(ids, state)))
+        t1 = time.perf_counter()
+        tokens = [tok]
+        for pos in range(len(ids), len(ids) + gen - 1):
+            tok = int(torch.argmax(eng.decode_step(tok, pos, state)))
+            tokens.append(tok)
+        return {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "tokens": tokens}
+
+    def measure(self, ids: list[int], gen: int) -> dict:
+        try:
+            return self._run(ids, gen)
+        except KilnError as e:
+            return {"skipped": str(e)}
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if (reason := _oom(e)) is None:
+                raise
+            _free_cuda(self.llm.engine.device)
+            return {"skipped": reason}
+
+    def close(self) -> None:
+        self.llm = None
+        gc.collect()
+
+
+class Baseline:
+    """transformers on the same weights in a worker process; `measure` is one request to it."""
+
+    name = "transformers"
+
+    def __init__(self, model: str, dtype: str, device: str, attn: str):
+        self.err = tempfile.TemporaryFile(mode="w+")
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        self.proc = subprocess.Popen([sys.executable, "-m", "kiln.bench", "--worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True, env=env)
+        self.version, self.failed = None, None
+        ready = self._ask({"model": model, "dtype": dtype, "device": device, "attn": attn})
+        if "error" in ready:
+            self.failed = f"transformers could not run the model: {ready['error']}"
+        else:
+            self.version, self.load_s = ready["version"], ready["load_s"]
+
+    def _stderr_tail(self) -> str:
+        self.err.seek(0)
+        lines = [s.strip() for s in self.err.read().splitlines() if s.strip()]
+        return lines[-1][:300] if lines else f"exit code {self.proc.poll()}"
+
+    def _ask(self, request: dict) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except OSError:
+            line = ""
+        if not line:
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            return {"error": f"the worker exited ({self._stderr_tail()})"}
+        return json.loads(line)
+
+    def measure(self, ids: list[int], gen: int) -> dict:
+        if self.failed:
+            return {"skipped": self.failed}
+        r = self._ask({"op": "measure", "ids": ids, "gen": gen})
+        if "error" in r:
+            self.failed = f"transformers failed: {r['error']}"
+            return {"skipped": self.failed}
+        return r
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.err.close()
+
+
+# -- the protocol --------------------------------------------------------------------------------------
+def random_prompts(vocab: int, lengths: list[int], seed: int) -> dict[int, list[int]]:
+    """Prompt of n tokens = the first n ids of one seeded random sequence."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (max(lengths),), generator=g).tolist()
+    return {n: ids[:n] for n in lengths}
+
+
+def run_protocol(runners, prompts: dict[int, list[int]], gen: int, runs: int, skips: dict[int, str],
+                 log=lambda *a: None) -> dict[str, dict[int, list[dict]]]:
+    """Per engine and prompt length: the measured runs, or a single {"skipped": reason}.
+    Each length: one unmeasured warm-up per engine, then `runs` rounds, alternating who goes first."""
+    out = {r.name: {} for r in runners}
+    turn = 0
+    for n, ids in prompts.items():
+        live = []
+        for r in runners:
+            warm = {"skipped": skips[n]} if n in skips else r.measure(ids, gen)
+            out[r.name][n] = [warm] if "skipped" in warm else []
+            live += [] if "skipped" in warm else [r]
+            log(r.name, n, "warm-up", warm)
+        for i in range(runs if live else 0):
+            for r in live if turn % 2 == 0 else live[::-1]:
+                if out[r.name][n] and "skipped" in out[r.name][n][-1]:
+                    continue
+                m = r.measure(ids, gen)
+                out[r.name][n] = [m] if "skipped" in m else out[r.name][n] + [m]
+                log(r.name, n, f"run {i + 1}/{runs}", m)
+            turn += 1
+    return out
+
+
+def summarise(n: int, runs: list[dict]) -> dict:
+    """One results entry: medians over the runs, or the skip with its reason."""
+    if not runs or "skipped" in runs[-1]:
+        reason = runs[-1]["skipped"] if runs else "not measured"
+        return {"prompt_tokens": n, "prefill_tok_s": None, "decode_tok_s": None, "gen_tokens": 0, "skipped": reason}
+    gen = len(runs[0]["tokens"])
+    prefill = statistics.median(n / m["prefill_s"] for m in runs)
+    decode = statistics.median((gen - 1) / m["decode_s"] for m in runs)
+    return {"prompt_tokens": n, "prefill_tok_s": round(prefill, 3), "decode_tok_s": round(decode, 3), "gen_tokens": gen}
+
+
+def _log_line(quiet: bool):
+    def log(engine, n, what, m):
+        if quiet:
+            return
+        if "skipped" in m:
+            print(f"[bench] {engine} {n} tok {what}: skipped ({m['skipped']})", file=sys.stderr)
+        else:
+            dec = (len(m["tokens"]) - 1) / m["decode_s"]
+            print(f"[bench] {engine} {n} tok {what}: prefill {n / m['prefill_s']:,.1f} tok/s, "
+                  f"decode {dec:,.1f} tok/s", file=sys.stderr)
+    return log
+
+
+# -- output ------------------------------------------------------------------------------------------
+def _rate(x) -> str:
+    return "skipped" if x is None else f"{x:,.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def _ratio(a, b) -> str:
+    return "-" if a is None or b is None or not b else f"{a / b:.2f}"
+
+
+def _note(rows: dict[str, dict]) -> str:
+    reasons = {name: r["skipped"] for name, r in rows.items() if r and "skipped" in r}
+    if len(set(reasons.values())) == 1 and len(reasons) == len(rows):
+        return next(iter(reasons.values()))
+    return "; ".join(f"{name}: {why}" for name, why in reasons.items())
+
+
+def table(report: dict) -> str:
+    """The Markdown table: per prompt length kiln's tok/s, and transformers' with the ratios."""
+    base = report["baseline"]
+    heads = ["prompt tokens", "gen tokens", "kiln prefill tok/s", "kiln decode tok/s"]
+    if base:
+        heads += ["transformers prefill tok/s", "transformers decode tok/s",
+                  "prefill kiln/transformers", "decode kiln/transformers"]
+    by_len = {r["prompt_tokens"]: r for r in base["results"]} if base else {}
+    rows = []
+    for k in report["results"]:
+        b = by_len.get(k["prompt_tokens"])
+        gen = max(k["gen_tokens"], b["gen_tokens"] if b else 0)
+        row = [str(k["prompt_tokens"]), str(gen) if gen else "-",
+               _rate(k["prefill_tok_s"]), _rate(k["decode_tok_s"])]
+        if base:
+            row += [_rate(b["prefill_tok_s"]), _rate(b["decode_tok_s"]),
+                    _ratio(k["prefill_tok_s"], b["prefill_tok_s"]), _ratio(k["decode_tok_s"], b["decode_tok_s"])]
+        rows.append((row, _note({"kiln": k, "transformers": b} if base else {"kiln": k})))
+    if any(note for _, note in rows):
+        heads.append("note")
+        rows = [(row + [note], note) for row, note in rows]
+    return markdown_table(heads, [row for row, _ in rows], right=set(range(8 if base else 4)))
+
+
+def plot(path: str, report: dict, gen: int) -> None:
+    """Prefill and decode tok/s against prompt length, log x axis, one line per engine."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
+
+    engines = [("kiln", report["results"])]
+    if report["baseline"]:
+        engines.append(("transformers", report["baseline"]["results"]))
+    lengths = [r["prompt_tokens"] for r in report["results"]]
+    fig = Figure(figsize=(10, 4), dpi=120, layout="constrained")
+    for ax, key, title in zip(fig.subplots(1, 2), ("prefill_tok_s", "decode_tok_s"),
+                              ("prefill", f"decode ({gen} tokens after the prompt)")):
+        for name, results in engines:
+            pts = [(r["prompt_tokens"], r[key]) for r in results if r[key] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xscale("log")
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set(title=title, xlabel="prompt tokens", ylabel="tok/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{report['model']} | {report['backend']} | {report['device']} ({report['gpu']}) | {report['dtype']}")
+    write_atomic(path, lambda f: fig.savefig(f, format="png"))
+
+
+def _agreement(measured: dict, say) -> None:
+    """Greedy tokens of kiln and transformers from the same weights and prompt: a sanity check."""
+    for n, runs in measured["kiln"].items():
+        other = measured["transformers"].get(n) or [{}]
+        a, b = (runs or [{}])[-1].get("tokens"), other[-1].get("tokens")
+        if a and b:
+            same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+            say(f"greedy tokens at {n}: kiln and transformers agree on the first {same} of {len(a)}")
+
+
+# -- the command ---------------------------------------------------------------------------------------
+def _model_label(spec: str | None, path) -> str:
+    from . import hub
+
+    if spec is None:
+        return hub.DEFAULT_MODEL
+    return spec if spec in hub.BUNDLED or spec.startswith("synth:") else str(path)
+
+
+def _backend_fact(llm, name: str):
+    """tune_s / tune_cache / launches_per_token as the backend reports them (None when it does not)."""
+    for obj in (llm, llm.engine, llm.model.ops):
+        if getattr(obj, name, None) is not None:
+            return getattr(obj, name)
+    return None
+
+
+def _gpu_fits_both(llm) -> bool:
+    """Whether free GPU memory can hold transformers' copy of the weights beside kiln's."""
+    dev = llm.engine.device
+    if dev.type != "cuda":
+        return True
+    need = sum(t.numel() * t.element_size() for t in getattr(llm.model, "w", {}).values())
+    free, _ = torch.cuda.mem_get_info(dev)
+    return free > 1.25 * need + 4e9
+
+
+def _load(a, say):
+    from .api import load, resolve_model
+
+    synth = (a.model or "").startswith("synth:")
+    # Resolving first pulls a missing bundled model, so load_s never includes a download.
+    cache = None if synth else resident_fraction(resolve_model(a.model, quiet=a.quiet))
+    llm = load(a.model, device=a.device, dtype=a.dtype, backend=a.backend, max_context=a.max_context, quiet=a.quiet)
+    note = "weights synthesized, no checkpoint read" if synth else page_cache_note(cache)
+    say(f"loaded {a.model or _model_label(None, None)} ({DTYPE_NAMES[llm.engine.dtype]}, {llm.engine.device}, "
+        f"{a.backend}) in {llm.load_s:.2f} s; {note}")
+    return llm
+
+
+def main(a) -> int:
+    _check_outputs(a)
+    say = (lambda m: None) if a.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr))
+    log = _log_line(a.quiet)
+    from .api import pick_device
+
+    reset_peak(pick_device(a.device))
+    llm = _load(a, say)
+    dev, gen = llm.engine.device, a.gen
+    report = {"engine": "kiln", "model": _model_label(a.model, llm.path), "dtype": DTYPE_NAMES[llm.engine.dtype],
+              "backend": a.backend, "device": str(dev), **environment(dev), "date": now_iso(),
+              "command": command_line(), "load_s": round(llm.load_s, 3), "tune_s": _backend_fact(llm, "tune_s"),
+              "tune_cache": _backend_fact(llm, "tune_cache"), "peak_mem_gb": None,
+              "launches_per_token": _backend_fact(llm, "launches_per_token")}
+    prompts = random_prompts(llm.model.cfg.vocab_size, a.prompt_lengths, a.seed)
+    limit = llm.engine.max_context
+    skips = {n: f"prompt {n} + {gen} generated tokens exceed the max context of {limit} tokens"
+             for n in prompts if n + gen > limit}
+    base_model = a.model if (a.model or "").startswith("synth:") else str(llm.path)
+    kiln_runner, base = KilnRunner(llm), None
+    together = a.baseline is not None and _gpu_fits_both(llm)
+    if together:
+        say(f"starting transformers ({a.baseline_attn}) in a worker process")
+        base = Baseline(base_model, report["dtype"], str(dev), a.baseline_attn)
+    runners = [kiln_runner] + ([base] if together else [])
+    try:
+        measured = run_protocol(runners, prompts, gen, a.runs, skips, log)
+        report["peak_mem_gb"] = round(peak_mem_gb(dev), 3)
+        if a.baseline is not None and not together:
+            say("GPU memory cannot hold both engines: transformers runs after kiln, not alternating with it")
+            kiln_runner.close()
+            llm = None
+            _free_cuda(dev)
+            base = Baseline(base_model, report["dtype"], str(dev), a.baseline_attn)
+            measured |= run_protocol([base], prompts, gen, a.runs, skips, log)
+    finally:
+        if base is not None:
+            base.close()
+    report["results"] = [summarise(n, measured["kiln"][n]) for n in prompts]
+    report["baseline"] = None if base is None else {
+        "engine": "transformers", "version": base.version,
+        "results": [summarise(n, measured["transformers"][n]) for n in prompts]}
+    return _finish(a, report, measured, say)
+
+
+def _finish(a, report: dict, measured: dict, say) -> int:
+    print(table(report), flush=True)
+    if report["baseline"]:
+        _agreement(measured, say)
+    fmt = lambda x, unit: "null" if x is None else f"{x}{unit}"  # noqa: E731
+    mem = "peak GPU memory" if report["device"].startswith("cuda") else "peak RSS"
+    say(f"load {report['load_s']} s, tune {fmt(report['tune_s'], ' s')} (cache {fmt(report['tune_cache'], '')}), "
+        f"{mem} {report['peak_mem_gb']} GB, launches/token {fmt(report['launches_per_token'], '')}")
+    if a.json_path:
+        data = json.dumps({k: report[k] for k in FIELDS}, indent=2).encode() + b"\n"
+        write_atomic(a.json_path, lambda f: f.write(data))
+        say(f"wrote {a.json_path}")
+    if a.plot:
+        plot(a.plot, report, a.gen)
+        say(f"wrote {a.plot}")
+    return 0
+
+
+# -- the transformers worker (python -m kiln.bench --worker) -------------------------------------------
+@torch.inference_mode()
+def _hf_run(model, ids: list[int], gen: int, device: torch.device, keep_kw: dict) -> dict:
+    sync(device)
+    t0 = time.perf_counter()
+    out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, **keep_kw)
+    tok = int(out.logits[0, -1].argmax())
+    t1 = time.perf_counter()
+    tokens = [tok]
+    for _ in range(gen - 1):
+        out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=out.past_key_values, use_cache=True)
+        tok = int(out.logits[0, -1].argmax())
+        tokens.append(tok)
+    return {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "tokens": tokens}
+
+
+def _hf_measure(model, req: dict, device: torch.device, keep_kw: dict) -> dict:
+    try:
+        return _hf_run(model, req["ids"], req["gen"], device, keep_kw)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if (reason := _oom(e)) is None:
+            return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+        _free_cuda(device)
+        return {"skipped": reason}
+
+
+def worker_main() -> int:
+    """Reads one config line, loads transformers' model, then answers measure requests until quit."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever a library prints goes to stderr, never into the protocol
+    sys.stdout = sys.stderr
+
+    def reply(obj: dict) -> None:
+        proto.write(json.dumps(obj) + "\n")
+
+    cfg = json.loads(sys.stdin.readline())
+    device = torch.device(cfg["device"])
+    try:
+        import transformers
+
+        from .reference_hf import load_hf_reference
+
+        t0 = time.perf_counter()
+        model = load_hf_reference(cfg["model"], dtype=cfg["dtype"], device=cfg["device"], attn=cfg["attn"])
+        load_s = time.perf_counter() - t0
+    except Exception as e:  # reported to the parent as the reason the baseline is skipped
+        reply({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
+        return 1
+    keep_kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    reply({"ready": True, "version": transformers.__version__, "load_s": load_s})
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("op") != "measure":
+            break
+        reply(_hf_measure(model, req, device, keep_kw))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

@@ -1,0 +1,219 @@
+"""What `kiln bench` and `kiln profile` share: the machine and versions a number was measured on,
+device synchronisation and peak memory, page-cache residency, Markdown tables, atomic writes."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import datetime
+import importlib.metadata
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def at_least(lo: int):
+    """An argparse type: an integer >= lo."""
+    import argparse
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            v = lo - 1
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}")
+        return v
+    return parse
+
+
+# -- the environment a number belongs to ---------------------------------------------------------
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA kernel driver version: nvidia-smi, else /proc, else None."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        m = re.search(r"Kernel Module\s+(?:for \S+\s+)?([\d.]+)", Path("/proc/driver/nvidia/version").read_text())
+        return m.group(1) if m else None
+    except OSError:
+        return None
+
+
+def kiln_commit() -> str | None:
+    """HEAD of the checkout kiln runs from, with "-dirty" when tracked files differ from it."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=20)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def environment(device: torch.device) -> dict:
+    """gpu (the device's name: the GPU's, or the CPU's on CPU), driver, and library versions."""
+    cuda = device.type == "cuda"
+    return {
+        "gpu": torch.cuda.get_device_name(device) if cuda else _cpu_name(),
+        "driver": _nvidia_driver() if cuda else None,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "kiln_commit": kiln_commit(),
+    }
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def command_line() -> str:
+    """The command as the user typed it (the `kiln` entry point, or `python -m kiln.cli`)."""
+    return shlex.join(["kiln", *sys.argv[1:]])
+
+
+# -- device timing and memory ---------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_mem_gb(device: torch.device) -> float:
+    """Peak GPU memory allocated by torch on CUDA; peak resident set of this process on CPU (GB = 1e9 B)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss * (1 if sys.platform == "darwin" else 1024) / 1e9
+
+
+# -- page cache ------------------------------------------------------------------------------------
+def _libc():
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _resident_pages(libc, path: Path, page: int) -> tuple[int, int]:
+    """(resident pages, pages) of one file, by mincore(2) over a read-only shared mapping."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0, 0
+    n = (size + page - 1) // page
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED: touches no page
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap failed")
+        try:
+            vec = (ctypes.c_ubyte * n)()
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            import numpy as np
+
+            return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()), n
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def resident_fraction(path: str | Path) -> tuple[float, int] | None:
+    """(share of the checkpoint's pages already in the OS page cache, its bytes), or None where it
+    cannot be told (no such file, no mincore). Reading it this way loads nothing into the cache."""
+    p = Path(path)
+    if not p.exists() or not sys.platform.startswith("linux"):
+        return None
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    try:
+        libc, page = _libc(), os.sysconf("SC_PAGE_SIZE")
+        counts = [_resident_pages(libc, f, page) for f in files]
+    except (OSError, AttributeError):
+        return None
+    pages = sum(n for _, n in counts)
+    return (sum(r for r, _ in counts) / pages if pages else 0.0), sum(f.stat().st_size for f in files)
+
+
+def page_cache_note(res: tuple[float, int] | None) -> str:
+    if res is None:
+        return "page cache state unknown"
+    frac, nbytes = res
+    state = "warm" if frac >= 0.99 else "cold" if frac <= 0.01 else "partly warm"
+    return f"page cache {state}: {frac:.0%} of {nbytes / 1e6:.0f} MB resident before load (mincore)"
+
+
+# -- output ------------------------------------------------------------------------------------------
+def markdown_table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
+    """A GitHub Markdown table; columns whose index is in `right` are right-aligned."""
+    rule = ["---:" if i in right else "---" for i in range(len(headers))]
+    lines = [headers, rule, *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def write_atomic(path: str | Path, write) -> None:
+    """Call write(file) on a temporary file beside `path`, then rename it over `path`."""
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_writable(path: str | Path, flag: str) -> None:
+    """Fail before a long run, not after it, when an output's folder does not exist."""
+    from .errors import KilnError
+
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise KilnError(f"{flag} {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise KilnError(f"{flag} {path}: folder {parent} is not writable")

@@ -1,0 +1,260 @@
+"""`kiln bench` and `kiln profile` as a user runs them (CPU), plus the protocol on fake engines."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kiln import hub
+from kiln.bench import Baseline, run_protocol, summarise
+from kiln.benchutil import resident_fraction
+from kiln.cli import main as kiln_main
+from kiln.profile import OpTimer
+
+BENCH_FIELDS = ["engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
+                "kiln_commit", "date", "command", "load_s", "tune_s", "tune_cache", "peak_mem_gb",
+                "launches_per_token", "results", "baseline"]
+RESULT_TYPES = {"prompt_tokens": int, "prefill_tok_s": float, "decode_tok_s": float, "gen_tokens": int}
+
+
+def kiln(*args, cwd=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    """The Markdown table's cells, header first, the alignment rule dropped."""
+    lines = [line for line in stdout.splitlines() if line.startswith("|")]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
+    return [r for r in rows if not all(re.fullmatch(r"-+:?", c) for c in r)]
+
+
+def num(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+@pytest.fixture(scope="module")
+def acceptance(tmp_path_factory):
+    """The issue's CPU acceptance command, run once for the tests below."""
+    hub.ensure("smollm2-135m")
+    d = tmp_path_factory.mktemp("bench")
+    r = kiln("bench", "smollm2-135m", "--device", "cpu", "--prompt-lengths", "32,96", "--gen", "8", "--runs", "1",
+             "--baseline", "transformers", "--json", "out.json", "--plot", "out.png", cwd=d)
+    assert r.returncode == 0, r.stderr
+    return r, d
+
+
+def test_bench_prints_the_table_with_both_engines_and_ratios(acceptance):
+    r, _ = acceptance
+    head, *rows = table_rows(r.stdout)
+    assert head[:4] == ["prompt tokens", "gen tokens", "kiln prefill tok/s", "kiln decode tok/s"]
+    assert head[4:8] == ["transformers prefill tok/s", "transformers decode tok/s",
+                         "prefill kiln/transformers", "decode kiln/transformers"]
+    assert [row[0] for row in rows] == ["32", "96"] and all(row[1] == "8" for row in rows)
+    for row in rows:
+        assert min(map(num, row[2:8])) > 0
+
+
+def test_bench_json_has_exactly_the_issue_fields_and_types(acceptance):
+    r, d = acceptance
+    rep = json.loads((d / "out.json").read_text())
+    assert list(rep) == BENCH_FIELDS
+    assert (rep["engine"], rep["model"], rep["dtype"], rep["backend"], rep["device"]) == (
+        "kiln", "smollm2-135m", "f32", "reference", "cpu")
+    assert isinstance(rep["gpu"], str) and rep["gpu"] and rep["driver"] is None
+    assert rep["torch"] == torch.__version__ and rep["transformers"] == importlib.metadata.version("transformers")
+    assert rep["triton"] is None or isinstance(rep["triton"], str)
+    assert rep["kiln_commit"] is None or re.fullmatch(r"[0-9a-f]{40}(-dirty)?", rep["kiln_commit"])
+    assert datetime.datetime.fromisoformat(rep["date"]).tzinfo is not None
+    assert rep["command"].startswith("kiln bench smollm2-135m --device cpu --prompt-lengths 32,96")
+    assert isinstance(rep["load_s"], float) and rep["load_s"] > 0
+    assert rep["tune_s"] is None and rep["tune_cache"] is None and rep["launches_per_token"] is None
+    assert isinstance(rep["peak_mem_gb"], float) and 0.5 < rep["peak_mem_gb"] < 64  # 135M f32 weights alone are 0.54 GB
+    base = rep["baseline"]
+    assert list(base) == ["engine", "version", "results"] and base["engine"] == "transformers"
+    assert base["version"] == importlib.metadata.version("transformers")
+    for results in (rep["results"], base["results"]):
+        assert [e["prompt_tokens"] for e in results] == [32, 96]
+        for e in results:
+            assert list(e) == list(RESULT_TYPES) and all(type(e[k]) is t for k, t in RESULT_TYPES.items())
+            assert e["gen_tokens"] == 8 and e["prefill_tok_s"] > 0 and e["decode_tok_s"] > 0
+
+
+def test_bench_table_and_json_say_the_same(acceptance):
+    r, d = acceptance
+    rep = json.loads((d / "out.json").read_text())
+    _, *rows = table_rows(r.stdout)
+    for row, k, b in zip(rows, rep["results"], rep["baseline"]["results"]):
+        shown = list(map(num, row[2:6]))
+        meant = [k["prefill_tok_s"], k["decode_tok_s"], b["prefill_tok_s"], b["decode_tok_s"]]
+        assert shown == pytest.approx(meant, rel=0.01, abs=0.006)
+        ratios = [k["prefill_tok_s"] / b["prefill_tok_s"], k["decode_tok_s"] / b["decode_tok_s"]]
+        assert list(map(num, row[6:8])) == pytest.approx(ratios, abs=0.006)
+
+
+def test_bench_plot_is_a_png_with_a_line_per_engine(acceptance):
+    from PIL import Image
+
+    _, d = acceptance
+    with Image.open(d / "out.png") as im:
+        assert im.format == "PNG" and im.size == (1200, 480)
+        colors = {c for _, c in im.convert("RGB").getcolors(maxcolors=1 << 20)}
+    assert (31, 119, 180) in colors and (255, 127, 14) in colors  # matplotlib's first two line colours
+    assert not [p.name for p in d.iterdir() if p.name.startswith(".")]  # atomic writes left no temp file
+
+
+def test_bench_stderr_says_page_cache_and_token_agreement(acceptance):
+    r, _ = acceptance
+    assert re.search(r"page cache (warm|cold|partly warm): \d+% of \d+ MB resident before load", r.stderr)
+    assert re.search(r"greedy tokens at 32: kiln and transformers agree on the first \d of 8", r.stderr)
+    assert "[bench] transformers 96 tok run 1/1: prefill" in r.stderr
+
+
+def test_prompt_over_max_context_is_skipped_not_a_crash(tmp_path):
+    r = kiln("bench", "smollm2-135m", "--device", "cpu", "--prompt-lengths", "16,96", "--gen", "4", "--runs", "1",
+             "--max-context", "64", "--json", "out.json", "--quiet", cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    head, short, long = table_rows(r.stdout)
+    assert head[-1] == "note" and short[0] == "16" and num(short[2]) > 0 and short[-1] == ""
+    assert long[0] == "96" and long[2:4] == ["skipped", "skipped"] and "max context of 64" in long[-1]
+    res = json.loads((tmp_path / "out.json").read_text())["results"]
+    assert res[1] == {"prompt_tokens": 96, "prefill_tok_s": None, "decode_tok_s": None, "gen_tokens": 0,
+                      "skipped": "prompt 96 + 4 generated tokens exceed the max context of 64 tokens"}
+    assert res[0]["prompt_tokens"] == 16 and res[0]["gen_tokens"] == 4 and res[0]["decode_tok_s"] > 0
+
+
+def test_profile_prints_per_op_shares_that_sum_to_100(tmp_path):
+    r = kiln("profile", "smollm2-135m", "--device", "cpu", "--prompt-length", "64", "--repeats", "1",
+             "--json", "p.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    head, *rows = table_rows(r.stdout)
+    assert head == ["op", "prefill calls", "prefill ms", "prefill share", "decode calls", "decode ms", "decode share"]
+    ops = {row[0]: row for row in rows}
+    assert {"linear", "attention", "rmsnorm", "apply_rope", "(outside ops)", "total"} <= set(ops)
+    # SmolLM2's 30 layers: one attention each; linear calls nested in other ops (the LM head) count too
+    assert ops["attention"][1] == ops["attention"][4] == "30"
+    assert ops["linear"][1] == ops["linear"][4] and int(ops["linear"][1]) > 30
+    body = [row for row in rows if row[0] != "total"]
+    for col in (3, 6):
+        assert sum(float(row[col].rstrip("%")) for row in body) == pytest.approx(100, abs=0.6)
+    assert sum(num(row[2]) for row in body) == pytest.approx(num(ops["total"][2]), rel=1e-3, abs=0.01)
+    prof = json.loads((tmp_path / "p.json").read_text())
+    assert prof["prefill_chunk"] == {"start": 0, "tokens": 64} and prof["decode_position"] == 64
+    for step in ("prefill", "decode"):
+        assert sum(o["share"] for o in prof[step]["ops"]) == pytest.approx(1.0, abs=1e-9)
+        assert all(o["ms"] >= 0 for o in prof[step]["ops"] if o["op"] != "(outside ops)")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["bench", "--prompt-lengths", "32,abc"], "--prompt-lengths"),
+    (["bench", "--prompt-lengths", "0,32"], "positive integers"),
+    (["bench", "--gen", "1"], "--gen"),
+    (["bench", "--runs", "0"], "--runs"),
+    (["bench", "--baseline", "llama.cpp"], "invalid choice"),
+    (["bench", "--dtype", "f64"], "invalid choice"),
+    (["bench", "--plot", "out.jpg"], ".png"),
+    (["bench", "--json", "/no/such/folder/out.json"], "does not exist"),
+    (["profile", "--prompt-length", "-3"], "--prompt-length"),
+    (["profile", "--json", "/no/such/folder/p.json"], "does not exist"),
+    (["profile", "--max-context", "32", "--prompt-length", "64"], "does not fit"),
+])
+def test_bad_flags_exit_2_with_one_line_before_loading(args, says, monkeypatch, capsys):
+    import kiln.api
+
+    def no_load(*a, **k):
+        raise AssertionError("a bad flag must be refused before the model loads")
+
+    monkeypatch.setattr(kiln.api, "load", no_load)
+    monkeypatch.setattr(kiln.api, "resolve_model", no_load)
+    assert kiln_main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and err.startswith("kiln: error:") and says in err, err
+
+
+def test_bad_flag_from_a_real_process():
+    r = kiln("bench", "--gen", "0", timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+# -- the protocol, on fake engines -----------------------------------------------------------------------
+class FakeEngine:
+    def __init__(self, name, calls, prefill_s, skip_at=()):
+        self.name, self.calls, self.prefill_s, self.skip_at = name, calls, list(prefill_s), skip_at
+
+    def measure(self, ids, gen):
+        self.calls.append((self.name, len(ids)))
+        if len(ids) in self.skip_at:
+            return {"skipped": "out of memory"}
+        return {"prefill_s": self.prefill_s.pop(0), "decode_s": 1.0, "tokens": [0] * gen}
+
+
+def test_protocol_warms_up_then_alternates_which_engine_goes_first():
+    calls = []
+    a, b = FakeEngine("a", calls, [9] * 10), FakeEngine("b", calls, [9] * 10)
+    run_protocol([a, b], {4: [1] * 4, 8: [1] * 8}, gen=3, runs=2, skips={})
+    names = [n for n, _ in calls]
+    # per length: warm-up a, b; then rounds alternate: a b | b a | a b | b a (the turn carries across lengths)
+    assert names == ["a", "b", "a", "b", "b", "a", "a", "b", "a", "b", "b", "a"]
+    assert [n for _, n in calls] == [4] * 6 + [8] * 6
+
+
+def test_protocol_reports_the_median_and_skips_with_reasons():
+    calls = []
+    a = FakeEngine("a", calls, [99, 1.0, 4.0, 2.0])  # warm-up 99 s is not counted
+    b = FakeEngine("b", calls, [], skip_at=(4,))
+    out = run_protocol([a, b], {4: [1] * 4, 6: [1] * 6}, gen=5, runs=3, skips={6: "too long"})
+    assert summarise(4, out["a"][4]) == {"prompt_tokens": 4, "prefill_tok_s": 2.0, "decode_tok_s": 4.0, "gen_tokens": 5}
+    assert summarise(4, out["b"][4])["skipped"] == "out of memory"
+    assert ("b", 4) in calls and calls.count(("b", 4)) == 1  # skipped at warm-up, never measured again
+    assert summarise(6, out["a"][6]) == {"prompt_tokens": 6, "prefill_tok_s": None, "decode_tok_s": None,
+                                         "gen_tokens": 0, "skipped": "too long"}
+    assert ("a", 6) not in calls
+
+
+def test_baseline_that_cannot_load_is_skipped_with_the_reason(tmp_path):
+    bogus = tmp_path / "not-a-model.gguf"
+    bogus.write_bytes(b"GGUF" + b"\0" * 64)
+    base = Baseline(str(bogus), "f32", "cpu", "sdpa")
+    try:
+        m = base.measure([1, 2, 3], 2)
+    finally:
+        base.close()
+    assert base.version is None and base.proc.returncode is not None
+    assert m["skipped"].startswith("transformers could not run the model: ") and len(m["skipped"]) > 40
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+def test_op_timer_charges_each_op_its_own_time_and_unwraps():
+    class Ops:
+        def outer(self):
+            time.sleep(0.005)
+            return self.inner()
+
+        def inner(self):
+            time.sleep(0.05)
+            return 7
+
+    ops = Ops()
+    with OpTimer(ops, torch.device("cpu")) as timer:
+        total, per_op = timer.step(lambda: ops.outer() + ops.inner())
+    assert per_op["inner"][0] == 2 and per_op["outer"][0] == 1
+    assert per_op["inner"][1] >= 100 and 5 <= per_op["outer"][1] < 50  # outer excludes inner's 50 ms
+    assert per_op["inner"][1] + per_op["outer"][1] <= total
+    assert vars(ops) == {}  # the wrappers are gone
+
+
+def test_resident_fraction_sees_a_file_just_written(tmp_path):
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"x" * (1 << 20))
+    f.read_bytes()
+    frac, nbytes = resident_fraction(f)
+    assert nbytes == 1 << 20 and 0.5 < frac <= 1.0
+    assert resident_fraction(tmp_path / "missing") is None
