@@ -21,6 +21,7 @@ class StepTimes:
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    cached_tokens: int = 0     # prompt tokens whose state was reused from the previous request
 
 
 @dataclass
@@ -35,18 +36,23 @@ class Engine:
     def __init__(self, model, dtype, device, max_context: int, prefill_chunk: int = 512):
         self.model, self.dtype, self.device = model, dtype, torch.device(device)
         self.max_context, self.prefill_chunk = max_context, prefill_chunk
+        # Prefix reuse (off unless asked for): the state of the last reusing request and the ids it
+        # has consumed, so a prompt that shares a prefix with them prefills only the rest.
+        self.reuse_prefix = False
+        self._kept: tuple[list[int], list] | None = None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], state) -> torch.Tensor:
-        """Run the prompt through the model in chunks; logits of the last position."""
+    def prefill(self, ids: list[int], state, offset: int = 0) -> torch.Tensor:
+        """Run the prompt through the model in chunks, from position `offset` on (the state already
+        holds the first `offset` tokens); logits of the last position."""
         logits = None
         for start in range(0, len(ids), self.prefill_chunk):
             chunk = torch.tensor(ids[start:start + self.prefill_chunk], device=self.device)
-            pos = torch.arange(start, start + len(chunk), device=self.device)
+            pos = torch.arange(offset + start, offset + start + len(chunk), device=self.device)
             logits = self.model.forward(chunk, pos, state)
         return logits[-1]
 
@@ -62,20 +68,44 @@ class Engine:
             raise KilnError(f"prompt has {len(ids)} tokens, which does not fit the max context of "
                             f"{self.max_context} tokens (raise --max-context or shorten the prompt)")
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, eos_ids) -> TokenStream:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, eos_ids,
+                 reuse: bool | None = None) -> TokenStream:
+        """Token ids as they are sampled. With `reuse` (default: `self.reuse_prefix`) the state of the
+        previous reusing request serves the prefix this prompt shares with it.
+        NOTE: with reuse, starting a request ends any earlier unfinished reusing stream."""
         self.check_prompt(prompt_ids)
         params.validate()
         stream = TokenStream(iter(()))
-        stream.ids = self._loop(prompt_ids, params, set(eos_ids), stream)
+        stream.ids = self._loop(prompt_ids, params, set(eos_ids), stream,
+                                self.reuse_prefix if reuse is None else reuse)
         return stream
 
-    def _loop(self, prompt_ids, params, eos, stream: TokenStream):
+    def _reused_state(self, ids: list[int]) -> tuple[list, int]:
+        """The kept state rewound to the prefix it shares with `ids` (leaving at least one token to
+        prefill, for the logits), or a fresh state when nothing is shared or a layer cannot rewind."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            old, state = kept
+            n = min(_common_prefix(old, ids), len(ids) - 1)
+            if n > 0 and all(layer.truncate(n) for layer in state):
+                return state, n
+        return self.model.make_state(self.dtype, self.device), 0
+
+    def _loop(self, prompt_ids, params, eos, stream: TokenStream, reuse: bool):
         times, sampler = stream.times, Sampler(params, self.device)
         times.prompt_tokens = len(prompt_ids)
-        state = self.model.make_state(self.dtype, self.device)
+        if reuse:
+            state, cached = self._reused_state(prompt_ids)
+        else:
+            state, cached = self.model.make_state(self.dtype, self.device), 0
+        times.cached_tokens = cached
         history = torch.tensor(prompt_ids, device=self.device)
         t0 = time.perf_counter()
-        logits = self.prefill(prompt_ids, state)
+        logits = self.prefill(prompt_ids[cached:], state, offset=cached)
+        consumed = list(prompt_ids)  # the ids the state holds, grown as decode steps feed it
+        kept = (consumed, state)
+        if reuse:
+            self._kept = kept
         pos, stream.finish_reason = len(prompt_ids), "length"
         for n in range(params.max_new_tokens):
             token = sampler(logits, history)
@@ -89,9 +119,21 @@ class Engine:
             if token in eos:
                 stream.finish_reason = "stop"
                 return
-            if pos + 1 >= self.max_context:
-                return
+            if pos + 1 >= self.max_context or n == params.max_new_tokens - 1:
+                break  # no decode step for a token nobody will read
+            if reuse and self._kept is not kept:
+                raise RuntimeError("this stream's state was taken over by a newer request")
             history = torch.cat([history, history.new_tensor([token])])
             logits = self.decode_step(token, pos, state)
+            consumed.append(token)
             pos += 1
         times.decode_s = time.perf_counter() - t0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

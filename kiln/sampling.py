@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 _NEG_INF = float("-inf")
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts unsigned 64-bit seeds
 
 
@@ -64,7 +65,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below 1e-5 the scaled logits overflow f32 (0/0 at denormals): treat as greedy, as vLLM does.
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         """Raise KilnError (one line) on the first out-of-range setting."""
@@ -81,10 +83,10 @@ class SamplingParams:
         if (
             not _is_real(self.repetition_penalty)
             or not math.isfinite(self.repetition_penalty)
-            or self.repetition_penalty <= 0
+            or not (0.01 <= self.repetition_penalty <= 100)
         ):
             raise KilnError(
-                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
+                f"repetition_penalty must be in [0.01, 100] (1 = off), got {self.repetition_penalty!r}"
             )
         if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed <= _MAX_SEED)):
             raise KilnError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")

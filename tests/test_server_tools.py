@@ -1,0 +1,244 @@
+"""Tool calls: the parsers on real formatted strings of each format, and a round trip through a
+real server with the official openai client on a model whose template takes tools (test_server_support)."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from kiln.server import tools
+from kiln.server.tools import ToolCall, ToolStream
+from test_server_support import ANSWER, TOOLS, Server, build_tool_model
+
+# What the models write (from their model cards and chat templates), and the calls in it.
+REAL = {
+    "hermes": [
+        ('<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA", '
+         '"unit": "celsius"}}\n</tool_call>',
+         "", [("get_current_temperature", {"location": "San Francisco, CA, USA", "unit": "celsius"})]),
+        ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris", "24h": true}}\n</tool_call>',
+         "Let me check both.", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris", "24h": True})]),
+    ],
+    "functiongemma": [
+        ("<start_function_call>call:get_current_weather{location:<escape>Tokyo, Japan<escape>}<end_function_call>",
+         "", [("get_current_weather", {"location": "Tokyo, Japan"})]),
+        ("<start_function_call>call:get_current_temperature{location:<escape>Paris<escape>,unit:<escape>celsius"
+         "<escape>}<end_function_call><start_function_call>call:search{query:<escape>a, {b} \"c\"<escape>,"
+         "limit:5,exact:true,filters:{lang:<escape>fr<escape>,tags:[<escape>x<escape>,<escape>y<escape>]}}"
+         "<end_function_call>",
+         "", [("get_current_temperature", {"location": "Paris", "unit": "celsius"}),
+              ("search", {"query": 'a, {b} "c"', "limit": 5, "exact": True,
+                          "filters": {"lang": "fr", "tags": ["x", "y"]}})]),
+    ],
+    "gemma4": [
+        ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>',
+         "", [("get_weather", {"city": "Paris", "days": 3})]),
+        ('Sure.<|tool_call>call:convert{amount:12.5,from:<|"|>EUR<|"|>,to:<|"|>USD<|"|>}<tool_call|>',
+         "Sure.", [("convert", {"amount": 12.5, "from": "EUR", "to": "USD"})]),
+    ],
+    "mistral": [
+        ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+         '{"name": "get_time", "arguments": {"tz": "CET"}}]',
+         "", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}',
+         "", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    ],
+    "json": [
+        ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
+        ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+         '{"name": "get_time", "parameters": {}}',
+         "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ],
+}
+CASES = [(fmt, text, content, calls) for fmt, items in REAL.items() for text, content, calls in items]
+
+
+def _events(fmt: str, pieces: list[str], parallel: bool = True):
+    """(content, calls) from feeding `pieces` one by one."""
+    stream, events = ToolStream(tools.FORMATS[fmt], parallel), []
+    for p in pieces:
+        events += stream.push(p)
+    events += stream.finish()
+    content = "".join(v for k, v in events if k == "content")
+    calls = [(v.name, json.loads(v.arguments)) for k, v in events if k == "call"]
+    return content, calls
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_parser_reads_real_formatted_calls(fmt, text, content, calls):
+    assert _events(fmt, [text]) == (content, calls)
+    assert _events(fmt, list(text)) == (content, calls)  # one character at a time, as a stream may cut it
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_parser_result_does_not_depend_on_where_the_stream_is_cut(fmt, text, content, calls):
+    for cut in range(1, len(text)):
+        assert _events(fmt, [text[:cut], text[cut:]]) == (content, calls), cut
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("hermes", "<tool_call>\n{not json}\n</tool_call>"),
+    ("hermes", '<tool_call>\n{"arguments": {}}\n</tool_call>'),
+    ("functiongemma", "<start_function_call>call:f{x:<escape>open}<end_function_call>"),
+    ("gemma4", "<|tool_call>call:f{x:1<tool_call|>"),
+    ("mistral", "[TOOL_CALLS] [not json]"),
+])
+def test_a_malformed_call_is_given_back_as_content(fmt, text):
+    assert _events(fmt, [text]) == (text, [])
+
+
+def test_plain_text_passes_through_unchanged():
+    text = "Plain answer with a < sign, a {brace} and a trailing newline\n"
+    for fmt in tools.FORMATS:
+        if fmt != "json":
+            assert _events(fmt, list(text)) == (text, [])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = REAL["hermes"][1][0]
+    assert _events("hermes", [text], parallel=False) == ("Let me check both.", [("get_weather", {"city": "Paris"})])
+
+
+@pytest.mark.parametrize("fmt, name, rest, call", [
+    ("hermes", "get_weather", '{"city": "Paris"}}\n</tool_call>', ("get_weather", {"city": "Paris"})),
+    ("hermes", None, '{"name": "f", "arguments": {}}\n</tool_call>', ("f", {})),
+    ("functiongemma", "get_weather", "city:<escape>Paris<escape>}<end_function_call>",
+     ("get_weather", {"city": "Paris"})),
+    ("gemma4", None, 'f{a:<|"|>b<|"|>}<tool_call|>', ("f", {"a": "b"})),
+    ("mistral", "f", '{"a": 1}}]', ("f", {"a": 1})),
+    ("json", "f", '{"a": 1}}', ("f", {"a": 1})),
+])
+def test_forced_call_prefix_and_its_continuation_parse(fmt, name, rest, call):
+    prefix = tools.FORMATS[fmt].prefix(name)
+    assert _events(fmt, [prefix, rest]) == ("", [(call[0], call[1])])
+
+
+@pytest.mark.parametrize("template, fmt", [
+    ("{% for t in tools %}{{ t | tojson }}{% endfor %} <tool_call> {{ messages }}", "hermes"),
+    ("{% if tools %}<start_function_declaration>{% endif %}<start_function_call>", "functiongemma"),
+    ("{% if tools %}{% endif %}<|tool_call>call:", "gemma4"),
+    ("{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", "mistral"),
+    ("{% if tools %}Respond with {\"name\": ..., \"parameters\": ...}{% endif %}", "json"),
+])
+def test_format_is_detected_from_the_template(template, fmt):
+    assert tools.detect(template).name == fmt
+
+
+def test_a_template_without_tools_has_no_format():
+    smollm = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+              "'<|im_end|>' + '\n'}}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    assert tools.detect(smollm) is None and tools.detect(None) is None
+
+
+def test_tool_call_arguments_are_a_json_object_string():
+    assert tools._call("f", {"a": "é"}) == ToolCall("f", '{"a": "é"}')
+    assert tools._call("f", '{"a": 1}') == ToolCall("f", '{"a": 1}')
+    with pytest.raises(ValueError):
+        tools._call("f", [1, 2])
+    with pytest.raises(ValueError):
+        tools._call("bad name!", {})
+
+
+# ------------------------------------------------------------------------------------------------
+# A round trip through a real server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = build_tool_model(tmp_path_factory.mktemp("toolmodel"))
+    srv = Server(str(path), "--quiet", "--model-id", "tool-model").wait()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _stream_chat(client, **kw):
+    """(content, tool calls, finish_reason, usage) from a streamed chat; checks the chunk order."""
+    chunks = list(client.chat.completions.create(model="tool-model", stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    finish = [c.choices[0].finish_reason for c in chunks[:-1]]
+    assert finish[-1] is not None and not any(finish[:-1])
+    content, calls = "", {}
+    for c in chunks[:-1]:
+        delta = c.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+    return content, [calls[i] for i in sorted(calls)], finish[-1], chunks[-1].usage
+
+
+def test_tool_round_trip(client):
+    first = client.chat.completions.create(model="tool-model", messages=USER, tools=TOOLS)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert first.usage.completion_tokens == 4  # <tool_call>\n, the JSON, \n</tool_call>, <|im_end|>
+
+    # The assistant message goes back as the client returned it, then the tool's result.
+    messages = USER + [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "sunny, 24 C"}]
+    second = client.chat.completions.create(model="tool-model", messages=messages, tools=TOOLS)
+    assert second.choices[0].message.content == ANSWER and second.choices[0].finish_reason == "stop"
+    assert second.choices[0].message.tool_calls is None
+    # The second prompt extends the first one and the call: the state for all of it was reused.
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens + 3
+
+
+def test_streamed_tool_calls_equal_the_whole_answer(client):
+    whole = client.chat.completions.create(model="tool-model", messages=USER, tools=TOOLS)
+    content, calls, finish, usage = _stream_chat(client, messages=USER, tools=TOOLS)
+    assert content == "" and finish == "tool_calls"
+    (want,) = whole.choices[0].message.tool_calls
+    assert [(c["name"], c["arguments"]) for c in calls] == [(want.function.name, want.function.arguments)]
+    assert calls[0]["id"].startswith("call_")
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+
+    messages = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert _stream_chat(client, messages=messages, tools=TOOLS)[:3] == (ANSWER, [], "stop")
+
+
+def test_tool_choice_none_leaves_the_text_alone(client):
+    out = client.chat.completions.create(model="tool-model", messages=USER, tools=TOOLS, tool_choice="none")
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].message.tool_calls is None
+    assert out.choices[0].message.content.startswith("<tool_call>\n")
+
+
+def test_tool_choice_required_forces_a_call(client):
+    messages = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "sunny"}]
+    auto = client.chat.completions.create(model="tool-model", messages=messages, tools=TOOLS)
+    assert auto.choices[0].message.content == ANSWER   # left to itself, the model answers
+    forced = client.chat.completions.create(model="tool-model", messages=messages, tools=TOOLS, tool_choice="required")
+    assert forced.choices[0].finish_reason == "tool_calls"
+    assert forced.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_tool_requests_that_cannot_be_served_are_400(client):
+    for kw, param in [
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=[{"type": "function", "function": {"name": "has space"}}]), "tools[0].function.name"),
+        (dict(tools=[{"type": "retrieval"}]), "tools[0]"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tool-model", messages=USER, **kw)
+        assert e.value.status_code == 400 and e.value.body["param"] == param
