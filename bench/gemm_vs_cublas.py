@@ -1,0 +1,157 @@
+"""kiln's own tuned Triton GEMM against torch.matmul (cuBLAS) on every prefill GEMM shape of
+qwen3.5-0.8b and qwen3.5-9b (GDN in_proj_qkv/z/b/a and out_proj, attention q/k/v/o, MLP gate/up/down)
+at M = 512, 2048 and 8192; plus the cold tune time of qwen3.5-0.8b's GEMMs (`kiln tune --ops gemm`,
+empty Triton and kiln caches) and the warm-cache compile-and-tune stage of a load (all ops).
+
+    python bench/gemm_vs_cublas.py --out results.json [--commit SHA] [--log tune.log]
+
+Both sides are timed the same way (kiln.tune.timing: CUDA-graph replays over input sets rotated
+past L2, median), bf16 in and out, y = x @ w^T with w stored [N, K] as in the checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SUMMARY = re.compile(r"\[kiln\] (\d+) kernels compiled in ([\d.]+) s, tuned in ([\d.]+) s \(cache (hit|miss): (\S+)\)")
+MODELS = ("qwen3.5-0.8b", "qwen3.5-9b")
+MS = (512, 2048, 8192)
+
+
+def kiln_tune(args: list[str], env: dict, log) -> dict:
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "tune", *args, "--device", "cuda"], capture_output=True,
+                       text=True, env=env, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    log.write(f"$ kiln tune {' '.join(args)}  (exit {r.returncode}, {wall:.1f} s)\n{r.stderr}\n{r.stdout}\n")
+    m = SUMMARY.search(r.stderr)
+    if r.returncode != 0 or not m:
+        return {"ok": False, "wall_s": round(wall, 2), "stderr_tail": r.stderr[-2000:]}
+    return {"ok": True, "wall_s": round(wall, 2), "kernels": int(m[1]), "compile_s": float(m[2]),
+            "tune_s": float(m[3]), "stage_s": round(float(m[2]) + float(m[3]), 2), "cache": m[4]}
+
+
+def projections(model: str) -> dict[tuple[int, int], list[str]]:
+    """(N, K) -> the projection names with that shape (LM head excluded: prefill runs it on one row)."""
+    from kiln.models import model_class
+    from kiln.models.base import config_from_dict
+    from kiln.synth import synth_config
+
+    cfg = synth_config(model)
+    cls = model_class(cfg["model_type"])
+    out: dict[tuple[int, int], list[str]] = {}
+    for name, shape in cls.weight_shapes(config_from_dict(cls.config_class, cfg)).items():
+        if len(shape) == 2 and "embed" not in name and name != "lm_head.weight":
+            short = name.split(".")[-2]
+            out.setdefault(tuple(shape), [])
+            if short not in out[tuple(shape)]:
+                out[tuple(shape)].append(short)
+    return out
+
+
+def grid(log, budget: float, device: str = "cuda", models=MODELS, ms=MS, dtype=None) -> tuple[list[dict], object]:
+    import torch
+
+    from kiln.backends.cuda import gemm as G
+    from kiln.tune import timing
+    from kiln.tune.cache import TuneCache
+    from kiln.tune.tuner import Tuner, Workload
+
+    rows, work, names = [], [], {}
+    for model in models:
+        for (n, k), projs in projections(model).items():
+            names.setdefault((n, k), set()).update(f"{model}:{p}" for p in projs)
+    for (n, k) in names:
+        work += [Workload(G.OP, G.GemmShape(m, n, k)) for m in ms]
+    dev, dtype = torch.device(device), dtype or torch.bfloat16
+    tuner = Tuner(dev, dtype, cache=TuneCache(Path(tempfile.mkdtemp()) / "tune"), budget_s=budget,
+                  log=lambda line: log.write(line + "\n"))
+    plan, report = tuner.tune(work)
+    log.flush()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for w in work:
+        m, n, k = w.shape.rows, w.shape.n, w.shape.k
+        v = plan.choices[w.label]
+        sets = []
+        for _ in range(timing.set_count(2 * (m * k + n * k + m * n), dev)):
+            x = torch.randn(m, k, generator=gen, device=dev).to(dtype)
+            wt = (torch.randn(n, k, generator=gen, device=dev) * k ** -0.5).to(dtype)
+            sets.append((x, wt, torch.empty(m, n, device=dev, dtype=dtype)))
+        x, wt, y = sets[0]
+        ref = torch.matmul(x.float(), wt.float().t())
+        G.OP.run(v, {"x": x, "w": wt}, {"y": y}, plan)
+        err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
+        kiln_ms = timing.time_ms([lambda s=s: G.OP.run(v, {"x": s[0], "w": s[1]}, {"y": s[2]}, plan) for s in sets], dev)
+        torch_ms = timing.time_ms([lambda s=s: torch.matmul(s[0], s[1].t(), out=s[2]) for s in sets], dev)
+        flops = 2 * m * n * k
+        rows.append({"m": m, "n": n, "k": k, "projections": sorted(names[(n, k)]), "variant": v.name,
+                     "kiln_ms": round(kiln_ms, 5), "torch_ms": round(torch_ms, 5),
+                     "kiln_tflops": round(flops / kiln_ms / 1e9, 1), "torch_tflops": round(flops / torch_ms / 1e9, 1),
+                     "ratio": round(torch_ms / kiln_ms, 3), "rel_err": err, "tuned_ms": plan.times.get(w.label)})
+        del sets
+    return rows, report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--log", default=None)
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--budget", type=float, default=300.0)
+    ap.add_argument("--caches", default=None, help="folder for the Triton and kiln caches (default: a new temp dir)")
+    a = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    caches = Path(a.caches or tempfile.mkdtemp(prefix="kiln-bench-"))
+    env = {**os.environ, "TRITON_CACHE_DIR": str(caches / "triton"), "KILN_CACHE_DIR": str(caches / "kiln"),
+           "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    os.environ["TRITON_CACHE_DIR"] = env["TRITON_CACHE_DIR"]     # the grid reuses the kernels compiled below
+    log = open(a.log or os.devnull, "w")
+    t0 = time.perf_counter()
+    cold = kiln_tune(["synth:qwen3.5-0.8b", "--ops", "gemm"], env, log)           # empty caches
+    print(f"cold tune of qwen3.5-0.8b GEMMs: {cold}", flush=True)
+    full = kiln_tune(["synth:qwen3.5-0.8b"], env, log)                             # every op, kiln cache cold
+    warm = kiln_tune(["synth:qwen3.5-0.8b"], env, log)                             # warm: the load's stage
+    print(f"full tune {full}\nwarm {warm}", flush=True)
+
+    import torch
+    import triton
+
+    from kiln.benchutil import _nvidia_driver
+
+    rows, report = grid(log, a.budget)
+    log.close()
+    ratios = [r["ratio"] for r in rows]
+    result = {
+        "bench": "gemm_vs_cublas", "gpu": torch.cuda.get_device_name(), "driver": _nvidia_driver(),
+        "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton.__version__,
+        "kiln_commit": a.commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python bench/gemm_vs_cublas.py " + " ".join(sys.argv[1:]),
+        "cold_tune_08b_gemms": cold, "full_tune_08b": full, "warm_load_stage_08b": warm,
+        "grid_tune": {"kernels": report.compiled, "compile_s": round(report.compile_s, 1), "tune_s": round(report.tune_s, 1)},
+        "median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
+        "median_ratio_by_m": {m: statistics.median(r["ratio"] for r in rows if r["m"] == m) for m in MS},
+        "rows": rows, "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    print(f"{'M':>5} {'N':>6} {'K':>6} {'kiln ms':>9} {'torch ms':>9} {'kiln TF':>8} {'ratio':>6}  variant")
+    for r in rows:
+        print(f"{r['m']:5d} {r['n']:6d} {r['k']:6d} {r['kiln_ms']:9.4f} {r['torch_ms']:9.4f} {r['kiln_tflops']:8.1f} "
+              f"{r['ratio']:6.3f}  {r['variant']}")
+    print(f"median ratio {result['median_ratio']:.3f}, min {result['min_ratio']:.3f}; by M {result['median_ratio_by_m']}; "
+          f"cold {cold.get('wall_s')} s (stage {cold.get('stage_s')} s), warm stage {warm.get('stage_s')} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

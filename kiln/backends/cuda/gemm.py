@@ -1,0 +1,339 @@
+"""Tensor-core GEMM, y[M, N] = x[M, K] @ w[N, K]^T (F.linear without bias): bf16/f16 in, f32
+accumulate, output in the input dtype. N and K are the model's dimensions (`tl.constexpr`); M, the
+token count, is a runtime argument that Triton does not specialise on, so one compiled kernel
+serves every chunk length.
+
+Forms: a tiled kernel (tile shape, warps, pipeline stages, grouped tile order), its split-K form
+(each split writes f32 partial sums, a second kernel adds them), and on Hopper the TMA forms
+(tensor descriptors; one tile per program, or a persistent grid of one program per SM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...tune.registry import Op, Variant, register, variant
+from .common import SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, rne_flag, round_to
+
+GROUP_M = 8
+
+
+@triton.jit
+def tile_of(pid, M, BM: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program -> (tile row, tile column), walking GROUP_M tile rows per column so that the
+    w tiles a group reads stay in L2."""
+    grid_m = tl.cdiv(M, BM)
+    grid_n: tl.constexpr = (N + BN - 1) // BN
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(grid_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % rows, (pid % per_group) // rows
+
+
+@triton.jit
+def mma(acc, a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc += a @ b in f32. UPCAST only under the interpreter (its 16-bit dot is wrong)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                SERIAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr):
+    """One BM x BN tile of y per program (axis 0), one K range per program (axis 1). With SPLIT_K > 1
+    each program writes its f32 partial sums to the workspace ws [SPLIT_K, M, N]; with SERIAL the
+    last program of a tile to finish (a per-tile arrival counter) adds the partials in split order
+    and writes y, else a second kernel (splitk_sum_kernel) does."""
+    pid_m, pid_n = tile_of(tl.program_id(0), M, BM, N, BN, GROUP_M)
+    split = tl.program_id(1)
+    SPAN: tl.constexpr = (K + SPLIT_K * BK - 1) // (SPLIT_K * BK) * BK      # K per split, in whole BK steps
+    EVEN: tl.constexpr = SPAN * SPLIT_K == K
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = split * SPAN + tl.arange(0, BK)
+    # Rows past M and columns past N read row M-1 / column N-1 (valid memory); they are never stored.
+    xs = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * K + rk[None, :]
+    ws = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[None, :] * K + rk[:, None]       # [BK, BN] of w^T
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, SPAN, BK):
+        if EVEN:
+            a = tl.load(xs)
+            b = tl.load(ws)
+        else:
+            inside = rk + k < K
+            a = tl.load(xs, mask=inside[None, :], other=0.0)
+            b = tl.load(ws, mask=inside[:, None], other=0.0)
+        acc = mma(acc, a, b, UPCAST, IEEE)
+        xs += BK
+        ws += BK
+    keep = (rm < M)[:, None] & (rn < N)[None, :]
+    out = y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, round_to(acc, y_ptr.dtype.element_ty, RNE), mask=keep)
+    else:
+        tl.store(ws_ptr + (split * M + rm).to(tl.int64)[:, None] * N + rn[None, :], acc, mask=keep)
+        if SERIAL:
+            # NOTE: every thread's partial must be visible before the arrival: barrier, then a
+            # release at GPU scope; the acquire on the same counter makes all partials visible.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BM, BN), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):     # split order: the same sum whoever is last
+                    part = ws_ptr + (s * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
+                    total += tl.load(part, mask=keep, other=0.0, cache_modifier=".cg")
+                tl.store(out, round_to(total, y_ptr.dtype.element_ty, RNE), mask=keep)
+                tl.atomic_xchg(count_ptr + tl.program_id(0), 0)    # ready for the next launch
+
+
+@triton.jit(do_not_specialize=["MN"])
+def splitk_sum_kernel(ws_ptr, y_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, RNE: tl.constexpr):
+    """y = sum over splits of the f32 partials, rounded once to y's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < MN
+    acc = tl.load(ws_ptr + offs, mask=inside, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=inside, other=0.0)
+    tl.store(y_ptr + offs, round_to(acc, y_ptr.dtype.element_ty, RNE), mask=inside)
+
+
+@triton.jit
+def tma_tile(x_desc, w_desc, y_desc, t, M, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr, RNE: tl.constexpr):
+    pid_m, pid_n = tile_of(t, M, BM, N, BN, GROUP_M)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):          # the copy engine zero-fills past M, N and K: no masks
+        a = x_desc.load([pid_m * BM, k])
+        b = w_desc.load([pid_n * BN, k])
+        acc = mma(acc, a, b.T, UPCAST, False)
+    y_desc.store([pid_m * BM, pid_n * BN], round_to(acc, y_desc.dtype, RNE))
+
+
+@triton.jit(do_not_specialize=["M"])
+def gemm_tma_kernel(x_desc, w_desc, y_desc, M, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+                    UPCAST: tl.constexpr, RNE: tl.constexpr):
+    """PROGRAMS == 0: one tile per program. Otherwise a persistent grid of PROGRAMS programs (one per
+    SM), each walking the tiles pid, pid + PROGRAMS, ..."""
+    if PROGRAMS == 0:
+        tma_tile(x_desc, w_desc, y_desc, tl.program_id(0), M, N, K, BM, BN, BK, GROUP_M, UPCAST, RNE)
+    else:
+        tiles = tl.cdiv(M, BM) * ((N + BN - 1) // BN)
+        for t in tl.range(tl.program_id(0), tiles, PROGRAMS):
+            tma_tile(x_desc, w_desc, y_desc, t, M, N, K, BM, BN, BK, GROUP_M, UPCAST, RNE)
+
+
+# -- launching -------------------------------------------------------------------------------------
+
+def tiles(m: int, n: int, p: dict) -> int:
+    return cdiv(m, p["bm"]) * cdiv(n, p["bn"])
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = None, sms: int = 132) -> torch.Tensor:
+    """y = x @ w^T with variant `v`; x [M, K] and w [N, K] contiguous."""
+    (m, k), n = x.shape, w.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if y is None else y
+    if m == 0:
+        return y
+    p = v.p
+    flags, rne = dot_flags(x.dtype), rne_flag(x.dtype)
+    opts = dict(num_warps=p["w"], num_stages=p["s"])
+    if p.get("tma"):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xd = TensorDescriptor(x, [m, k], [k, 1], [p["bm"], p["bk"]])
+        wd = TensorDescriptor(w, [n, k], [k, 1], [p["bn"], p["bk"]])
+        yd = TensorDescriptor(y, [m, n], [n, 1], [p["bm"], p["bn"]])
+        programs = min(sms, tiles(m, n, p)) if p.get("persistent") else tiles(m, n, p)
+        gemm_tma_kernel[(programs,)](xd, wd, yd, m, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=GROUP_M,
+                                     PROGRAMS=sms if p.get("persistent") else 0, UPCAST=flags["UPCAST"], RNE=rne, **opts)
+        return y
+    sk, serial = p.get("sk", 1), not p.get("sum", False)
+    ws = y if sk == 1 else torch.empty((sk, m, n), dtype=torch.float32, device=x.device)
+    counts = arrival_counters(x.device, tiles(m, n, p)) if sk > 1 and serial else y
+    gemm_kernel[(tiles(m, n, p), sk)](x, w, y, ws, counts, m, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
+                                      GROUP_M=GROUP_M, SPLIT_K=sk, SERIAL=serial, RNE=rne, **flags, **opts)
+    if sk > 1 and not serial:
+        splitk_sum_kernel[(cdiv(m * n, 1024),)](ws, y, m * n, SPLIT_K=sk, BLOCK=1024, RNE=rne, num_warps=4)
+    return y
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Per-tile arrival counters for serial split-K, zero between launches (the last arrival resets
+    its own). One buffer per device, grown as needed; kernels on one stream never share it at once.
+    NOTE: allocate (run once) before capturing a CUDA graph that uses it."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def tma_ok(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> bool:
+    """The copy engine needs 16-byte aligned bases and row strides."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, w, y))
+
+
+# -- the op: variants, inputs, outputs --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GemmShape:
+    rows: int     # M, tokens (runtime)
+    n: int        # output features (constexpr)
+    k: int        # input features (constexpr)
+
+    @property
+    def key(self) -> tuple:
+        return (self.n, self.k)
+
+
+def tile_variant(bm, bn, bk, w, s, sk=1, tma=False, persistent=False, sum_kernel=False) -> Variant:
+    """Names spell the form: [tma_|tma_pers_]bm.._bn.._bk.._w(arps).._s(tages)..[_sk(splits)..[_sum]];
+    _sum: the split partials are added by a second kernel instead of the last arriving program."""
+    prefix = ("tma_pers_" if persistent else "tma_") if tma else ""
+    name = f"{prefix}bm{bm}_bn{bn}_bk{bk}_w{w}_s{s}" + (f"_sk{sk}" if sk > 1 else "")
+    extra = dict(tma=True, persistent=persistent) if tma else dict(sk=sk)
+    if sk > 1 and sum_kernel:
+        name, extra["sum"] = name + "_sum", True
+    return variant(name, bm=bm, bn=bn, bk=bk, w=w, s=s, **extra)
+
+
+TRUSTED = tile_variant(128, 128, 32, 4, 1)   # plain tiles, no split, no pipelining, no TMA
+# (bm, bn, bk, warps, stages): large tiles for long prompts, narrow ones for few tokens or few columns.
+GPU_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+             (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+             (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (128, 32, 64, 4, 4), (64, 32, 128, 4, 4),
+             (128, 16, 128, 4, 4), (64, 16, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
+             (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 32, 256, 4, 3), (16, 256, 64, 4, 3),
+             (32, 16, 256, 4, 3), (32, 32, 128, 4, 4), (16, 16, 256, 4, 3)]
+SPLIT_TILES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
+               (64, 32, 128, 4, 4), (64, 16, 128, 4, 4), (32, 16, 256, 4, 3), (16, 64, 128, 4, 4),
+               (16, 128, 128, 4, 3), (16, 16, 256, 4, 3)]
+TMA_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5),
+             (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4)]
+# Under the interpreter, whose cost is per program: few, large tiles that still take every code
+# path (ragged tiles, K not a multiple of BK, split-K).
+CPU_TILES = [(256, 256, 64, 4, 1), (64, 128, 32, 4, 1), (16, 128, 64, 4, 1)]
+CPU_SPLITS = [((128, 128, 32, 4, 1), 2, False), ((128, 128, 32, 4, 1), 3, True)]
+
+
+def fits(shape, p: dict) -> bool:
+    """No tile wider than the problem (next power of two, at least 16)."""
+    return (p["bm"] <= max(16, next_pow2(shape.rows)) and p["bn"] <= max(16, next_pow2(shape.n))
+            and p["bk"] <= max(16, next_pow2(shape.k)))
+
+
+def worth_measuring(shape, p: dict, sms: int) -> bool:
+    """Prune forms that cannot win: narrow tiles where wide ones fill the GPU, split-K where the
+    tiles alone already fill it, row tiles far narrower than the rows."""
+    m, n = shape.rows, shape.n
+    t = tiles(m, n, p)
+    skinny = p["bm"] == 32 and n <= 64           # few columns: more row tiles keep the SMs busy
+    if p["bm"] < 64 and m >= 64 and not skinny:
+        return False
+    if p["bn"] < 64 and n >= 4 * p["bn"] and cdiv(m, p["bm"]) * cdiv(n, 64) >= sms:
+        return False                             # 64 columns a tile already fill the GPU
+    if t >= 4 * sms and p["bm"] * p["bn"] < 128 * 128:
+        return False
+    sk = p.get("sk", 1)
+    return sk == 1 or (t < sms and shape.k // sk >= 4 * p["bk"])
+
+
+class GemmOp(Op):
+    name = "gemm"
+    sources = (__file__,)
+
+    def shape_str(self, s: GemmShape) -> str:
+        return f"{s.rows}x{s.n}x{s.k}"
+
+    def with_rows(self, s: GemmShape, rows: int) -> GemmShape:
+        return GemmShape(rows, s.n, s.k)
+
+    def catalogue(self, s: GemmShape, dev) -> list[Variant]:
+        if dev.capability is None:
+            forms = [TRUSTED] + [tile_variant(*t) for t in CPU_TILES] + [tile_variant(*t, sk=k, sum_kernel=f) for t, k, f in CPU_SPLITS]
+        else:
+            forms = [TRUSTED] + [tile_variant(*t) for t in GPU_TILES]
+            forms += [tile_variant(*t, sk=k, sum_kernel=sum_kernel) for t in SPLIT_TILES for k in (2, 4, 8)
+                      for sum_kernel in (False, True)]
+            if dev.tma and s.n % 8 == 0 and s.k % 8 == 0:
+                forms += [tile_variant(*t, tma=True, persistent=pers) for pers in (False, True) for t in TMA_TILES]
+        return forms
+
+    def candidates(self, s: GemmShape, dev) -> list[Variant]:
+        forms = [v for v in self.catalogue(s, dev) if fits(s, v.p)]
+        if dev.capability is None:
+            return forms
+        return [v for v in forms if v == TRUSTED or worth_measuring(s, v.p, dev.sms)]
+
+    def trusted(self, s, dev) -> Variant:
+        return TRUSTED
+
+    def default(self, s: GemmShape, dev) -> Variant:
+        if dev.capability is None:
+            return TRUSTED
+        if s.rows <= 16:
+            return tile_variant(16, 64, 128, 4, 4)
+        return tile_variant(64, 128, 64, 4, 4) if s.rows <= 256 else tile_variant(128, 128, 64, 8, 4)
+
+    def inputs(self, s: GemmShape, dtype, device, gen) -> dict:
+        x = torch.randn(s.rows, s.k, generator=gen, device=device)
+        w = torch.randn(s.n, s.k, generator=gen, device=device) * s.k ** -0.5
+        return {"x": x.to(dtype), "w": w.to(dtype)}
+
+    def outputs(self, s: GemmShape, inputs: dict) -> dict:
+        x = inputs["x"]
+        return {"y": torch.empty((x.shape[0], inputs["w"].shape[0]), dtype=x.dtype, device=x.device)}
+
+    def launch(self, v: Variant, inputs: dict, outputs: dict, plan=None) -> None:
+        sms = plan.dev.sms if plan is not None else 132
+        gemm(inputs["x"], inputs["w"], v, outputs["y"], sms=sms)
+
+    def compile(self, v: Variant, s: GemmShape, dtype, device) -> list:
+        if interpreting() or v.run is not None:
+            return []
+        from .common import device_info
+        sms = device_info(device).sms
+        x = torch.empty((1, s.k), dtype=dtype, device=device)
+        w = torch.empty((s.n, s.k), dtype=dtype, device=device)
+        y = torch.empty((1, s.n), dtype=dtype, device=device)
+        p, opts = v.p, dict(num_warps=v.p["w"], num_stages=v.p["s"], grid=(1,))
+        if p.get("tma"):
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            d = [TensorDescriptor(t, list(t.shape), [t.shape[1], 1], blk)
+                 for t, blk in ((x, [p["bm"], p["bk"]]), (w, [p["bn"], p["bk"]]), (y, [p["bm"], p["bn"]]))]
+            return [gemm_tma_kernel.warmup(*d, 1, N=s.n, K=s.k, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=GROUP_M,
+                                           PROGRAMS=sms if p.get("persistent") else 0, UPCAST=False, RNE=False, **opts)]
+        sk, serial = p.get("sk", 1), not p.get("sum", False)
+        ws = y if sk == 1 else torch.empty((sk, 1, s.n), dtype=torch.float32, device=device)
+        counts = torch.zeros(1, dtype=torch.int32, device=device) if sk > 1 and serial else y
+        kernels = [gemm_kernel.warmup(x, w, y, ws, counts, 1, N=s.n, K=s.k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
+                                      GROUP_M=GROUP_M, SPLIT_K=sk, SERIAL=serial, RNE=False, **dot_flags(dtype), **opts)]
+        if sk > 1 and not serial:
+            kernels.append(splitk_sum_kernel.warmup(ws, y, s.n, SPLIT_K=sk, BLOCK=1024, RNE=False, num_warps=4,
+                                                    grid=(1,)))
+        return kernels
+
+    def kernel_sources(self, v: Variant) -> list:
+        if v.p.get("tma"):
+            return [gemm_tma_kernel, tma_tile, tile_of, mma]
+        return [gemm_kernel, tile_of, mma, round_to] + ([splitk_sum_kernel] if v.p.get("sum") else [])
+
+    def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        return x.dtype in SUPPORTED and w.dtype == x.dtype
+
+
+OP = register(GemmOp())

@@ -1,0 +1,174 @@
+"""RMSNorm fused into the GEMM that follows it: y = rmsnorm(x, norm_w, eps, style) @ w^T.
+
+The fused kernel computes each row block's rstd in a first pass over K, then normalises, scales
+and rounds the x tiles as they are loaded for the tensor cores (the same rounding as the
+rmsnorm kernel, so the fused and unfused forms agree up to the GEMM's summation order). The
+unfused form (the rmsnorm kernel, then the GEMM, each as the plan chose) is a variant too: the
+tuner keeps whichever measures faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...tune.registry import Op, Variant, register, variant
+from . import gemm as G
+from . import rmsnorm as R
+from .common import SUPPORTED, device_info, dot_flags, interpreting, rne_flag, round_to
+
+
+@triton.jit(do_not_specialize=["M"])
+def rmsnorm_gemm_kernel(x_ptr, nw_ptr, w_ptr, y_ptr, M, eps, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STYLE: tl.constexpr,
+                        UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr):
+    pid_m, pid_n = G.tile_of(tl.program_id(0), M, BM, N, BN, GROUP_M)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    xs = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * K + rk[None, :]
+    ws = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[None, :] * K + rk[:, None]
+    EVEN: tl.constexpr = K % BK == 0
+    sq = tl.zeros((BM,), dtype=tl.float32)
+    for k in range(0, K, BK):                       # pass 1: sum of squares of each row
+        xf = tl.load(xs + k, mask=(rk + k < K)[None, :], other=0.0).to(tl.float32)
+        sq += tl.sum(xf * xf, axis=1)
+    rstd = tl.math.rsqrt(sq / K + eps)
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):                       # pass 2: normed x tiles into the tensor cores
+        if EVEN:
+            xf = tl.load(xs).to(tl.float32)
+            b = tl.load(ws)
+        else:
+            xf = tl.load(xs, mask=(rk + k < K)[None, :], other=0.0).to(tl.float32)
+            b = tl.load(ws, mask=(rk + k < K)[:, None], other=0.0)
+        wf = tl.load(nw_ptr + k + rk, mask=rk + k < K, other=0.0).to(tl.float32)
+        a = R.scale_normed(xf, rstd, wf, STYLE, dtype, RNE)
+        acc = G.mma(acc, a, b, UPCAST, IEEE)
+        xs += BK
+        ws += BK
+    keep = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], round_to(acc, dtype, RNE), mask=keep)
+
+
+def rmsnorm_gemm(x: torch.Tensor, nw: torch.Tensor, eps: float, style: str, w: torch.Tensor, v: Variant,
+                 y: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused kernel; x [M, K] contiguous, w [N, K]."""
+    (m, k), n = x.shape, w.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if y is None else y
+    if m == 0:
+        return y
+    p = v.p
+    rmsnorm_gemm_kernel[(G.tiles(m, n, p),)](x, nw, w, y, m, eps, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
+                                             GROUP_M=G.GROUP_M, STYLE=R.STYLES[style], RNE=rne_flag(x.dtype),
+                                             **dot_flags(x.dtype), num_warps=p["w"], num_stages=p["s"])
+    return y
+
+
+@dataclass(frozen=True)
+class NormGemmShape:
+    rows: int     # M, tokens (runtime)
+    n: int
+    k: int
+    style: str
+
+    @property
+    def key(self) -> tuple:
+        return (self.n, self.k, self.style)
+
+    def parts(self) -> tuple[R.NormShape, G.GemmShape]:
+        return R.NormShape(self.rows, self.k, self.style), G.GemmShape(self.rows, self.n, self.k)
+
+
+def fused_variant(bm, bn, bk, w, s) -> Variant:
+    return variant(f"fused_bm{bm}_bn{bn}_bk{bk}_w{w}_s{s}", bm=bm, bn=bn, bk=bk, w=w, s=s)
+
+
+def unfused(inputs: dict, outputs: dict, plan, trusted: bool = False) -> None:
+    """The rmsnorm kernel, then the GEMM, with the plan's choices (or the trusted ones)."""
+    x, nw, w, eps, style = (inputs[k] for k in ("x", "norm_w", "w", "eps", "style"))
+    norm_shape, gemm_shape = NormGemmShape(x.shape[0], w.shape[0], x.shape[1], style).parts()
+    dev = plan.dev if plan is not None else device_info(x.device)
+    if trusted:
+        nv, gv = R.OP.trusted(norm_shape, dev), G.OP.trusted(gemm_shape, dev)
+    elif plan is None:
+        nv, gv = R.OP.default(norm_shape, dev), G.OP.default(gemm_shape, dev)
+    else:
+        nv, gv = plan.choose(R.OP, norm_shape), plan.choose(G.OP, gemm_shape)
+    if gv.p.get("tma") and not G.tma_ok(x, w, outputs["y"]):
+        gv = G.OP.default(gemm_shape, dev)
+    h = torch.empty_like(x)
+    R.OP.run(nv, {"x": x, "norm_w": nw, "eps": eps, "style": style}, {"y": h}, plan)
+    G.OP.run(gv, {"x": h, "w": w}, outputs, plan)
+
+
+UNFUSED = variant("unfused", run=unfused)
+UNFUSED_TRUSTED = variant("unfused_trusted", run=lambda i, o, plan: unfused(i, o, plan, trusted=True))
+GPU_TILES = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
+             (64, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 256, 64, 4, 3)]
+CPU_TILES = [(128, 128, 32, 4, 1), (16, 128, 64, 4, 1)]
+
+
+class RmsnormGemmOp(Op):
+    name = "rmsnorm_gemm"
+    sources = (__file__, G.__file__, R.__file__)
+
+    def shape_str(self, s: NormGemmShape) -> str:
+        return f"{s.rows}x{s.n}x{s.k}_{s.style}"
+
+    def with_rows(self, s: NormGemmShape, rows: int) -> NormGemmShape:
+        return NormGemmShape(rows, s.n, s.k, s.style)
+
+    def catalogue(self, s, dev) -> list[Variant]:
+        tiles = CPU_TILES if dev.capability is None else GPU_TILES
+        return [UNFUSED_TRUSTED, UNFUSED] + [fused_variant(*t) for t in tiles]
+
+    def candidates(self, s, dev) -> list[Variant]:
+        forms = [v for v in self.catalogue(s, dev) if v.run is not None or G.fits(s, v.p)]
+        if dev.capability is None:
+            return forms
+        return [v for v in forms if v.run is not None or G.worth_measuring(s, v.p, dev.sms)]
+
+    def trusted(self, s, dev) -> Variant:
+        return UNFUSED_TRUSTED
+
+    def default(self, s, dev) -> Variant:
+        return UNFUSED
+
+    def inputs(self, s: NormGemmShape, dtype, device, gen) -> dict:
+        d = R.norm_inputs(s.rows, s.k, s.style, dtype, device, gen)
+        d["w"] = (torch.randn(s.n, s.k, generator=gen, device=device) * s.k ** -0.5).to(dtype)
+        return d
+
+    def outputs(self, s, inputs: dict) -> dict:
+        x = inputs["x"]
+        return {"y": torch.empty((x.shape[0], inputs["w"].shape[0]), dtype=x.dtype, device=x.device)}
+
+    def launch(self, v: Variant, inputs: dict, outputs: dict, plan=None) -> None:
+        rmsnorm_gemm(inputs["x"], inputs["norm_w"], inputs["eps"], inputs["style"], inputs["w"], v, outputs["y"])
+
+    def compile(self, v: Variant, s: NormGemmShape, dtype, device) -> list:
+        if interpreting() or v.run is not None:
+            return []
+        x = torch.empty((1, s.k), dtype=dtype, device=device)
+        w = torch.empty((s.n, s.k), dtype=dtype, device=device)
+        y = torch.empty((1, s.n), dtype=dtype, device=device)
+        p = v.p
+        return [rmsnorm_gemm_kernel.warmup(x, x[0], w, y, 1, 1e-6, N=s.n, K=s.k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
+                                           GROUP_M=G.GROUP_M, STYLE=R.STYLES[s.style], RNE=False, **dot_flags(dtype),
+                                           num_warps=p["w"], num_stages=p["s"], grid=(1,))]
+
+    def kernel_sources(self, v: Variant) -> list:
+        if v.run is not None:
+            return []
+        return [rmsnorm_gemm_kernel, G.tile_of, G.mma, R.scale_normed, round_to]
+
+    def supports(self, x, nw, w, style) -> bool:
+        return x.dtype in SUPPORTED and nw.dtype == x.dtype and w.dtype == x.dtype and style in R.STYLES
+
+
+OP = register(RmsnormGemmOp())

@@ -1,0 +1,128 @@
+"""The tune cache: JSON files under $KILN_CACHE_DIR/tune (default ~/.cache/kiln/tune), one per
+(device, model shape signature, dtype). Each file records the full key it was measured under:
+GPU name, SM count, compute capability, driver, CUDA, torch and Triton versions, a hash of the
+kernel sources, the shape signature and the dtype. A file whose key differs (stale), or that
+cannot be read as a whole (corrupt or partial), is ignored with a warning. Writers write a
+temporary file and rename it, so a reader never sees half a file and concurrent writers cannot
+corrupt it (the last rename wins).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+FORMAT = 1
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+def cache_root() -> Path:
+    from ..hub import cache_dir
+    return cache_dir() / "tune"
+
+
+@functools.lru_cache(maxsize=None)
+def driver_version() -> str | None:
+    """The NVIDIA driver release (e.g. 580.159.03), read without starting CUDA where possible."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+        m = re.search(r"Kernel Module\s+(?:for \S+\s+)?([\d.]+)", text)
+        if m:
+            return m.group(1)
+    except OSError:
+        pass
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def environment(dev) -> dict:
+    """What the measurements depend on besides the kernels and the model."""
+    import triton
+
+    cuda = dev.capability is not None
+    return {"gpu": dev.name, "sms": dev.sms, "capability": ".".join(map(str, dev.capability)) if cuda else None,
+            "driver": driver_version() if cuda else None, "cuda": torch.version.cuda if cuda else None,
+            "torch": torch.__version__, "triton": triton.__version__}
+
+
+def sources_hash(ops) -> str:
+    h = hashlib.sha256()
+    for op in sorted(ops, key=lambda o: o.name):
+        h.update(op.name.encode())
+        for path in sorted(set(op.sources)):
+            h.update(Path(path).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def signature(labels: list[str]) -> str:
+    """The model's shape signature: a hash of every (op, shape) it runs."""
+    return hashlib.sha256("\n".join(sorted(set(labels))).encode()).hexdigest()[:16]
+
+
+def make_key(dev, dtype: torch.dtype, ops, labels: list[str]) -> dict:
+    return {"format": FORMAT, **environment(dev), "sources": sources_hash(ops), "model": signature(labels),
+            "dtype": DTYPE_NAMES.get(dtype, str(dtype))}
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", s).strip("-").lower() or "device"
+
+
+class TuneCache:
+    def __init__(self, root: Path | None = None, warn: Callable[[str], None] | None = None):
+        self.root = Path(root) if root is not None else cache_root()
+        self.warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+
+    def path(self, key: dict) -> Path:
+        return self.root / f"{_slug(key['gpu'])}_{key['model']}_{key['dtype']}.json"
+
+    def load(self, key: dict) -> dict | None:
+        """The entries measured under exactly this key, or None (no file, or one to ignore)."""
+        path = self.path(key)
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("key"), dict) or not isinstance(data.get("entries"), dict):
+                raise ValueError("not a kiln tune cache")
+            if not all(isinstance(e, dict) and isinstance(e.get("variant"), str) for e in data["entries"].values()):
+                raise ValueError("malformed entries")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            self.warn(f"[kiln] warning: ignoring corrupt tune cache {path} ({type(e).__name__}: {e})")
+            return None
+        if data["key"] != key:
+            changed = sorted(k for k in set(key) | set(data["key"]) if key.get(k) != data["key"].get(k))
+            self.warn(f"[kiln] warning: ignoring stale tune cache {path} ({', '.join(changed)} changed)")
+            return None
+        return data["entries"]
+
+    def save(self, key: dict, entries: dict) -> Path:
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"key": key, "entries": entries}, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path

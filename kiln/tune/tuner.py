@@ -1,0 +1,287 @@
+"""The tuner: for each (op, shape) the model runs, compile every candidate (in worker processes on
+a GPU), gate each against the trusted variant, time the survivors, keep the fastest, and cache
+the choice. Log lines on stderr (tests and users grep them):
+
+  [autotune] OP SHAPE: wrong against trusted, never picked: VARIANT (max err E of M)
+  [autotune] OP SHAPE: V1 0.031 ms, V2* 0.027 ms, V3 0.040 ms -> V2
+  [kiln] N kernels compiled in X s, tuned in Y s (cache miss: PATH)   (or cache hit)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import zlib
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import KilnError
+from . import gate, timing
+from .cache import DTYPE_NAMES, TuneCache, make_key
+from .registry import Op, Variant, candidates, catalogue
+
+DEFAULT_BUDGET_S = 600.0   # measuring stops here; what is left takes each op's default
+ORDER = {"rmsnorm": 0, "gemm": 1, "rmsnorm_gemm": 2}   # composite variants read earlier choices
+
+
+@dataclass(frozen=True)
+class Workload:
+    op: Op
+    shape: object
+
+    @property
+    def label(self) -> str:
+        return f"{self.op.name} {self.op.shape_str(self.shape)}"
+
+
+class Plan:
+    """The chosen variant of each measured (op, shape); other row counts take the choice of the
+    nearest measured one at or above them (else the largest), unmeasured shapes the op's default."""
+
+    def __init__(self, dev, dtype: torch.dtype):
+        self.dev, self.dtype = dev, dtype
+        self.choices: dict[str, Variant] = {}
+        self.rows: dict[tuple, list[tuple[int, Variant]]] = {}
+        self.times: dict[str, float | None] = {}
+
+    def set(self, w: Workload, v: Variant, ms: float | None = None) -> None:
+        self.choices[w.label] = v
+        self.times[w.label] = ms
+        bucket = self.rows.setdefault((w.op.name, w.shape.key), [])
+        bucket[:] = sorted([(r, x) for r, x in bucket if r != w.shape.rows] + [(w.shape.rows, v)], key=lambda t: t[0])
+
+    def choose(self, op: Op, shape) -> Variant:
+        bucket = self.rows.get((op.name, shape.key))
+        if not bucket:
+            return op.default(shape, self.dev)
+        return next((v for r, v in bucket if r >= shape.rows), bucket[-1][1])
+
+
+@dataclass
+class Report:
+    compiled: int = 0
+    compile_s: float = 0.0
+    tune_s: float = 0.0
+    hit: bool = False
+    path: Path | None = None
+    rows: list = field(default_factory=list)   # (label, variant name, ms or None, how)
+
+    def summary(self) -> str:
+        state = "hit" if self.hit else "miss"
+        return (f"[kiln] {self.compiled} kernels compiled in {self.compile_s:.1f} s, tuned in {self.tune_s:.1f} s "
+                f"(cache {state}: {self.path})")
+
+
+def fmt_ms(ms: float) -> str:
+    return f"{ms:.3f}" if ms >= 0.01 else f"{ms:.4f}"
+
+
+class Tuner:
+    def __init__(self, device, dtype: torch.dtype, *, cache: TuneCache | None = None, retune: bool = False,
+                 pins: dict[str, str] | None = None, budget_s: float | None = None, quiet: bool = False,
+                 reps: int | None = None, workers: int | None = None, log: Callable[[str], None] | None = None):
+        from ..backends.cuda.common import device_info
+
+        self.device = torch.device(device)
+        self.dev = device_info(self.device)
+        if self.device.type == "cuda":   # the context exists before the stage is timed (a load has moved weights)
+            torch.empty(1, device=self.device)
+        self.dtype, self.retune, self.pins = dtype, retune, dict(pins or {})
+        self.budget_s = DEFAULT_BUDGET_S if budget_s is None else budget_s
+        self.reps = reps if reps is not None else (None if self.device.type == "cuda" else 1)
+        self.workers = workers
+        self.log = log or ((lambda line: None) if quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
+        self.cache = cache if cache is not None else TuneCache(warn=self.log)
+
+    # -- the whole flow ------------------------------------------------------------------------
+    def tune(self, workloads: list[Workload]) -> tuple[Plan, Report]:
+        workloads = sorted(dict.fromkeys(workloads), key=lambda w: ORDER.get(w.op.name, 9))
+        plan, report = Plan(self.dev, self.dtype), Report()
+        key = make_key(self.dev, self.dtype, {w.op for w in workloads}, [w.label for w in workloads])
+        report.path = self.cache.path(key)
+        entries = {} if self.retune else (self.cache.load(key) or {})
+        pinned = {w: self.pinned(w) for w in workloads if w.op.name in self.pins}
+        cached = {w: v for w in workloads if w not in pinned and (v := self.cached(w, entries)) is not None}
+        todo = [w for w in workloads if w not in pinned and w not in cached]
+        report.hit = not todo
+
+        t0 = time.perf_counter()
+        measure_jobs, load_jobs = self.compile_jobs(todo, cached, pinned)
+        failed = self.compile_all(measure_jobs, parallel=True)
+        failed.update(self.compile_all({k: j for k, j in load_jobs.items() if k not in measure_jobs}, parallel=False))
+        report.compiled, report.compile_s = len(measure_jobs.keys() | load_jobs.keys()), time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        how = {}
+        for w, v in cached.items():
+            plan.set(w, v, entries[w.label].get("ms"))
+            how[w] = "cached"
+        for w in todo:
+            spent = time.perf_counter() - t0 + report.compile_s
+            entry = self.measure(w, plan, failed, over_budget=spent > self.budget_s)
+            if entry is not None:
+                entries[w.label] = entry
+            how[w] = "measured" if entry is not None else "default"
+        for w, v in pinned.items():
+            self.use_pinned(w, v, plan)
+            how[w] = "pinned"
+        report.rows = [(w.label, plan.choices[w.label].name, plan.times.get(w.label), how[w]) for w in workloads]
+        report.tune_s = time.perf_counter() - t0
+        if todo:
+            report.path = self.cache.save(key, {k: e for k, e in entries.items() if k in {w.label for w in workloads}})
+        self.log(report.summary())
+        return plan, report
+
+    # -- choosing what to run --------------------------------------------------------------------
+    def pinned(self, w: Workload) -> Variant:
+        name = self.pins[w.op.name]
+        forms = catalogue(w.op, w.shape, self.dev) + [w.op.trusted(w.shape, self.dev)]
+        for v in forms:
+            if v.name == name:
+                return v
+        names = ", ".join(dict.fromkeys(v.name for v in forms))
+        raise KilnError(f"--tune {w.op.name}={name}: no such variant for {w.label} (available: {names})")
+
+    def cached(self, w: Workload, entries: dict) -> Variant | None:
+        e = entries.get(w.label)
+        if e is None:
+            return None
+        return next((v for v in catalogue(w.op, w.shape, self.dev) if v.name == e["variant"]), None)
+
+    def candidates(self, w: Workload) -> list[Variant]:
+        trusted = w.op.trusted(w.shape, self.dev)
+        return list(dict.fromkeys([trusted] + candidates(w.op, w.shape, self.dev)))
+
+    # -- compiling -----------------------------------------------------------------------------------
+    def compile_jobs(self, todo, cached, pinned) -> tuple[dict, dict]:
+        """Unique (op, compile-time shape, variant) -> (op, shape, variant), rows left out: the
+        candidates of what is measured, and the choices that are only loaded (cached, pinned)."""
+        def unique(pairs):
+            jobs = {}
+            for w, v in pairs:
+                jobs.setdefault((w.op.name, w.shape.key, v.name), (w.op, w.shape, v))
+            return jobs
+        load = [(w, v) for w, v in cached.items()] + [(w, v) for w, v in pinned.items()]
+        load += [(w, w.op.trusted(w.shape, self.dev)) for w in pinned]
+        return unique((w, v) for w in todo for v in self.candidates(w)), unique(load)
+
+    def compile_all(self, jobs: dict, parallel: bool) -> dict[tuple, str]:
+        """Compile every job; returns the ones that failed, with why. To measure on a GPU, worker
+        processes compile in parallel into Triton's on-disk cache, which this process then loads
+        from; choices read from the tune cache are loaded here (no workers to start)."""
+        failed: dict[tuple, str] = {}
+        work = {k: j for k, j in jobs.items() if j[2].run is None}
+        workers = self.workers if self.workers is not None else int(os.environ.get("KILN_COMPILE_WORKERS", os.cpu_count() or 1))
+        if parallel and self.device.type == "cuda" and workers > 1 and len(work) >= 8:
+            failed.update(self.compile_in_workers(work, min(workers, len(work), 32)))
+        for k, (op, shape, v) in work.items():
+            if k in failed:
+                continue
+            try:
+                op.compile(v, shape, self.dtype, self.device)
+            except Exception as e:  # noqa: BLE001  (a variant that cannot build is rejected, not fatal)
+                failed[k] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+        return failed
+
+    def compile_in_workers(self, work: dict, workers: int) -> dict[tuple, str]:
+        import multiprocessing
+
+        failed = {}
+        dtype = DTYPE_NAMES[self.dtype]
+        try:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+                futures = {pool.submit(compile_job, op.name, shape, v.name, dtype, str(self.device)): k
+                           for k, (op, shape, v) in work.items()}
+                for f in as_completed(futures):
+                    err = f.result()
+                    if err:
+                        failed[futures[f]] = err
+        except Exception as e:  # noqa: BLE001  (no worker processes here: compile in this one)
+            self.log(f"[kiln] warning: parallel compile failed ({type(e).__name__}: {e}); compiling serially")
+            return {}
+        return failed
+
+    # -- gate and measure ------------------------------------------------------------------------
+    def measure(self, w: Workload, plan: Plan, failed: dict, over_budget: bool) -> dict | None:
+        op, shape, label = w.op, w.shape, w.label
+        trusted = op.trusted(shape, self.dev)
+        gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(label.encode()))
+        cases = gate.trusted_cases(op, shape, trusted, self.dtype, self.device, gen, plan)
+        forms = [op.default(shape, self.dev)] if over_budget else self.candidates(w)
+        survivors = []
+        for v in forms:
+            why = failed.get((op.name, shape.key, v.name))
+            verdict = gate.Verdict(False, math.nan, 0.0, why) if why else gate.check(op, v, cases, plan)
+            if verdict.ok:
+                survivors.append(v)
+            elif verdict.reason:
+                self.log(f"[autotune] {label}: cannot run, never picked: {v.name} ({verdict.reason})")
+            else:
+                self.log(f"[autotune] {label}: wrong against trusted, never picked: {v.name} "
+                         f"(max err {verdict.err:.1e} of {verdict.scale:.1e})")
+        if not survivors:
+            survivors = [trusted]
+        if over_budget:
+            chosen = survivors[0]
+            self.log(f"[autotune] {label}: tuning budget of {self.budget_s:.0f} s spent, not measured -> {chosen.name}")
+            plan.set(w, chosen)
+            return None
+        del cases
+        times = self.time_all(w, survivors, plan)
+        best = min(times, key=times.get)
+        self.log(f"[autotune] {label}: " + ", ".join(f"{v.name}{'*' if v == best else ''} {fmt_ms(t)} ms"
+                                                     for v, t in times.items()) + f" -> {best.name}")
+        plan.set(w, best, times[best])
+        return {"variant": best.name, "ms": round(times[best], 6),
+                "measured": {v.name: round(t, 6) for v, t in times.items()}}
+
+    def time_all(self, w: Workload, forms: list[Variant], plan: Plan) -> dict[Variant, float]:
+        op, shape = w.op, w.shape
+        gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(w.label.encode()) + 1)
+        first = op.inputs(shape, self.dtype, self.device, gen)
+        out = op.outputs(shape, first)
+        n = timing.set_count(timing.nbytes(first) + timing.nbytes(out), self.device)
+        sets = [(first, out)] + [(i := op.inputs(shape, self.dtype, self.device, gen), op.outputs(shape, i))
+                                 for _ in range(n - 1)]
+        times = {}
+        for v in forms:
+            runs = [lambda i=i, o=o, v=v: op.run(v, i, o, plan) for i, o in sets]
+            times[v] = timing.time_ms(runs, self.device, self.reps)
+        return times
+
+    def use_pinned(self, w: Workload, v: Variant, plan: Plan) -> None:
+        """A pinned variant is not measured, but it is still gated: a wrong one is never run."""
+        gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(w.label.encode()))
+        trusted = w.op.trusted(w.shape, self.dev)
+        verdict = gate.check(w.op, v, gate.trusted_cases(w.op, w.shape, trusted, self.dtype, self.device, gen, plan), plan)
+        if not verdict.ok:
+            self.log(f"[autotune] {w.label}: wrong against trusted, never picked: {v.name} "
+                     f"(max err {verdict.err:.1e} of {verdict.scale:.1e})" if not verdict.reason else
+                     f"[autotune] {w.label}: cannot run, never picked: {v.name} ({verdict.reason})")
+            v = trusted
+        self.log(f"[autotune] {w.label}: pinned -> {v.name}")
+        plan.set(w, v)
+
+
+def compile_job(op_name: str, shape, variant_name: str, dtype: str, device: str) -> str | None:
+    """Runs in a worker process: compile one variant into Triton's on-disk cache. Returns why it
+    failed, or None."""
+    from ..backends.cuda.common import device_info
+    from .cache import DTYPE_NAMES
+    from .registry import get_op
+
+    try:
+        op = get_op(op_name)
+        dt = {v: k for k, v in DTYPE_NAMES.items()}[dtype]
+        v = next(v for v in op.catalogue(shape, device_info(device)) + [op.trusted(shape, device_info(device))]
+                 if v.name == variant_name)
+        op.compile(v, shape, dt, torch.device(device))
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"

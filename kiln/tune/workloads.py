@@ -1,0 +1,45 @@
+"""The (op, shape) pairs a model runs, from its config: every projection (each 2-D weight but the
+embeddings) as a GEMM at the prefill chunk and at decode (the LM head only at one row: prefill
+keeps the last token), every RMSNorm at the rows it sees, and the final norm fused into the LM head.
+"""
+
+from __future__ import annotations
+
+from ..models import model_class
+from ..models.base import config_from_dict
+from .tuner import Workload
+
+PREFILL_CHUNK = 512       # kiln.engine.Engine's default chunk
+DECODE_ROWS = 1
+# How each family's RMSNorm scales (kiln.backends.reference.ReferenceOps.rmsnorm); the GDN gated
+# norm (`linear_attn.norm`) is an op of its own.
+NORM_STYLE = {"llama": "llama", "qwen3": "llama", "gemma3_text": "offset", "gemma4_text": "plain",
+              "qwen3_5_text": "offset", "qwen3_5_moe_text": "offset", "qwen3_next": "offset"}
+OPS = ("gemm", "rmsnorm", "rmsnorm_gemm")
+
+
+def config_workloads(config: dict, m_values=(PREFILL_CHUNK, DECODE_ROWS), ops=OPS) -> list[Workload]:
+    cls = model_class(config.get("model_type"))
+    return model_workloads(cls, config_from_dict(cls.config_class, config), config["model_type"], m_values, ops)
+
+
+def model_workloads(cls, cfg, model_type: str, m_values=(PREFILL_CHUNK, DECODE_ROWS), ops=OPS) -> list[Workload]:
+    from ..backends.cuda import gemm as G
+    from ..backends.cuda import rmsnorm as R
+    from ..backends.cuda import rmsnorm_gemm as RG
+
+    shapes = cls.weight_shapes(cfg)
+    style = NORM_STYLE.get(model_type, "llama")
+    heads = {"q_norm": getattr(cfg, "num_attention_heads", 1), "k_norm": getattr(cfg, "num_key_value_heads", 1)}
+    out: list[Workload] = []
+    for name, shape in shapes.items():
+        if len(shape) == 2 and "embed" not in name:
+            ms = (DECODE_ROWS,) if name == "lm_head.weight" else m_values
+            out += [Workload(G.OP, G.GemmShape(m, shape[0], shape[1])) for m in ms]
+        elif len(shape) == 1 and name.endswith("norm.weight") and "linear_attn.norm" not in name:
+            per_row = next((h for part, h in heads.items() if f".{part}." in name), 1)
+            out += [Workload(R.OP, R.NormShape(m * per_row, shape[0], style)) for m in m_values]
+    if "lm_head.weight" in shapes and "model.norm.weight" in shapes:
+        vocab, hidden = shapes["lm_head.weight"]
+        out.append(Workload(RG.OP, RG.NormGemmShape(DECODE_ROWS, vocab, hidden, style)))
+    return list(dict.fromkeys(w for w in out if w.op.name in ops))

@@ -1,0 +1,160 @@
+"""Each kernel family equals its reference op on a grid of small shapes, ragged ones included: under
+Triton's interpreter on CPU (CI), natively on a GPU. The `gpu` tests check every GPU variant
+(Hopper's TMA and persistent forms too) on real model shapes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # before kiln's kernels are decorated
+
+triton = pytest.importorskip("triton")
+
+from kiln.backends.cuda import CudaOps  # noqa: E402
+from kiln.backends.cuda import gemm as G  # noqa: E402
+from kiln.backends.cuda import rmsnorm as R  # noqa: E402
+from kiln.backends.cuda import rmsnorm_gemm as RG  # noqa: E402
+from kiln.backends.cuda.common import device_info  # noqa: E402
+from kiln.backends.reference import ReferenceOps  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+REF = ReferenceOps(DEVICE)
+DTYPES = [torch.float32, torch.bfloat16]
+# (M, N, K): ragged rows, columns below a tile, K not a multiple of BK, a single decode row.
+GEMM_SHAPES = [(37, 80, 96), (130, 6, 120), (1, 136, 72), (64, 48, 40)]
+STYLES = ["llama", "offset", "plain"]
+
+
+def rand(*shape, dtype=torch.float32, seed=0, scale=1.0, shift=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale + shift).to(dtype=dtype, device=DEVICE)
+
+
+def assert_rounding_close(got: torch.Tensor, want: torch.Tensor, exact_fraction: float = 0.98):
+    """Within one unit in the last place of the output dtype, and mostly bit-equal: the kernels
+    round where the reference rounds; only the summation order differs."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert not torch.isnan(got).any()
+    err = (got.float() - want.float()).abs()
+    if want.dtype == torch.float32:   # f32 sums in another order: relative to the largest value
+        assert err.max().item() <= 1e-5 * want.abs().max().item() + 1e-6, err.max().item()
+        return
+    ulp = want.float().abs().clamp_min(1e-3) * torch.finfo(want.dtype).eps
+    assert (err <= ulp + 1e-6).all(), f"{(err / ulp).max().item():.2f} ulp"
+    assert (got == want).float().mean().item() >= exact_fraction
+
+
+def gemm_forms(m, n, k, dtype):
+    """Every code path: the trusted tiles, split-K (even and ragged), and the TMA forms."""
+    forms = [G.TRUSTED, G.tile_variant(16, 64, 32, 4, 1), G.tile_variant(64, 32, 32, 4, 1, sk=2),
+             G.tile_variant(32, 32, 16, 4, 1, sk=3), G.tile_variant(32, 32, 16, 4, 1, sk=3, sum_kernel=True)]
+    if dtype != torch.float32 and n % 8 == 0 and k % 8 == 0:
+        forms += [G.tile_variant(32, 64, 32, 4, 1, tma=True), G.tile_variant(16, 32, 32, 4, 1, tma=True, persistent=True)]
+    return forms
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
+def test_gemm_equals_reference_linear(m, n, k, dtype):
+    x, w = rand(m, k, dtype=dtype), rand(n, k, dtype=dtype, seed=1, scale=k ** -0.5)
+    want = REF.linear(x, w)
+    for v in gemm_forms(m, n, k, dtype):
+        assert_rounding_close(G.gemm(x, w, v, sms=3), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("shape", [(37, 96), (130, 40), (1, 200)])
+def test_rmsnorm_equals_reference(shape, style, dtype):
+    x = rand(*shape, dtype=dtype, scale=3.0)
+    w = rand(shape[-1], dtype=dtype, seed=1, scale=0.2, shift=0.0 if style == "offset" else 1.0)
+    want = REF.rmsnorm(x, w, 1e-6, style)
+    for v in (R.TRUSTED, R.norm_variant(4, 2), R.norm_variant(64, 4)):
+        assert_rounding_close(R.rmsnorm(x, w, 1e-6, style, v), want)
+
+
+def test_rmsnorm_reads_strided_heads():
+    """q after Qwen3.5's per-head split is a strided view [T, H, D]: normed per head, in place of a copy."""
+    qg = rand(5, 3, 2 * 40, dtype=torch.bfloat16, scale=2.0)
+    q = qg.chunk(2, dim=-1)[0]
+    w = rand(40, dtype=torch.bfloat16, seed=2, scale=0.2)
+    assert not q.is_contiguous()
+    assert_rounding_close(R.rmsnorm(q, w, 1e-6, "offset", R.norm_variant(4, 4)), REF.rmsnorm(q, w, 1e-6, "offset"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("m,n,k", [(37, 80, 96), (1, 136, 72), (64, 6, 40)])
+def test_rmsnorm_gemm_equals_reference(m, n, k, style, dtype):
+    x = rand(m, k, dtype=dtype, scale=3.0)
+    nw = rand(k, dtype=dtype, seed=1, scale=0.2, shift=0.0 if style == "offset" else 1.0)
+    w = rand(n, k, dtype=dtype, seed=2, scale=k ** -0.5)
+    want = REF.rmsnorm_linear(x, nw, 1e-6, style, w)
+    for v in (RG.fused_variant(32, 32, 32, 4, 1), RG.fused_variant(16, 64, 16, 4, 1)):
+        assert_rounding_close(RG.rmsnorm_gemm(x, nw, 1e-6, style, w, v), want)
+    for v in (RG.UNFUSED, RG.UNFUSED_TRUSTED):
+        y = torch.empty_like(want)
+        RG.OP.run(v, {"x": x, "norm_w": nw, "w": w, "eps": 1e-6, "style": style}, {"y": y})
+        assert_rounding_close(y, want)
+
+
+def test_cuda_ops_route_and_fall_back():
+    ops = CudaOps(DEVICE)
+    x = rand(3, 7, 48, dtype=torch.bfloat16)           # [batch, T, K]: any leading shape
+    w, b = rand(40, 48, dtype=torch.bfloat16, seed=1), rand(40, dtype=torch.bfloat16, seed=2)
+    assert_rounding_close(ops.linear(x, w), REF.linear(x, w))
+    assert torch.equal(ops.linear(x, w, b), REF.linear(x, w, b))           # bias: the reference
+    nw = rand(48, dtype=torch.bfloat16, seed=3, scale=0.1)
+    assert_rounding_close(ops.rmsnorm(x, nw, 1e-6, "offset"), REF.rmsnorm(x, nw, 1e-6, "offset"))
+    assert_rounding_close(ops.rmsnorm_linear(x[0], nw, 1e-6, "offset", w), REF.rmsnorm_linear(x[0], nw, 1e-6, "offset", w))
+    assert torch.equal(ops.linear(x.double(), w.double()), REF.linear(x.double(), w.double()))   # no f64 kernels
+
+
+def test_tiny_qwen35_greedy_tokens_equal_reference_backend():
+    """The whole model through the cuda backend's kernels gives the reference backend's tokens."""
+    import kiln
+
+    dtype = "bf16" if DEVICE.type == "cuda" else "f32"
+    prompt = [3, 17, 101, 7, 250]
+    ref = kiln.load("synth:tiny-qwen3.5", device=str(DEVICE), dtype=dtype).generate(prompt, max_new_tokens=3, temperature=0)
+    llm = kiln.load("synth:tiny-qwen3.5", device=str(DEVICE), dtype=dtype, backend="cuda")
+    assert isinstance(llm.model.ops, CudaOps)
+    assert llm.generate(prompt, max_new_tokens=3, temperature=0).token_ids == ref.token_ids
+
+
+# -- on the GPU: every variant of the catalogue on the model's real shapes --------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m,n,k", [(451, 1024, 3584), (1, 6144, 1024), (300, 16, 1024)])
+def test_gpu_every_gemm_variant_equals_cublas(m, n, k):
+    dev = device_info(DEVICE)
+    x, w = rand(m, k, dtype=torch.bfloat16), rand(n, k, dtype=torch.bfloat16, seed=1, scale=k ** -0.5)
+    want = F.linear(x.float(), w.float())
+    catalogue = G.OP.catalogue(G.GemmShape(m, n, k), dev)
+    assert any(v.p.get("tma") for v in catalogue) == (dev.tma and n % 8 == 0)
+    # What the tuner measures for these columns at the prefill chunk and at decode, and every TMA form.
+    forms = {v: None for s in (512, 1) for v in G.OP.candidates(G.GemmShape(s, n, k), dev)}
+    forms.update({v: None for v in catalogue if v.p.get("tma")})
+    for v in forms:
+        y = G.gemm(x, w, v, sms=dev.sms).float()
+        assert (y - want).abs().max().item() <= 2e-2 * want.abs().max().item(), v.name
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("style", STYLES)
+def test_gpu_rmsnorm_variants_equal_reference(style):
+    x = rand(513, 1024, dtype=torch.bfloat16, scale=3.0)
+    w = rand(1024, dtype=torch.bfloat16, seed=1, scale=0.2, shift=0.0 if style == "offset" else 1.0)
+    want = REF.rmsnorm(x, w, 1e-6, style)
+    for v in R.OP.catalogue(R.NormShape(513, 1024, style), device_info(DEVICE)):
+        assert_rounding_close(R.rmsnorm(x, w, 1e-6, style, v), want, exact_fraction=0.95)

@@ -1,0 +1,262 @@
+"""The tuner: the correctness gate rejects wrong candidates (also faster ones, also ones wrong only on
+the partial block) and never times them; log lines in their contract shapes; the cache round-trips,
+and a changed kernel source or version, or a corrupt file, means measuring again."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # before kiln's kernels are decorated
+
+pytest.importorskip("triton")
+
+from kiln.backends.cuda import gemm as G  # noqa: E402
+from kiln.backends.cuda.common import device_info  # noqa: E402
+from kiln.errors import KilnError  # noqa: E402
+from kiln.synth import synth_config  # noqa: E402
+from kiln.tune import cache as C  # noqa: E402
+from kiln.tune import gate, timing  # noqa: E402
+from kiln.tune.registry import extra_variant, variant  # noqa: E402
+from kiln.tune.tuner import Plan, Tuner, Workload  # noqa: E402
+from kiln.tune.workloads import config_workloads  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+SHAPE = G.GemmShape(100, 100, 40)          # full block 128 rows, partial block 100 rows
+WORK = Workload(G.OP, SHAPE)
+TIMES = re.compile(r"^\[autotune\] (\S+) (\S+): ((?:\S+ \d+\.\d+ ms, )*\S+ \d+\.\d+ ms) -> (\S+)$")
+SUMMARY = re.compile(r"^\[kiln\] (\d+) kernels compiled in (\d+\.\d) s, tuned in (\d+\.\d) s \(cache (hit|miss): (.+)\)$")
+
+
+def wrong_constant(inputs, outputs, plan):
+    """Faster than any GEMM (one fill) and wrong everywhere."""
+    outputs["y"].fill_(0.5)
+
+
+def right_only_on_full_tiles(inputs, outputs, plan):
+    """Fast and right on every full 64-row tile; rows past the last full tile left unwritten."""
+    x, w, y = inputs["x"], inputs["w"], outputs["y"]
+    full = x.shape[0] // 64 * 64
+    y[:full] = F.linear(x[:full], w)
+
+
+def torch_linear(inputs, outputs, plan):
+    outputs["y"].copy_(F.linear(inputs["x"], inputs["w"]))
+
+
+WRONG = variant("wrong_constant", run=wrong_constant)
+PARTIAL = variant("right_only_on_full_tiles", run=right_only_on_full_tiles)
+FAST = variant("torch_linear", run=torch_linear)
+
+
+def tune(tmp_path, workloads=(WORK,), **kw):
+    lines: list[str] = []
+    kw.setdefault("cache", C.TuneCache(tmp_path / "tune", warn=lines.append))
+    kw.setdefault("reps", 3 if DEVICE.type == "cpu" else None)   # a median, not one sample, on a busy CPU
+    plan, report = Tuner(DEVICE, DTYPE, log=lines.append, **kw).tune(list(workloads))
+    return plan, report, lines
+
+
+def times_line(lines, label="gemm 100x100x40"):
+    found = [m for line in lines if (m := TIMES.match(line)) and f"{m[1]} {m[2]}" == label]
+    assert len(found) == 1, lines
+    return found[0]
+
+
+def test_gate_rejects_wrong_faster_candidates_on_full_and_partial_blocks(tmp_path):
+    with extra_variant("gemm", WRONG), extra_variant("gemm", PARTIAL), extra_variant("gemm", FAST):
+        plan, report, lines = tune(tmp_path)
+    for name in (WRONG.name, PARTIAL.name):
+        wrong = [line for line in lines if f"never picked: {name} " in line]
+        assert len(wrong) == 1, lines
+        assert re.fullmatch(rf"\[autotune\] gemm 100x100x40: wrong against trusted, never picked: {name} "
+                            r"\(max err (\d\.\de[+-]\d\d|nan) of \d\.\de[+-]\d\d\)", wrong[0]), wrong[0]
+    assert "max err nan" in next(line for line in lines if PARTIAL.name in line)     # unwritten rows stay NaN
+    m = times_line(lines)
+    timed = [part.rsplit(" ", 2)[0].rstrip("*") for part in m[3].split(", ")]
+    assert WRONG.name not in timed and PARTIAL.name not in timed                     # never timed
+    chosen = plan.choices["gemm 100x100x40"]
+    assert m[4] == chosen.name in timed and report.rows == [("gemm 100x100x40", chosen.name,
+                                                             plan.times["gemm 100x100x40"], "measured")]
+    if DEVICE.type == "cpu":
+        # The planted right variant is timed and wins over the interpreter's kernels, and the wrong
+        # one is faster still: only the gate kept it out. (On a GPU both are launch-bound at this size.)
+        assert chosen == FAST
+        inputs = G.OP.inputs(SHAPE, DTYPE, DEVICE, torch.Generator(device=DEVICE).manual_seed(3))
+        out = G.OP.outputs(SHAPE, inputs)
+        speed = {v: timing.time_ms([lambda v=v: G.OP.run(v, inputs, out, plan)], DEVICE, reps=25) for v in (WRONG, chosen)}
+        assert speed[WRONG] < speed[chosen], speed
+
+
+def test_partial_block_catches_what_the_full_block_misses():
+    dev = device_info(DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    cases = gate.trusted_cases(G.OP, SHAPE, G.OP.trusted(SHAPE, dev), DTYPE, DEVICE, gen)
+    assert [c.shape.rows for c in cases] == [128, 100]
+    assert gate.check(G.OP, PARTIAL, cases[:1]).ok                  # the full block alone passes it
+    verdict = gate.check(G.OP, PARTIAL, cases)
+    assert not verdict.ok and verdict.err != verdict.err            # NaN: rows left unwritten
+    assert gate.check(G.OP, G.TRUSTED, cases).ok and gate.check(G.OP, FAST, cases).ok
+
+
+def test_gate_threshold_is_one_64th_of_the_trusted_max():
+    dev = device_info(DEVICE)
+    cases = gate.trusted_cases(G.OP, SHAPE, G.OP.trusted(SHAPE, dev), DTYPE, DEVICE,
+                               torch.Generator(device=DEVICE).manual_seed(1))
+
+    def off_by(delta):
+        def run(inputs, outputs, plan):
+            y = F.linear(inputs["x"], inputs["w"])
+            outputs["y"].copy_(y + delta * y.abs().max())
+        return variant(f"off_{delta}", run=run)
+
+    assert gate.check(G.OP, off_by(1 / 128), cases).ok
+    assert not gate.check(G.OP, off_by(1 / 32), cases).ok
+
+
+def test_timing_line_stars_the_fastest_and_picks_it(tmp_path):
+    _, report, lines = tune(tmp_path)
+    m = times_line(lines)
+    parts = [p.rsplit(" ", 2) for p in m[3].split(", ")]
+    times = {name.rstrip("*"): float(t) for name, t, _ in parts}
+    starred = [name.rstrip("*") for name, _, _ in parts if name.endswith("*")]
+    assert starred == [min(times, key=times.get)] == [m[4]]
+    assert len(times) == len(Tuner(DEVICE, DTYPE).candidates(WORK)) >= 3
+    s = SUMMARY.match(lines[-1])
+    assert s and s[4] == "miss" and int(s[1]) == len(times) and s[5] == str(report.path)
+
+
+def test_cache_round_trip_measures_nothing_the_second_time(tmp_path, monkeypatch):
+    plan1, report1, _ = tune(tmp_path)
+    assert report1.path.exists() and not report1.hit
+    saved = json.loads(report1.path.read_text())
+    assert saved["key"]["dtype"] == C.DTYPE_NAMES[DTYPE] and saved["key"]["gpu"] == device_info(DEVICE).name
+    for k in ("sms", "capability", "driver", "cuda", "torch", "triton", "sources", "model"):
+        assert k in saved["key"]
+
+    def boom(*a, **k):
+        raise AssertionError("a cache hit must not measure")
+    monkeypatch.setattr(gate, "check", boom)
+    monkeypatch.setattr(gate, "trusted_cases", boom)
+    monkeypatch.setattr(timing, "time_ms", boom)
+    plan2, report2, lines = tune(tmp_path)
+    assert report2.hit and not [line for line in lines if line.startswith("[autotune]")]
+    assert SUMMARY.match(lines[-1])[4] == "hit" and f"(cache hit: {report1.path})" in lines[-1]
+    assert plan2.choices == plan1.choices
+    with pytest.raises(AssertionError, match="must not measure"):   # --retune measures again
+        tune(tmp_path, retune=True)
+
+
+class EditableGemm(G.GemmOp):
+    """The gemm op with a kernel source file of the test's own, to edit."""
+
+
+def test_changed_kernel_source_invalidates_the_cache(tmp_path):
+    src = tmp_path / "kernel.py"
+    src.write_text("# version 1\n")
+    op = EditableGemm()
+    op.sources = (str(src),)
+    work = Workload(op, SHAPE)
+    _, first, _ = tune(tmp_path, [work])
+    _, again, _ = tune(tmp_path, [work])
+    assert not first.hit and again.hit
+    src.write_text("# version 2\n")
+    _, changed, lines = tune(tmp_path, [work])
+    assert not changed.hit
+    assert any("stale tune cache" in line and "sources" in line for line in lines)
+    _, after, _ = tune(tmp_path, [work])
+    assert after.hit
+
+
+def test_changed_versions_invalidate_the_cache(tmp_path, monkeypatch):
+    tune(tmp_path)
+    env = C.environment
+    monkeypatch.setattr(C, "environment", lambda dev: {**env(dev), "triton": "0.0.0-test"})
+    _, report, lines = tune(tmp_path)
+    assert not report.hit and any("stale tune cache" in line and "triton" in line for line in lines)
+    monkeypatch.setattr(C, "environment", lambda dev: {**env(dev), "torch": "0.0.0-test"})
+    _, report, lines = tune(tmp_path)
+    assert not report.hit and any("torch" in line for line in lines if "stale" in line)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "wrong_shape", "empty"])
+def test_corrupt_or_partial_cache_file_is_ignored_with_a_warning(tmp_path, damage):
+    _, report, _ = tune(tmp_path)
+    text = report.path.read_text()
+    report.path.write_text({"truncate": text[: len(text) // 2], "garbage": "\x00\x01 not json",
+                            "wrong_shape": json.dumps({"key": 1, "entries": []}), "empty": ""}[damage])
+    _, again, lines = tune(tmp_path)
+    assert not again.hit and any("ignoring corrupt tune cache" in line for line in lines)
+    _, healed, _ = tune(tmp_path)
+    assert healed.hit
+
+
+def test_concurrent_writers_leave_a_whole_file(tmp_path):
+    cache = C.TuneCache(tmp_path, warn=lambda line: pytest.fail(line))
+    key = {"gpu": "test gpu", "model": "m", "dtype": "f32"}
+    big = {f"gemm {i}x1x1": {"variant": "v" * 200, "ms": i} for i in range(300)}
+
+    def write(n):
+        for i in range(20):
+            cache.save(key, {**big, "writer": {"variant": f"{n}-{i}"}})
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for _ in range(50):   # readers during the writes never see half a file
+        entries = cache.load(key)
+        assert entries is None or len(entries) == 301
+    for t in threads:
+        t.join()
+    assert cache.load(key)["writer"]["variant"].endswith("-19")
+    assert [p.name for p in tmp_path.iterdir()] == [cache.path(key).name]   # no temporary files left
+
+
+def test_pinned_variant_is_used_unmeasured_and_still_gated(tmp_path):
+    pin = G.tile_variant(64, 128, 32, 4, 1) if DEVICE.type == "cpu" else G.tile_variant(64, 64, 64, 4, 4)
+    plan, report, lines = tune(tmp_path, pins={"gemm": pin.name})
+    assert plan.choices["gemm 100x100x40"] == pin and report.rows[0][3] == "pinned"
+    assert not [line for line in lines if TIMES.match(line)]
+    with extra_variant("gemm", WRONG):
+        plan, _, lines = tune(tmp_path, pins={"gemm": WRONG.name})
+    assert plan.choices["gemm 100x100x40"] == G.TRUSTED
+    assert any(f"never picked: {WRONG.name}" in line for line in lines)
+    with pytest.raises(KilnError, match="no such variant"):
+        tune(tmp_path, pins={"gemm": "bm7_bn7"})
+
+
+def test_budget_spent_takes_the_default_unmeasured(tmp_path):
+    plan, report, lines = tune(tmp_path, budget_s=0.0)
+    assert plan.choices["gemm 100x100x40"] == G.OP.default(SHAPE, device_info(DEVICE))
+    assert report.rows[0][3] == "default" and any("budget" in line for line in lines)
+    assert not report.path.exists() or "gemm 100x100x40" not in json.loads(report.path.read_text())["entries"]
+
+
+def test_plan_chooses_the_nearest_measured_rows_at_or_above():
+    dev = device_info(DEVICE)
+    plan = Plan(dev, DTYPE)
+    a, b = G.tile_variant(16, 64, 64, 4, 1), G.tile_variant(128, 128, 32, 4, 1)
+    plan.set(Workload(G.OP, G.GemmShape(1, 48, 40)), a)
+    plan.set(Workload(G.OP, G.GemmShape(512, 48, 40)), b)
+    assert [plan.choose(G.OP, G.GemmShape(m, 48, 40)) for m in (1, 2, 300, 512, 4096)] == [a, b, b, b, b]
+    assert plan.choose(G.OP, G.GemmShape(7, 99, 40)) == G.OP.default(G.GemmShape(7, 99, 40), dev)
+
+
+def test_workloads_of_qwen35_08b_are_its_projections():
+    work = config_workloads(synth_config("qwen3.5-0.8b"))
+    gemms = {(w.shape.rows, w.shape.n, w.shape.k) for w in work if w.op.name == "gemm"}
+    prefill = {(n, k) for m, n, k in gemms if m == 512}
+    assert prefill == {(6144, 1024), (2048, 1024), (16, 1024), (1024, 2048), (4096, 1024), (512, 1024),
+                       (3584, 1024), (1024, 3584)}      # GDN qkv/z/b,a/out, attention q/k,v/o, MLP
+    assert {(n, k) for m, n, k in gemms if m == 1} == prefill | {(248320, 1024)}    # + the LM head
+    norms = {(w.shape.rows, w.shape.d, w.shape.style) for w in work if w.op.name == "rmsnorm"}
+    assert {(512, 1024, "offset"), (512 * 8, 256, "offset"), (512 * 2, 256, "offset"), (1, 1024, "offset")} <= norms
+    fused = [w.shape for w in work if w.op.name == "rmsnorm_gemm"]
+    assert [(s.rows, s.n, s.k, s.style) for s in fused] == [(1, 248320, 1024, "offset")]

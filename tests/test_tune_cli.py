@@ -1,0 +1,77 @@
+"""`kiln tune` and `kiln kernels` as a user runs them on CPU: `TRITON_INTERPRET=1 kiln tune
+synth:tiny-qwen3.5 --device cpu` prints the [autotune] lines and the [kiln] summary, and a second
+run is a cache hit that measures nothing."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SUMMARY = re.compile(r"^\[kiln\] (\d+) kernels compiled in \d+\.\d s, tuned in \d+\.\d s \(cache (hit|miss): (\S+\.json)\)$")
+
+
+def kiln(*args, cache, interpret=True, timeout=900):
+    env = {**os.environ, "KILN_CACHE_DIR": str(cache)}
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("kiln-cache")
+    first = kiln("tune", "synth:tiny-qwen3.5", "--device", "cpu", cache=cache)
+    second = kiln("tune", "synth:tiny-qwen3.5", "--device", "cpu", cache=cache)
+    return cache, first, second
+
+
+def test_tune_prints_autotune_lines_and_summary_then_hits_the_cache(tuned):
+    cache, first, second = tuned
+    assert first.returncode == 0, first.stderr
+    lines = first.stderr.splitlines()
+    for op in ("gemm", "rmsnorm", "rmsnorm_gemm"):
+        assert any(re.match(rf"\[autotune\] {op} \S+: .* ms -> \S+$", line) for line in lines), op
+    assert any(line.startswith("[autotune] gemm 512x264x96: ") for line in lines)     # GDN in_proj_qkv, prefill
+    assert any(line.startswith("[autotune] gemm 1x509x96: ") for line in lines)       # LM head, decode
+    m = SUMMARY.match(lines[-1])
+    assert m and m[2] == "miss" and m[3].startswith(str(cache)) and os.path.exists(m[3])
+    assert second.returncode == 0, second.stderr
+    assert not [line for line in second.stderr.splitlines() if line.startswith("[autotune]")]
+    hit = SUMMARY.match(second.stderr.splitlines()[-1])
+    assert hit and hit[2] == "hit" and hit[3] == m[3]
+    table = [line for line in second.stdout.splitlines() if line.startswith("| ")]
+    assert table[0] == "| op | shape | variant | ms | how |"
+    assert {row.split("|")[5].strip() for row in table[1:]} == {"cached"}
+    assert any("| gemm | 512x480x96 |" in row for row in table)                     # q_proj with its gate
+
+
+def test_kernels_dump_writes_each_chosen_kernel_named_by_op_and_shape(tuned, tmp_path):
+    cache, _, _ = tuned
+    r = kiln("kernels", "synth:tiny-qwen3.5", "--device", "cpu", "--dump", str(tmp_path / "k"), cache=cache)
+    assert r.returncode == 0, r.stderr
+    assert not [line for line in r.stderr.splitlines() if line.startswith("[autotune]")]   # from the cache
+    names = sorted(p.name for p in (tmp_path / "k").iterdir())
+    assert any(re.fullmatch(r"gemm_512x264x96_\S+\.py", n) for n in names)
+    assert any(re.fullmatch(r"rmsnorm_512x96_offset_\S+\.py", n) for n in names)
+    src = next((tmp_path / "k").glob("gemm_512x264x96_*.py")).read_text()
+    assert "def gemm_kernel(" in src or "def gemm_tma_kernel(" in src
+
+
+def test_user_mistakes_are_one_line_errors(tmp_path):
+    r = kiln("tune", "synth:tiny-qwen3.5", "--device", "cpu", cache=tmp_path, interpret=False)
+    assert r.returncode == 2 and "TRITON_INTERPRET=1" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = kiln("tune", "synth:tiny-qwen3.5", "--device", "cpu", "--tune", "gemm=bm7_nope", "--m", "1",
+             "--ops", "gemm", cache=tmp_path)
+    assert r.returncode == 2 and "no such variant" in r.stderr
+    r = kiln("tune", "synth:tiny-qwen3.5", "--device", "cpu", "--tune", "attn=x", cache=tmp_path)
+    assert r.returncode == 2 and "unknown op" in r.stderr
+    r = kiln("tune", "synth:tiny-qwen3.5", "--device", "cpu", "--ops", "gemm,nope", cache=tmp_path)
+    assert r.returncode == 2 and "unknown op" in r.stderr
