@@ -45,9 +45,13 @@ class Completion:
 
 
 def resolve_model(model: str | Path | None, quiet: bool = False) -> Path:
-    """A bundled model's name (pulled if missing), a path, or None for the default model."""
+    """A bundled model's name (pulled if missing), a path, a `synth:` spec, or None for the default model."""
     if model is None:
         return hub.ensure(hub.DEFAULT_MODEL, quiet=quiet)
+    if str(model).startswith("synth:"):  # synth:NAME[:layers=N][:seed=S], drawn in memory (kiln.synth)
+        from .synth import parse_spec
+        parse_spec(str(model))
+        return Path(str(model))
     if str(model) in hub.BUNDLED:
         return hub.ensure(str(model), quiet=quiet)
     p = Path(model).expanduser()
@@ -79,6 +83,8 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 def _load_tokenizer(ckpt):
     from .tokenizer import Tokenizer
 
+    if ckpt.format == "synth":
+        return None
     if ckpt.gguf_metadata is not None:
         st = ckpt.path.stat()
         key = hashlib.sha256(f"{ckpt.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
@@ -184,15 +190,22 @@ class _Run:
 
 
 def load(model: str | Path | None = None, device: str | None = "auto", dtype: str | None = None,
-         backend: str = "reference", max_context: int | None = None, quiet: bool = True) -> LLM:
-    """Load a model: a path (HF folder or GGUF file), a bundled model's name, or None (the default)."""
+         backend: str = "reference", max_context: int | None = None, quiet: bool = True,
+         retune: bool = False, tune: dict[str, str] | None = None) -> LLM:
+    """Load a model: a path (HF folder or GGUF file), a bundled model's name, or None (the default).
+    A compiling backend tunes its kernels for the model here (`retune` measures again; `tune` pins
+    op -> variant)."""
     t0 = time.perf_counter()
     path = resolve_model(model, quiet=quiet)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     ckpt = open_checkpoint(path)
     ops = get_ops(backend, dev)
-    net = build_model(ckpt, ops, dt, dev)
+    net = build_model(ckpt, ops, dt, dev, progress=not quiet)
+    if hasattr(ops, "prepare"):
+        ops.prepare(net, dt, retune=retune, pins=tune, quiet=quiet)
+    elif retune or tune:
+        raise KilnError(f"--retune and --tune apply to the cuda backend, not {backend!r}")
     limit = net.cfg.max_position_embeddings
     if max_context is not None:
         if max_context < 2:

@@ -350,12 +350,13 @@ def _gpu_fits_both(llm) -> bool:
 
 
 def _load(a, say):
-    from .api import load, resolve_model
+    from .api import resolve_model
+    from .cli import load_from_args
 
     synth = (a.model or "").startswith("synth:")
     # Resolving first pulls a missing bundled model, so load_s never includes a download.
     cache = None if synth else resident_fraction(resolve_model(a.model, quiet=a.quiet))
-    llm = load(a.model, device=a.device, dtype=a.dtype, backend=a.backend, max_context=a.max_context, quiet=a.quiet)
+    llm = load_from_args(a)
     note = "weights synthesized, no checkpoint read" if synth else page_cache_note(cache)
     say(f"loaded {a.model or _model_label(None, None)} ({DTYPE_NAMES[llm.engine.dtype]}, {llm.engine.device}, "
         f"{a.backend}) in {llm.load_s:.2f} s; {note}")

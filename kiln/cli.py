@@ -53,14 +53,23 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
+def _token_ids(s: str) -> list[int]:
+    from .synth import parse_token_ids
+    return parse_token_ids(s)
+
+
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model (run, chat, and later serve/bench)."""
-    p.add_argument("model", nargs="?", default=None, help="a path (HF folder or .gguf) or a bundled model name")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a path (HF folder or .gguf), a bundled model name, or synth:NAME[:layers=N][:seed=S]")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=["f32", "bf16", "f16"], default=None,
                    help="weights and activations (default: bf16 on GPU, f32 on CPU)")
     p.add_argument("--backend", default="reference", help="kernel backend (default: reference)")
     p.add_argument("--max-context", type=_positive_int, default=None, help="cap on prompt + generated tokens")
+    p.add_argument("--retune", action="store_true", help="cuda backend: measure kernels again even on a cache hit")
+    p.add_argument("--tune", action="append", default=[], metavar="OP=VARIANT",
+                   help="cuda backend: pin a kernel variant for every shape of OP (repeatable)")
     p.add_argument("--quiet", action="store_true", help="print nothing on stderr")
 
 
@@ -96,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="raw completion of a prompt (no chat template)")
     add_runtime_flags(run)
-    run.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
+    src = run.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text ('-' reads stdin)")
+    src.add_argument("--prompt-ids", type=_token_ids, help="comma-separated token ids (models without a tokenizer)")
+    src.add_argument("--random-prompt", type=_positive_int, metavar="N", help="N random token ids (seeded by --seed)")
     add_sampling_flags(run, temperature=0.0)
 
     chat = sub.add_parser("chat", help="chat with the model's template (interactive, or --messages once)")
@@ -117,10 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(a):
+def load_from_args(a):
+    """kiln.load with the runtime flags of `add_runtime_flags`."""
     from .api import load
+    from .tune.cli import parse_pins
 
-    llm = load(a.model, device=a.device, dtype=a.dtype, backend=a.backend, max_context=a.max_context, quiet=a.quiet)
+    return load(a.model, device=a.device, dtype=a.dtype, backend=a.backend, max_context=a.max_context,
+                quiet=a.quiet, retune=a.retune, tune=parse_pins(a.tune))
+
+
+def _load(a):
+    llm = load_from_args(a)
     if not a.quiet:
         print(f"kiln: loaded {llm.path.name} ({type(llm.model).__name__}, {llm.engine.dtype}, "
               f"{llm.engine.device}) in {llm.load_s:.2f} s", file=sys.stderr)
@@ -139,15 +158,24 @@ def _emit(pieces, stats_of, quiet: bool) -> None:
 
 
 def cmd_run(a) -> int:
-    prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
-    if not prompt:
-        raise KilnError("empty prompt")
+    prompt = a.prompt_ids
+    if a.prompt is not None:
+        prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
+        if not prompt:
+            raise KilnError("empty prompt")
     llm = _load(a)
     from .api import _Run
     from .sampling import SamplingParams
 
+    if a.random_prompt:
+        from .synth import random_prompt
+        prompt = random_prompt(a.random_prompt, llm.config.vocab_size, a.seed or 0)
+    elif isinstance(prompt, str) and llm.tokenizer is None:
+        raise KilnError("this model has no tokenizer: give --prompt-ids or --random-prompt")
     run = _Run(llm, llm._prompt_ids(prompt), SamplingParams(**sampling_kwargs(a)))
-    _emit(run, run.stats, a.quiet)
+    # Without a tokenizer the generated token ids are the output (comma-separated, as --prompt-ids takes them).
+    pieces = run if llm.tokenizer is not None else (("," if i else "") + str(t) for i, t in enumerate(run.stream.ids))
+    _emit(pieces, run.stats, a.quiet)
     return 0
 
 

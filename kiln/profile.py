@@ -154,14 +154,15 @@ def table(prof: dict) -> str:
 
 
 def main(a) -> int:
-    from .api import load
     from .bench import _model_label, random_prompts
 
     if a.json_path:
         check_writable(a.json_path, "--json")
     if a.max_context is not None and a.prompt_length + 1 > a.max_context:
         raise KilnError(f"prompt length {a.prompt_length} + 1 decode step does not fit --max-context {a.max_context}")
-    llm = load(a.model, device=a.device, dtype=a.dtype, backend=a.backend, max_context=a.max_context, quiet=a.quiet)
+    from .cli import load_from_args
+
+    llm = load_from_args(a)
     eng, n = llm.engine, a.prompt_length
     if n + 1 > eng.max_context:
         raise KilnError(f"prompt length {n} + 1 decode step does not fit the max context of {eng.max_context} tokens")

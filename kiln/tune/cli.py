@@ -13,9 +13,7 @@ from ..errors import KilnError
 def add_tune_flags(p: argparse.ArgumentParser) -> None:
     from ..cli import _positive_int
 
-    p.add_argument("--retune", action="store_true", help="measure again even when the cache has the choices")
-    p.add_argument("--tune", action="append", default=[], metavar="OP=VARIANT",
-                   help="pin a variant for every shape of OP (repeatable; e.g. gemm=bm128_bn128_bk64_w8_s4)")
+    # --retune and --tune OP=VARIANT come with kiln.cli.add_runtime_flags.
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help="stop measuring after this long; the rest take each op's default (default 600)")
     p.add_argument("--m", type=_positive_int, action="append", default=None, metavar="ROWS",
