@@ -18,7 +18,7 @@ from ..errors import KilnError
 @dataclass
 class Checkpoint:
     path: Path
-    format: str                                   # "hf" | "gguf"
+    format: str                                   # "hf" | "gguf" | "synth"
     config: dict                                  # HF-style text config (model_type, sizes, ...)
     shapes: dict[str, tuple[int, ...]]            # canonical name -> shape
     loader: Callable[[str], torch.Tensor]         # canonical name -> tensor (stored or f32 dtype)
@@ -30,6 +30,9 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
+    if str(path).startswith("synth:"):  # seeded random weights, drawn as they are loaded
+        from ..synth import open_synth
+        return open_synth(str(path))
     p = Path(path).expanduser()
     if not p.exists():
         raise KilnError(f"no such model file or folder: {p}")

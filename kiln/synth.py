@@ -1,0 +1,488 @@
+"""Synthesized checkpoints: real configurations with seeded random weights, written to an HF folder
+(`kiln synth ARCH OUT`) or materialised in memory (the model spec `synth:NAME[:layers=N][:seed=S]`).
+
+Tensor names and shapes come from kiln's model class for the config's `model_type`. Every tensor is
+drawn in blocks of BLOCK elements, each block from its own seed (a hash of the run seed, the tensor
+name and the block index): a tensor never depends on which other tensors exist, so `--layers N` is
+the first N layers of the full model, and the folder and the spec hold the same values. Values are
+drawn in f32 and rounded to the stored dtype, so a bf16 checkpoint is the f32 one rounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .errors import KilnError
+
+BLOCK = 1 << 22          # elements per independently seeded block (part of the determinism contract)
+WORKERS = min(8, os.cpu_count() or 1)
+
+# -- the configurations -------------------------------------------------------------------------
+
+_QWEN35 = dict(  # shared by every Qwen3.5 / 3.6 text model (REFERENCE.md)
+    vocab_size=248320, head_dim=256, attn_output_gate=True, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6, hidden_act="silu",
+    max_position_embeddings=262144, attention_bias=False, eos_token_id=248044,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+
+
+def _hybrid(n: int, interval: int) -> list[str]:
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+
+
+def _sliding(n: int, period: int) -> list[str]:
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+
+
+def _qwen35(hidden, layers, heads, kv, inter, gdn_k, gdn_v, tied):
+    return dict(_QWEN35, model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], hidden_size=hidden,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
+                linear_num_key_heads=gdn_k, linear_num_value_heads=gdn_v, tie_word_embeddings=tied,
+                layer_types=_hybrid(layers, 4))
+
+
+def _qwen35_moe(hidden, layers, heads, kv, experts, top_k, expert_ffn, shared_ffn, gdn_k, gdn_v):
+    return dict(_QWEN35, model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"], hidden_size=hidden,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, num_experts=experts,
+                num_experts_per_tok=top_k, moe_intermediate_size=expert_ffn, shared_expert_intermediate_size=shared_ffn,
+                linear_num_key_heads=gdn_k, linear_num_value_heads=gdn_v, tie_word_embeddings=False,
+                layer_types=_hybrid(layers, 4))
+
+
+def _tiny(base: dict, **over) -> dict:
+    """A tiny config of a family: odd sizes, max context 1024."""
+    cfg = dict(base, max_position_embeddings=1024, **over)
+    cfg.pop("eos_token_id", None)  # random weights: generation runs to max_new_tokens
+    return {k: v for k, v in cfg.items() if v is not None}  # None: the key is left out (HF default)
+
+
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+_TINY_QWEN_ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+_GEMMA4_26B = dict(
+    model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], vocab_size=262144, hidden_size=2816,
+    num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+    num_global_key_value_heads=2, attention_k_eq_v=True, intermediate_size=2112, enable_moe_block=True,
+    num_experts=128, top_k_experts=8, moe_intermediate_size=704, hidden_activation="gelu_pytorch_tanh",
+    sliding_window=1024, layer_types=_sliding(30, 6), rope_parameters=_GEMMA4_ROPE, final_logit_softcapping=30.0,
+    hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False, rms_norm_eps=1e-6,
+    max_position_embeddings=262144, tie_word_embeddings=True, attention_bias=False,
+    pad_token_id=0, bos_token_id=2, eos_token_id=[1, 106])
+_QWEN3_NEXT_80B = dict(
+    model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], vocab_size=151936, hidden_size=2048,
+    num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256, intermediate_size=5120,
+    num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    full_attention_interval=4, layer_types=_hybrid(48, 4), hidden_act="silu", rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    max_position_embeddings=262144, tie_word_embeddings=False, attention_bias=False, eos_token_id=151645)
+
+CONFIGS: dict[str, dict] = {
+    "qwen3.5-0.8b": _qwen35(1024, 24, 8, 2, 3584, 16, 16, tied=True),
+    "qwen3.5-2b": _qwen35(2048, 24, 8, 2, 6144, 16, 16, tied=True),
+    "qwen3.5-4b": _qwen35(2560, 32, 16, 4, 9216, 16, 32, tied=True),
+    "qwen3.5-9b": _qwen35(4096, 32, 16, 4, 12288, 16, 32, tied=False),
+    "qwen3.5-27b": _qwen35(5120, 64, 24, 4, 17408, 16, 48, tied=False),
+    "qwen3.5-35b-a3b": _qwen35_moe(2048, 40, 16, 2, 256, 8, 512, 512, 16, 32),
+    "qwen3.5-122b-a10b": _qwen35_moe(3072, 48, 32, 2, 256, 8, 1024, 1024, 16, 64),
+    "qwen3.5-397b-a17b": _qwen35_moe(4096, 60, 32, 2, 512, 10, 1024, 1024, 16, 64),
+    "qwen3-next-80b-a3b": _QWEN3_NEXT_80B,
+    "gemma4-26b-a4b": _GEMMA4_26B,
+    # The bundled models' shapes (REFERENCE.md), for benchmarks and memory tests on random weights.
+    "smollm2-135m": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         rms_norm_eps=1e-5, rope_theta=100_000.0, tie_word_embeddings=True, hidden_act="silu",
+                         max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
+    "gemma3-270m": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=262144,
+                        hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+                        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+                        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+                        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True,
+                        max_position_embeddings=32768, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    # Tiny configs, one per family: sizes that are not powers of two, hybrids with >= 2 GDN and
+    # >= 1 full layer, MoE with >= 8 experts, sliding windows shorter than prompt + generation.
+    "tiny-llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=331, hidden_size=72,
+                       intermediate_size=136, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                       rms_norm_eps=1e-5, rope_theta=100_000.0, tie_word_embeddings=True,
+                       max_position_embeddings=1024, hidden_act="silu"),
+    "tiny-gemma3": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=317,
+                        hidden_size=84, intermediate_size=144, num_hidden_layers=4, num_attention_heads=6,
+                        num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=24, sliding_window=7,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+                        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True,
+                        max_position_embeddings=1024),
+    "tiny-qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=389, hidden_size=88,
+                       intermediate_size=152, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                       head_dim=20, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                       tie_word_embeddings=False, max_position_embeddings=1024, hidden_act="silu",
+                       attention_bias=False),
+    "tiny-qwen3.5": _tiny(_qwen35(96, 6, 6, 2, 176, 3, 6, tied=True), vocab_size=509, head_dim=40,
+                          linear_key_head_dim=24, linear_value_head_dim=20, full_attention_interval=3,
+                          layer_types=_hybrid(6, 3),
+                          rope_parameters=_TINY_QWEN_ROPE),
+    "tiny-qwen3.5-moe": _tiny(_qwen35_moe(80, 5, 6, 2, 10, 3, 40, 56, 2, 6), vocab_size=491, head_dim=24,
+                              linear_key_head_dim=20, linear_value_head_dim=28, full_attention_interval=3,
+                              layer_types=_hybrid(5, 3),
+                              rope_parameters=_TINY_QWEN_ROPE),
+    "tiny-qwen3-next": _tiny(_QWEN3_NEXT_80B, vocab_size=443, hidden_size=72, intermediate_size=120,
+                             num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, head_dim=24,
+                             num_experts=12, num_experts_per_tok=4, moe_intermediate_size=36,
+                             shared_expert_intermediate_size=44, linear_num_key_heads=2, linear_num_value_heads=6,
+                             linear_key_head_dim=20, linear_value_head_dim=28, layer_types=_hybrid(4, 4)),
+    "tiny-gemma4": _tiny(_GEMMA4_26B, vocab_size=331, hidden_size=88, intermediate_size=152, num_hidden_layers=5,
+                         num_attention_heads=6, num_key_value_heads=2, head_dim=24, global_head_dim=40,
+                         num_global_key_value_heads=None, attention_k_eq_v=False, enable_moe_block=False,
+                         num_experts=None, top_k_experts=None, moe_intermediate_size=None, sliding_window=7,
+                         layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                      "sliding_attention", "full_attention"]),
+    "tiny-gemma4-moe": _tiny(_GEMMA4_26B, vocab_size=347, hidden_size=72, intermediate_size=104,
+                             num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, head_dim=24,
+                             global_head_dim=56, num_global_key_value_heads=1, num_experts=9, top_k_experts=3,
+                             moe_intermediate_size=36, sliding_window=9, layer_types=_sliding(4, 4)),
+}
+
+
+def synth_config(name: str, layers: int | None = None) -> dict:
+    """The HF config.json dict of a named configuration, cut to its first `layers` layers."""
+    if name not in CONFIGS:
+        raise KilnError(f"unknown synthesized model {name!r} (known: {', '.join(CONFIGS)})")
+    cfg = copy.deepcopy(CONFIGS[name])
+    n = cfg["num_hidden_layers"]
+    if layers is None or layers == n:
+        return cfg
+    if not 1 <= layers <= n:
+        raise KilnError(f"{name} has {n} layers: layers must be between 1 and {n}, got {layers}")
+    cfg["num_hidden_layers"] = layers
+    if "layer_types" in cfg:
+        types = cfg["layer_types"] = cfg["layer_types"][:layers]
+        # transformers forces Gemma 4's last layer to full attention, and its hybrid cache needs one
+        if cfg["model_type"] == "gemma4_text" or "full_attention" not in types:
+            types[-1] = "full_attention"
+    if "mlp_only_layers" in cfg:
+        cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < layers]
+    return cfg
+
+
+def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor names and shapes, from kiln's model class; tied weights are left out."""
+    from .models import model_class
+    from .models.base import config_from_dict
+
+    cls = model_class(config["model_type"])
+    cfg = config_from_dict(cls.config_class, config)
+    tied = set(cls.tied_names(cfg))
+    return {n: tuple(int(d) for d in s) for n, s in cls.weight_shapes(cfg).items() if n not in tied}
+
+
+# -- initialisation -------------------------------------------------------------------------------
+
+ZERO_CENTRED = {"gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # RMSNorm scales by (1 + w)
+_NORM = re.compile(r"(^|\.)\w*norm(_\d+)?\.weight$")
+
+
+def zero_centred(config: dict, name: str) -> bool:
+    """Whether a norm weight is stored zero-centred (applied as 1 + w); the GDN gated norm never is."""
+    return config["model_type"] in ZERO_CENTRED and ".linear_attn.norm." not in name
+
+
+def init_rule(config: dict, name: str, shape: tuple[int, ...]) -> tuple[str, float, float]:
+    """(kind, a, b) for one tensor: "uniform" in [a, b), "log" = log U(a, b), "dt" = softplus^-1 of
+    log-uniform in [a, b). Linear weights have variance 1/fan_in (fan_in = last dim), so each
+    projection keeps its input's scale; norm scales sit near identity; logits have std ~3."""
+    mt, leaf, fan_in = config["model_type"], name.rsplit(".", 1)[-1], shape[-1]
+    if leaf == "A_log":
+        return "log", 1.0, 16.0                       # GDN decay rate A in [1, 16), as HF initialises
+    if leaf == "dt_bias":
+        return "dt", 1e-3, 1e-1                       # softplus(dt_bias) in [1e-3, 0.1): memory of 3-50+ tokens
+    if leaf == "layer_scalar":
+        return "uniform", 0.5, 1.0
+    if leaf in ("scale", "per_expert_scale"):         # Gemma 4 router scales
+        return _around(1.0, 0.1)
+    if leaf == "bias":
+        return _around(0.0, 0.02)
+    if _NORM.search(name):
+        gain = 1.0
+        if mt == "gemma4_text" and re.search(r"\.[qk]_norm\.weight$", name):
+            gain = fan_in ** -0.25                    # Gemma 4 scores are unscaled: keeps q.k std ~1
+        elif name == "model.norm.weight" and config.get("tie_word_embeddings"):
+            gain = 3.0 / (_embed_std(config) * math.sqrt(fan_in))  # the small tied embedding still gives logits std 3
+        return _around(gain - (1.0 if zero_centred(config, name) else 0.0), 0.1 * gain)
+    if "embed_tokens" in name:
+        return _around(0.0, _embed_std(config))
+    if name.endswith("lm_head.weight"):
+        return _around(0.0, 3.0 / math.sqrt(fan_in))
+    if name.endswith("router.proj.weight"):           # Gemma 4: input already scaled by hidden^-0.5
+        return _around(0.0, 1.0)
+    if len(shape) >= 2:
+        return _around(0.0, 1.0 / math.sqrt(fan_in))
+    return _around(1.0, 0.1)                          # any other vector: a scale near 1
+
+
+def _embed_std(config: dict) -> float:
+    """Embeddings enter the residual at rms hidden^-1/2 (Gemma scales them up by sqrt(hidden)), as in
+    trained models: with tied weights a larger one makes every token predict itself."""
+    h = config["hidden_size"]
+    return 1.0 / h if config["model_type"].startswith("gemma") else 1.0 / math.sqrt(h)
+
+
+def _around(mean: float, std: float) -> tuple[str, float, float]:
+    """Uniform with this mean and standard deviation."""
+    half = math.sqrt(3.0) * std
+    return "uniform", mean - half, mean + half
+
+
+def _seed(seed: int, name: str, block: int) -> int:
+    digest = hashlib.blake2b(f"{seed}\0{name}\0{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _draw(rule: tuple[str, float, float], n: int, seed: int) -> torch.Tensor:
+    """n values in f32. Uniforms are k * 2^-24 (exact), then one affine map: the same bits on any CPU."""
+    kind, a, b = rule
+    u = np.random.Generator(np.random.SFC64(seed)).random(n, dtype=np.float32)
+    if kind == "uniform":
+        return torch.from_numpy(u).mul_(b - a).add_(a)
+    u64 = u.astype(np.float64)
+    if kind == "log":
+        return torch.from_numpy(np.log(a + (b - a) * u64).astype(np.float32))
+    dt = np.exp(math.log(a) + (math.log(b) - math.log(a)) * u64)
+    return torch.from_numpy((dt + np.log(-np.expm1(-dt))).astype(np.float32))
+
+
+def tensor_blocks(config: dict, name: str, shape: tuple[int, ...], seed: int) -> Iterator[torch.Tensor]:
+    """The tensor's values, flat, in f32 blocks of BLOCK elements (drawn on up to WORKERS threads)."""
+    rule, n = init_rule(config, name, shape), math.prod(shape)
+    count = max(1, -(-n // BLOCK))
+
+    def block(i: int) -> torch.Tensor:
+        return _draw(rule, min(BLOCK, n - i * BLOCK), _seed(seed, name, i))
+
+    if count == 1:
+        yield block(0)
+        return
+    with ThreadPoolExecutor(min(WORKERS, count)) as pool:
+        ahead: deque = deque()
+        for i in range(count):
+            ahead.append(pool.submit(block, i))
+            if len(ahead) >= WORKERS:  # bounded look-ahead: memory stays at a few blocks
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+
+
+def synth_tensor(config: dict, name: str, shape: tuple[int, ...], seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The whole tensor, each f32 block rounded to `dtype` as it lands (no full-size f32 copy)."""
+    out = torch.empty(math.prod(shape), dtype=dtype)
+    at = 0
+    for b in tensor_blocks(config, name, shape, seed):
+        out[at:at + b.numel()] = b
+        at += b.numel()
+    return out.view(shape)
+
+
+# -- the model spec `synth:NAME[:layers=N][:seed=S]` ------------------------------------------------
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    layers: int | None = None
+    seed: int = 0
+
+
+def parse_spec(spec: str) -> Spec:
+    prefix, _, rest = str(spec).partition(":")
+    parts = rest.split(":")
+    if prefix != "synth" or not parts[0]:
+        raise KilnError(f"not a synthesized model spec: {spec!r} (use synth:NAME[:layers=N][:seed=S])")
+    synth_config(parts[0])  # unknown names are an error that lists the known ones
+    opts: dict[str, int] = {}
+    for opt in parts[1:]:
+        key, eq, value = opt.partition("=")
+        if key not in ("layers", "seed") or not eq or not value.isdigit() or key in opts:
+            raise KilnError(f"bad option {opt!r} in {spec!r} (use synth:NAME[:layers=N][:seed=S])")
+        opts[key] = int(value)
+    return Spec(parts[0], **opts)
+
+
+def open_synth(spec: str):
+    """A `Checkpoint` whose tensors are drawn when loaded (f32; the load casts to its dtype)."""
+    from .weights import Checkpoint
+
+    s = parse_spec(spec)
+    config = synth_config(s.name, s.layers)
+    shapes = tensor_shapes(config)
+
+    def load(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return synth_tensor(config, name, shapes[name], s.seed, dtype)
+
+    return Checkpoint(Path(spec), "synth", config, shapes, load)
+
+
+def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    """n token ids uniform in [0, vocab), the same for the same (n, vocab, seed) on any machine."""
+    return np.random.Generator(np.random.SFC64(_seed(seed, "prompt", n))).integers(0, vocab, n).tolist()
+
+
+def parse_token_ids(s: str) -> list[int]:
+    """`--prompt-ids 1,2,3` (argparse type)."""
+    try:
+        ids = [int(t) for t in s.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {s!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids >= 0, got {s!r}")
+    return ids
+
+
+# -- writing an HF folder ------------------------------------------------------------------------
+
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "f16": torch.float16}
+_ST_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+_HF_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+
+
+def plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int, shard_bytes: int) -> list[list[str]]:
+    """Tensors in declaration order, a new shard whenever the next one would overflow `shard_bytes`."""
+    shards, size = [[]], 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _write_shard(path: Path, names, shapes, config: dict, seed: int, dtype, bar) -> None:
+    """A safetensors file written tensor by tensor, block by block: the header first (every size
+    is known), then each block's bytes as soon as it is drawn."""
+    header, at = {"__metadata__": {"format": "pt"}}, 0
+    for n in names:
+        nbytes = math.prod(shapes[n]) * dtype.itemsize
+        header[n] = {"dtype": _ST_NAMES[dtype], "shape": list(shapes[n]), "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for n in names:
+            for block in tensor_blocks(config, n, shapes[n], seed):
+                f.write(block.to(dtype).view(torch.uint8).numpy())
+                bar.update(block.numel() * dtype.itemsize)
+
+
+def write_checkpoint(name: str, out: str | Path, layers: int | None = None, seed: int = 0, dtype: str = "bf16",
+                     shard_bytes: int = 4 << 30, quiet: bool = False) -> Path:
+    """Write `name` as an HF folder at `out` (which must not exist): built in a temporary folder
+    beside it, renamed when complete. Memory stays at a few blocks whatever the model's size."""
+    from tqdm import tqdm
+
+    config = synth_config(name, layers)
+    shapes = tensor_shapes(config)
+    dt = DTYPES[dtype]
+    out = Path(out).expanduser()
+    if out.exists():
+        raise KilnError(f"{out} already exists (remove it or choose another folder)")
+    if not out.parent.is_dir():
+        raise KilnError(f"no such folder: {out.parent}")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        shards = plan_shards(shapes, dt.itemsize, shard_bytes)
+        total = sum(math.prod(s) for s in shapes.values()) * dt.itemsize
+        weight_map = {}
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"synth {name}",
+                  file=sys.stderr, disable=quiet) as bar:
+            for k, names in enumerate(shards):
+                file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                _write_shard(tmp / file, names, shapes, config, seed, dt, bar)
+                weight_map.update(dict.fromkeys(names, file))
+        index = {"metadata": {"total_size": total, "kiln_synth": {"name": name, "layers": config["num_hidden_layers"],
+                                                                 "seed": seed}},
+                 "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        (tmp / "config.json").write_text(json.dumps(dict(config, dtype=_HF_NAMES[dt]), indent=2))
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# -- CLI -----------------------------------------------------------------------------------------
+
+def add_parser(sub) -> None:
+    from .cli import _nonneg_int, _positive_int
+
+    p = sub.add_parser("synth", help="write an HF folder with seeded random weights for a named configuration")
+    p.add_argument("arch", nargs="?", help="configuration name (--list shows them)")
+    p.add_argument("out", nargs="?", help="output folder (must not exist)")
+    p.add_argument("--layers", type=_positive_int, default=None, help="keep only the first N layers")
+    p.add_argument("--seed", type=_nonneg_int, default=0, help="weights seed (default 0)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="stored dtype (default bf16)")
+    p.add_argument("--shard-mb", type=_positive_float, default=4096, help="max safetensors shard size (MiB)")
+    p.add_argument("--list", action="store_true", help="list the configurations and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _positive_float(s: str) -> float:
+    from .cli import _finite
+
+    v = _finite(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
+    return v
+
+
+def _describe(name: str) -> str:
+    c = CONFIGS[name]
+    moe = f", {c['num_experts']} experts top-{c.get('num_experts_per_tok') or c.get('top_k_experts')}" \
+        if c.get("num_experts") else ""
+    try:
+        n = sum(math.prod(s) for s in tensor_shapes(c).values())
+        params = f"{n / 1e9:.2f}B params" if n >= 1e8 else f"{n / 1e6:.2f}M params"
+    except KilnError:
+        params = f"({c['model_type']} not supported by this kiln yet)"
+    return (f"{name:20} {c['model_type']:17} hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
+            f"vocab {c['vocab_size']}{moe}; {params}")
+
+
+def main(a) -> int:
+    if a.list:
+        print("\n".join(_describe(n) for n in CONFIGS))
+        return 0
+    if not a.arch or not a.out:
+        raise KilnError("usage: kiln synth ARCH OUT [--layers N] [--seed S] [--dtype bf16|f32] (--list for ARCH)")
+    t0 = time.perf_counter()
+    out = write_checkpoint(a.arch, a.out, a.layers, a.seed, a.dtype, int(a.shard_mb * (1 << 20)), a.quiet)
+    if not a.quiet:
+        print(f"kiln: wrote {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(out)
+    return 0
