@@ -126,7 +126,8 @@ class ReferenceOps:
         o = rule(q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv), g, beta, state)
         y = self.gated_rmsnorm(o, z.view(t, hv, dv), p["norm.weight"], eps)
         state.length += t
-        return y.reshape(t, hv * dv)
+        # contiguous: a strided input makes F.linear round differently from HF's contiguous one
+        return y.reshape(t, hv * dv).contiguous()
 
     def causal_conv1d(self, x: torch.Tensor, w: torch.Tensor, state) -> torch.Tensor:
         """Depthwise causal conv over time + SiLU. x [T, C]; w [C, 1, K]; state.conv holds the last
