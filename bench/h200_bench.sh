@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # H200 runs behind issue 5: kiln bench with the transformers baseline on synthesized Qwen3.5 models.
-# Usage (on the GPU machine, repo root): bash bench/h200_bench.sh OUTDIR MODEL LENGTHS [GEN]
+# Usage (on the GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_bench.sh OUTDIR MODEL LENGTHS [GEN]
+# (the tree travels there without .git: KILN_COMMIT names the commit in the JSON)
 set -u
 out=$1; model=$2; lengths=$3; gen=${4:-32}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

@@ -71,12 +71,13 @@ def _nvidia_driver() -> str | None:
 
 
 def kiln_commit() -> str | None:
-    """HEAD of the checkout kiln runs from, with "-dirty" when tracked files differ from it."""
+    """HEAD of the checkout kiln runs from, with "-dirty" when tracked files differ from it.
+    Where the tree travels without .git (the lent GPU machine), $KILN_COMMIT says it."""
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=20)
         if head.returncode != 0:
-            return None
+            return os.environ.get("KILN_COMMIT")
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):

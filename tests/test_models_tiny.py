@@ -204,3 +204,21 @@ def test_no_pickle_checkpoints(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(KilnError, match="safetensors"):
         kiln.load(tmp_path, device="cpu")
+
+
+def test_bf16_decode_steps_are_bit_exact(tiny):
+    """Prefill then one-token decode steps give HF eager's generate logits bit for bit."""
+    family, ref, path = tiny
+    llm = kiln.load(path, device="cpu", dtype="bf16")
+    ref16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager",
+                                                              **_eager_experts(ref)).eval()
+    prompt = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = ref16.generate(prompt[None], max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+        new = out.sequences[0, 9:].tolist()
+        st = llm.model.make_state(torch.bfloat16, "cpu")
+        ours = [llm.model.forward(prompt, torch.arange(9), st)[-1]]
+        ours += [llm.model.forward(torch.tensor([t]), torch.tensor([9 + i]), st)[-1] for i, t in enumerate(new[:-1])]
+    for i, (a, b) in enumerate(zip(ours, out.logits)):
+        assert torch.equal(a, b[0]), f"step {i}"

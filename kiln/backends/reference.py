@@ -89,10 +89,12 @@ class ReferenceOps:
         q [T, H, D], k/v [T, KV, D] -> [T, H, D]. Scores in the activation dtype, softmax in f32
         then rounded to it, as HF's eager attention does."""
         keys, values, kpos = cache.update(k, v, positions)
+        # The same contiguous [1, H, T|S, D] operands and matmul calls as HF's eager attention, so
+        # that cuBLAS picks the same kernels (and roundings) for every T, decode included.
         group = q.shape[1] // keys.shape[1]
-        keys = keys.repeat_interleave(group, dim=1)      # [S, H, D]
-        values = values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("thd,shd->hts", q, keys) * scale
+        q4 = q.transpose(0, 1)[None].contiguous()                                   # [1, H, T, D]
+        k4, v4 = (x.transpose(0, 1)[None].repeat_interleave(group, dim=1).contiguous() for x in (keys, values))
+        scores = torch.matmul(q4, k4.transpose(2, 3))[0] * scale                    # [H, T, S]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         allowed = kpos[None, :] <= positions[:, None]     # [T, S]
@@ -100,7 +102,7 @@ class ReferenceOps:
             allowed &= kpos[None, :] > positions[:, None] - window
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.einsum("hts,shd->thd", probs, values)
+        return torch.matmul(probs[None], v4)[0].transpose(0, 1)                        # [T, H, D]
 
     # -- mixture of experts ------------------------------------------------------------------------
     def router_topk(self, logits: torch.Tensor, k: int, renormalize: bool = True):
