@@ -9,7 +9,6 @@ import datetime
 import importlib.metadata
 import os
 import platform
-import re
 import shlex
 import subprocess
 import sys
@@ -55,19 +54,10 @@ def _cpu_name() -> str:
 
 
 def _nvidia_driver() -> str | None:
-    """The NVIDIA kernel driver version: nvidia-smi, else /proc, else None."""
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=20)
-        if r.returncode == 0 and r.stdout.strip():
-            return r.stdout.splitlines()[0].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        m = re.search(r"Kernel Module\s+(?:for \S+\s+)?([\d.]+)", Path("/proc/driver/nvidia/version").read_text())
-        return m.group(1) if m else None
-    except OSError:
-        return None
+    """The NVIDIA kernel driver version (one reader for the tune cache key and the bench JSON)."""
+    from .tune.cache import driver_version
+
+    return driver_version()
 
 
 def kiln_commit() -> str | None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..backends.reference import default_scale, inv_freq
 from ..cache import KVCache
 from .base import Model
