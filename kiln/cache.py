@@ -71,11 +71,11 @@ class RingKVCache:
 
 
 class GDNState:
-    """Gated DeltaNet layer state: the last K-1 conv inputs [K-1, C] in the activation dtype and
-    the recurrent state [Hv, dk, dv] kept in f32, as the reference keeps it."""
+    """Gated DeltaNet layer state: the last K conv inputs [K, C] in the activation dtype (as HF
+    keeps them; K-1 would do) and the recurrent state [Hv, dk, dv] kept in f32."""
 
     def __init__(self, conv_dim: int, kernel: int, heads: int, dk: int, dv: int, dtype, device):
-        self.conv = torch.zeros(kernel - 1, conv_dim, dtype=dtype, device=device)
+        self.conv = torch.zeros(kernel, conv_dim, dtype=dtype, device=device)
         self.ssm = torch.zeros(heads, dk, dv, dtype=torch.float32, device=device)
         self.length = 0
 

@@ -133,11 +133,14 @@ class ReferenceOps:
 
     def causal_conv1d(self, x: torch.Tensor, w: torch.Tensor, state) -> torch.Tensor:
         """Depthwise causal conv over time + SiLU. x [T, C]; w [C, 1, K]; state.conv holds the last
-        K-1 inputs [K-1, C] and is updated. Computed in the weight dtype, as HF's conv1d path is."""
-        k = w.shape[-1]
-        full = torch.cat([state.conv.to(x.dtype), x], dim=0)                   # [K-1+T, C]
-        state.conv = full[-(k - 1):].clone()
-        y = F.conv1d(full.T[None].to(w.dtype), w, groups=w.shape[0])[0].T      # [T, C]
+        K inputs [K, C] and is updated. Computed in the weight dtype with HF's operand shapes:
+        a decode step convolves [K state | 1 new] and keeps the last output, a prefill convolves
+        [K-1 state | T new] (so cuDNN picks the same algorithm, and rounding, as HF's path)."""
+        k, t = w.shape[-1], x.shape[0]
+        past = state.conv if (t == 1 and state.length > 0) else state.conv[1:]
+        full = torch.cat([past.to(x.dtype), x], dim=0)                          # [K+1 | K-1+T, C]
+        state.conv = full[-k:].clone()
+        y = F.conv1d(full.T[None].to(w.dtype), w, groups=w.shape[0])[0].T[-t:]  # [T, C]
         return F.silu(y).to(x.dtype)
 
     def gated_rmsnorm(self, x, z, w, eps: float) -> torch.Tensor:
