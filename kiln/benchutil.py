@@ -12,8 +12,9 @@ import platform
 import shlex
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from .fsutil import write_atomic  # noqa: F401  (bench and profile import it from here)
 
 import torch
 
@@ -183,20 +184,6 @@ def markdown_table(headers: list[str], rows: list[list[str]], right: set[int] = 
     lines = [headers, rule, *rows]
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
-
-def write_atomic(path: str | Path, write) -> None:
-    """Call write(file) on a temporary file beside `path`, then rename it over `path`."""
-    p = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def check_writable(path: str | Path, flag: str) -> None:

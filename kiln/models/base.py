@@ -91,6 +91,17 @@ def fuse_experts(ckpt):
     return dataclasses.replace(ckpt, shapes=shapes, loader=load)
 
 
+def decoder_layer_shapes(c, extra_attn: dict | None = None) -> dict[str, tuple[int, ...]]:
+    """One dense decoder layer's attention and gated-MLP weights (names relative to the layer)."""
+    h, d, f = c.hidden_size, c.head_dim, c.intermediate_size
+    shapes = {"self_attn.q_proj.weight": (c.num_attention_heads * d, h),
+              "self_attn.k_proj.weight": (c.num_key_value_heads * d, h),
+              "self_attn.v_proj.weight": (c.num_key_value_heads * d, h),
+              "self_attn.o_proj.weight": (h, c.num_attention_heads * d),
+              "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    return {**shapes, **(extra_attn or {})}
+
+
 class Model:
     """A model family: `weight_shapes` declares the checkpoint, `forward` is calls to `ops`."""
 
@@ -102,6 +113,11 @@ class Model:
     @classmethod
     def weight_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
         raise NotImplementedError
+
+    @classmethod
+    def tied_names(cls, cfg) -> tuple[str, ...]:
+        """Names a checkpoint may omit because they alias another weight (a tied LM head)."""
+        return ("lm_head.weight",) if getattr(cfg, "tie_word_embeddings", False) else ()
 
     @classmethod
     def sanitize(cls, ckpt):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..backends.reference import inv_freq
 from ..cache import KVCache, RingKVCache
-from .base import Model
+from .base import Model, decoder_layer_shapes
 
 
 @dataclass
@@ -62,27 +62,16 @@ class Gemma3(Model):
 
     @classmethod
     def weight_shapes(cls, c):
-        h, d, f = c.hidden_size, c.head_dim, c.intermediate_size
+        h, d = c.hidden_size, c.head_dim
         shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,),
                   "lm_head.weight": (c.vocab_size, h)}
+        norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+        qk_norms = {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                      "post_feedforward_layernorm"):
-                shapes[p + n + ".weight"] = (h,)
-            shapes.update({
-                p + "self_attn.q_proj.weight": (c.num_attention_heads * d, h),
-                p + "self_attn.k_proj.weight": (c.num_key_value_heads * d, h),
-                p + "self_attn.v_proj.weight": (c.num_key_value_heads * d, h),
-                p + "self_attn.o_proj.weight": (h, c.num_attention_heads * d),
-                p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-                p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
-            })
+            layer = {**{n + ".weight": (h,) for n in norms}, **decoder_layer_shapes(c, qk_norms)}
+            shapes.update({p + k: v for k, v in layer.items()})
         return shapes
-
-    @classmethod
-    def tied_names(cls, c):
-        return ("lm_head.weight",) if c.tie_word_embeddings else ()
 
     def make_state(self, dtype, device):
         c = self.cfg

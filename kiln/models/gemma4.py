@@ -205,10 +205,6 @@ class Gemma4(Model):
         return shapes
 
     @classmethod
-    def tied_names(cls, c):
-        return ("lm_head.weight",) if c.tie_word_embeddings else ()
-
-    @classmethod
     def sanitize(cls, ckpt):
         """Experts stored one by one are fused; KV-shared layers may carry K/V weights they never
         use (HF ignores them on load): those are dropped."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..backends.reference import default_scale, inv_freq
 from ..cache import KVCache
-from .base import Model
+from .base import Model, decoder_layer_shapes
 
 
 @dataclass
@@ -43,24 +43,14 @@ class Llama(Model):
 
     @classmethod
     def weight_shapes(cls, c):
-        h, d, f = c.hidden_size, c.head_dim, c.intermediate_size
+        h = c.hidden_size
         shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,),
                   "lm_head.weight": (c.vocab_size, h)}
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            shapes.update({
-                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (c.num_attention_heads * d, h),
-                p + "self_attn.k_proj.weight": (c.num_key_value_heads * d, h),
-                p + "self_attn.v_proj.weight": (c.num_key_value_heads * d, h),
-                p + "self_attn.o_proj.weight": (h, c.num_attention_heads * d),
-                p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
-            })
+            layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,), **decoder_layer_shapes(c)}
+            shapes.update({p + k: v for k, v in layer.items()})
         return shapes
-
-    @classmethod
-    def tied_names(cls, c):
-        return ("lm_head.weight",) if c.tie_word_embeddings else ()
 
     def make_state(self, dtype, device):
         c = self.cfg

@@ -89,10 +89,6 @@ class Qwen35(Model):
             shapes.update({p + k: v for k, v in cls.mlp_shapes(c, i).items()})
         return shapes
 
-    @classmethod
-    def tied_names(cls, c):
-        return ("lm_head.weight",) if c.tie_word_embeddings else ()
-
     @staticmethod
     def attention_shapes(c):
         d, h = c.head_dim, c.hidden_size

@@ -12,12 +12,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from ..fsutil import write_atomic
 from typing import Callable
 
 import torch
@@ -115,14 +115,6 @@ class TuneCache:
     def save(self, key: dict, entries: dict) -> Path:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"key": key, "entries": entries}, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        data = json.dumps({"key": key, "entries": entries}, indent=1, sort_keys=True).encode()
+        write_atomic(path, lambda f: f.write(data))  # concurrent writers cannot leave half a file
         return path
