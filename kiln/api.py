@@ -190,16 +190,19 @@ class _Run:
 
 
 def load(model: str | Path | None = None, device: str | None = "auto", dtype: str | None = None,
-         backend: str = "reference", max_context: int | None = None, quiet: bool = True,
-         retune: bool = False, tune: dict[str, str] | None = None) -> LLM:
+         backend: str = "auto", max_context: int | None = None, quiet: bool = True,
+         retune: bool = False, tune: dict[str, str] | None = None, enforce_eager: bool = False) -> LLM:
     """Load a model: a path (HF folder or GGUF file), a bundled model's name, or None (the default).
     A compiling backend tunes its kernels for the model here (`retune` measures again; `tune` pins
-    op -> variant)."""
+    op -> variant). Backend "auto" is cuda on a CUDA device, reference elsewhere; on cuda the decode
+    step runs as one CUDA graph unless `enforce_eager`."""
     t0 = time.perf_counter()
     path = resolve_model(model, quiet=quiet)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     ckpt = open_checkpoint(path)
+    if backend == "auto":
+        backend = "cuda" if dev.type == "cuda" else "reference"
     ops = get_ops(backend, dev)
     net = build_model(ckpt, ops, dt, dev, progress=not quiet)
     if hasattr(ops, "prepare"):
@@ -215,5 +218,5 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     eos = eos_ids(ckpt.config, ckpt.generation)
     if tokenizer is not None:
         eos += [i for i in tokenizer.eos_ids if i not in eos]
-    engine = Engine(net, dt, dev, limit)
+    engine = Engine(net, dt, dev, limit, graphs=getattr(ops, "graphs", False) and not enforce_eager, quiet=quiet)
     return LLM(path, net, tokenizer, engine, eos, time.perf_counter() - t0)

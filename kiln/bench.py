@@ -102,7 +102,7 @@ class KilnRunner:
     @torch.inference_mode()
     def _run(self, ids: list[int], gen: int) -> dict:
         eng = self.llm.engine
-        state = eng.model.make_state(eng.dtype, eng.device)
+        state = eng.new_state(len(ids) + gen)
         sync(eng.device)
         t0 = time.perf_counter()
         tok = int(torch.argmax(eng.prefill(ids, state)))
@@ -359,7 +359,7 @@ def _load(a, say):
     llm = load_from_args(a)
     note = "weights synthesized, no checkpoint read" if synth else page_cache_note(cache)
     say(f"loaded {a.model or _model_label(None, None)} ({DTYPE_NAMES[llm.engine.dtype]}, {llm.engine.device}, "
-        f"{a.backend}) in {llm.load_s:.2f} s; {note}")
+        f"{llm.model.ops.name}) in {llm.load_s:.2f} s; {note}")
     return llm
 
 
@@ -373,7 +373,7 @@ def main(a) -> int:
     llm = _load(a, say)
     dev, gen = llm.engine.device, a.gen
     report = {"engine": "kiln", "model": _model_label(a.model, llm.path), "dtype": DTYPE_NAMES[llm.engine.dtype],
-              "backend": a.backend, "device": str(dev), **environment(dev), "date": now_iso(),
+              "backend": llm.model.ops.name, "device": str(dev), **environment(dev), "date": now_iso(),
               "command": command_line(), "load_s": round(llm.load_s, 3), "tune_s": _backend_fact(llm, "tune_s"),
               "tune_cache": _backend_fact(llm, "tune_cache"), "peak_mem_gb": None,
               "launches_per_token": _backend_fact(llm, "launches_per_token")}
@@ -391,6 +391,7 @@ def main(a) -> int:
     try:
         measured = run_protocol(runners, prompts, gen, a.runs, skips, log)
         report["peak_mem_gb"] = round(peak_mem_gb(dev), 3)
+        report["launches_per_token"] = _backend_fact(llm, "launches_per_token")   # known once decode ran
         if a.baseline is not None and not together:
             say("GPU memory cannot hold both engines: transformers runs after kiln, not alternating with it")
             kiln_runner.close()

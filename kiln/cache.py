@@ -18,6 +18,18 @@ class KVCache:
         self.v = torch.empty_like(self.k)
         self.length = 0
 
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[0]
+
+    def reserve(self, n: int) -> None:
+        """Room for n positions. A CUDA graph holds these buffers' addresses, so the engine reserves a
+        request's whole context before capturing its decode step."""
+        self._reserve(n)
+
+    def reset(self) -> None:
+        self.length = 0
+
     def _reserve(self, n: int) -> None:
         if n <= self.k.shape[0]:
             return
@@ -81,3 +93,9 @@ class GDNState:
 
     def truncate(self, n: int) -> bool:
         return n == self.length  # a recurrence cannot be rewound
+
+    def reset(self) -> None:
+        """Back to the empty state, in place (a captured decode graph keeps these buffers)."""
+        self.conv.zero_()
+        self.ssm.zero_()
+        self.length = 0

@@ -65,7 +65,9 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=["f32", "bf16", "f16"], default=None,
                    help="weights and activations (default: bf16 on GPU, f32 on CPU)")
-    p.add_argument("--backend", default="reference", help="kernel backend (default: reference)")
+    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"],
+                   help="kernels: cuda (Triton, tuned at load) or reference (plain torch); auto (default) = cuda on a GPU")
+    p.add_argument("--enforce-eager", action="store_true", help="cuda backend: run decode steps eagerly, not as a CUDA graph")
     p.add_argument("--max-context", type=_positive_int, default=None, help="cap on prompt + generated tokens")
     p.add_argument("--retune", action="store_true", help="cuda backend: measure kernels again even on a cache hit")
     p.add_argument("--tune", action="append", default=[], metavar="OP=VARIANT",
@@ -135,7 +137,7 @@ def load_from_args(a):
     from .tune.cli import parse_pins
 
     return load(a.model, device=a.device, dtype=a.dtype, backend=a.backend, max_context=a.max_context,
-                quiet=a.quiet, retune=a.retune, tune=parse_pins(a.tune))
+                quiet=a.quiet, retune=a.retune, tune=parse_pins(a.tune), enforce_eager=a.enforce_eager)
 
 
 def _load(a):

@@ -85,7 +85,7 @@ def kiln_greedy(llm, ids: list[int], n: int, reference: list[int]) -> Greedy:
     """kiln's engine steps (chunked prefill, then decode steps), argmax; then one prefill over the
     reference's sequence with every position's logits."""
     eng, model = llm.engine, llm.model
-    state = model.make_state(eng.dtype, eng.device)
+    state = eng.new_state(len(ids) + n)
     logits, out = eng.prefill(ids, state), Greedy([], [])
     for k in range(n):
         out.tokens.append(int(logits.argmax()))
@@ -214,7 +214,8 @@ def main(a) -> int:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
-    llm = load(path, device=str(dev), dtype=dtype, backend=a.backend, max_context=a.max_context, quiet=a.quiet)
+    llm = load(path, device=str(dev), dtype=dtype, backend=a.backend, max_context=a.max_context, quiet=a.quiet,
+                enforce_eager=getattr(a, "enforce_eager", False))
     say(f"kiln {type(llm.model).__name__} loaded in {llm.load_s:.1f} s")
     results = []
     for (label, ids), r in zip(prompts, refs):

@@ -32,14 +32,50 @@ class TokenStream:
     finish_reason: str | None = None
 
 
+MIN_BUCKET = 2048   # smallest KV reservation when decode runs as a CUDA graph
+
+
 class Engine:
-    def __init__(self, model, dtype, device, max_context: int, prefill_chunk: int = 512):
+    def __init__(self, model, dtype, device, max_context: int, prefill_chunk: int = 512,
+                 graphs: bool = False, quiet: bool = True):
         self.model, self.dtype, self.device = model, dtype, torch.device(device)
         self.max_context, self.prefill_chunk = max_context, prefill_chunk
+        self.quiet = quiet
         # Prefix reuse (off unless asked for): the state of the last reusing request and the ids it
         # has consumed, so a prompt that shares a prefix with them prefills only the rest.
         self.reuse_prefix = False
         self._kept: tuple[list[int], list] | None = None
+        # CUDA-graph decode: one persistent state, reset per request (kiln.graphs).
+        self.graph = None
+        self._state = None
+        self._owner = None
+        self._max_new = 0
+        if graphs and self.device.type == "cuda":
+            from .graphs import DecodeGraph, graphable
+            if graphable(model.make_state(dtype, "meta")):
+                self.graph = DecodeGraph(model, self.device)
+
+    def new_state(self, tokens: int) -> list:
+        """Per-layer state for a request of up to `tokens` positions: fresh, or with CUDA graphs the
+        persistent one, reset, its KV reserved for the context bucket holding `tokens`."""
+        if self.graph is None:
+            return self.model.make_state(self.dtype, self.device)
+        if self._state is None:
+            self._state = self.model.make_state(self.dtype, self.device)
+        for layer in self._state:
+            layer.reset()
+        self.reserve(self._state, tokens)
+        return self._state
+
+    def reserve(self, state: list, tokens: int) -> None:
+        bucket = min(max(MIN_BUCKET, 1 << max(tokens - 1, 0).bit_length()), self.max_context)
+        for layer in state:
+            if hasattr(layer, "reserve"):
+                layer.reserve(bucket)
+
+    @property
+    def launches_per_token(self) -> int | None:
+        return None if self.graph is None else self.graph.launches
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -58,6 +94,8 @@ class Engine:
 
     @torch.inference_mode()
     def decode_step(self, token: int, pos: int, state) -> torch.Tensor:
+        if self.graph is not None and state is self._state:
+            return self.graph.step(token, pos, state, self.quiet)
         ids = torch.tensor([token], device=self.device)
         return self.model.forward(ids, torch.tensor([pos], device=self.device), state)[-1]
 
@@ -88,16 +126,20 @@ class Engine:
             old, state = kept
             n = min(_common_prefix(old, ids), len(ids) - 1)
             if n > 0 and all(layer.truncate(n) for layer in state):
+                if self.graph is not None:
+                    self.reserve(state, len(ids) + self._max_new)
                 return state, n
-        return self.model.make_state(self.dtype, self.device), 0
+        return self.new_state(len(ids) + self._max_new), 0
 
     def _loop(self, prompt_ids, params, eos, stream: TokenStream, reuse: bool):
         times, sampler = stream.times, Sampler(params, self.device)
         times.prompt_tokens = len(prompt_ids)
+        self._max_new = params.max_new_tokens
         if reuse:
             state, cached = self._reused_state(prompt_ids)
         else:
-            state, cached = self.model.make_state(self.dtype, self.device), 0
+            state, cached = self.new_state(len(prompt_ids) + params.max_new_tokens), 0
+        self._owner = stream
         times.cached_tokens = cached
         history = torch.tensor(prompt_ids, device=self.device)
         t0 = time.perf_counter()
@@ -121,7 +163,7 @@ class Engine:
                 return
             if pos + 1 >= self.max_context or n == params.max_new_tokens - 1:
                 break  # no decode step for a token nobody will read
-            if reuse and self._kept is not kept:
+            if (reuse and self._kept is not kept) or (state is self._state and self._owner is not stream):
                 raise RuntimeError("this stream's state was taken over by a newer request")
             history = torch.cat([history, history.new_tensor([token])])
             logits = self.decode_step(token, pos, state)

@@ -102,7 +102,7 @@ class OpTimer:
 def _profile_once(llm, timer: OpTimer, ids: list[int], start: int):
     """(prefill chunk, decode step) timings on fresh state; tokens before `start` are prefilled unprofiled."""
     eng, model = llm.engine, llm.model
-    state = model.make_state(eng.dtype, eng.device)
+    state = model.make_state(eng.dtype, eng.device)   # never the graph's state: ops run eagerly here
     if start:
         eng.prefill(ids[:start], state)
     chunk = torch.tensor(ids[start:], device=eng.device)
@@ -172,13 +172,13 @@ def main(a) -> int:
         _profile_once(llm, timer, ids, start)  # warm-up
         steps = [_profile_once(llm, timer, ids, start) for _ in range(a.repeats)]
     prof = {"engine": "kiln", "model": _model_label(a.model, llm.path), "dtype": DTYPE_NAMES[eng.dtype],
-            "backend": a.backend, "device": str(eng.device), **environment(eng.device), "date": now_iso(),
+            "backend": eng.model.ops.name, "device": str(eng.device), **environment(eng.device), "date": now_iso(),
             "command": command_line(), "prompt_tokens": n, "prefill_chunk": {"start": start, "tokens": n - start},
             "decode_position": n, "repeats": a.repeats, "clock": "cuda events" if timer.cuda else "perf_counter",
             "prefill": _mean([p for p, _ in steps]), "decode": _mean([d for _, d in steps])}
     print(table(prof), flush=True)
     if not a.quiet:
-        print(f"[profile] {prof['model']} {a.backend} {eng.device} {prof['dtype']}: prefill chunk of {n - start} "
+        print(f"[profile] {prof['model']} {eng.model.ops.name} {eng.device} {prof['dtype']}: prefill chunk of {n - start} "
               f"tokens at positions {start}-{n - 1}, decode step at position {n}; exclusive time per op, "
               f"{prof['clock']}, mean of {a.repeats} after 1 warm-up", file=sys.stderr)
     if a.json_path:

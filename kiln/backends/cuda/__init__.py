@@ -1,6 +1,8 @@
 """The cuda backend: Triton kernels compiled for the loaded model's shapes and chosen by the tuner
-(kiln.tune). `linear`, `rmsnorm` and `rmsnorm_linear` run tuned kernels; every other op, and any
-call the kernels do not cover (a bias, mixed dtypes), falls back to the reference backend.
+(kiln.tune): GEMMs, RMSNorm (alone and fused into the next GEMM), attention (flash prefill, split-KV
+decode), Gated DeltaNet (chunked prefill, one-kernel decode step) and MoE experts (grouped GEMM).
+Any call the kernels do not cover (a bias, mixed dtypes, a ring cache) falls back to the reference
+backend. Every decode-path op is CUDA-graph safe: no host reads, state updated in place.
 
 On CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1): slow, for tests.
 """
@@ -11,6 +13,7 @@ import time
 
 import torch
 
+from ...cache import GDNState, KVCache
 from ...errors import KilnError
 from ..reference import ReferenceOps
 from . import gemm as G
@@ -19,8 +22,23 @@ from . import rmsnorm_gemm as RG
 from .common import device_info, interpreting
 
 
+def _optional(name: str):
+    """A kernel family module, or None where it is not built yet (its op then runs the reference)."""
+    import importlib
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        return None
+
+
+A, GDN, MOE = _optional("attention"), _optional("gdn"), _optional("moe")
+
+
 class CudaOps(ReferenceOps):
     name = "cuda"
+    graphs = True    # its decode path may be captured as one CUDA graph (kiln.graphs)
 
     def __init__(self, device: torch.device | str = "cuda"):
         super().__init__(device)
@@ -81,6 +99,68 @@ class CudaOps(ReferenceOps):
         v = self._choose(RG.OP, RG.NormGemmShape(x2.shape[0], n, k, style))
         RG.OP.run(v, {"x": x2, "norm_w": norm_w, "eps": eps, "style": style, "w": w.contiguous()}, {"y": y}, self.plan)
         return y.view(*x.shape[:-1], n)
+
+    # -- attention -------------------------------------------------------------------------------
+    def attention(self, q, k, v, cache, positions, scale, window=None, softcap=None):
+        if A is None or not isinstance(cache, KVCache) or not self._runs_here(q) or not A.supports(q, cache.k):
+            return super().attention(q, k, v, cache, positions, scale, window, softcap)
+        t = q.shape[0]
+        if t == 1:   # decode: append at the device-side position; the kernel reads the length there
+            cache.reserve(cache.length + 1)
+            cache.k.index_copy_(0, positions, k)
+            cache.v.index_copy_(0, positions, v)
+            cache.length += 1
+            shape = A.DecodeShape(cache.k.shape[0], q.shape[1], k.shape[1], q.shape[2], window, softcap)
+            return A.decode_attention(q, cache.k, cache.v, positions, scale, window, softcap,
+                                      v=self._choose(A.DECODE_OP, shape))
+        start = cache.length
+        cache.update(k, v, positions)
+        shape = A.PrefillShape(t, q.shape[1], k.shape[1], q.shape[2], window, softcap, 0)
+        return A.prefill_attention(q, cache.k, cache.v, start, start + t, scale, window, softcap,
+                                   v=self._choose(A.PREFILL_OP, shape))
+
+    # -- gated deltanet ----------------------------------------------------------------------------
+    def gated_deltanet(self, qkv, z, b, a, p, state, dims):
+        if GDN is None or not isinstance(state, GDNState) or not self._runs_here(qkv):
+            return self._gdn_in_place(qkv, z, b, a, p, state, dims)
+        args = (qkv, z, b, a, p["conv1d.weight"], p["A_log"], p["dt_bias"], p["norm.weight"], state.conv, state.ssm, dims)
+        t = qkv.shape[0]
+        if t == 1 and state.length > 0:
+            y = GDN.gdn_decode(*args, v=self._choose(GDN.DECODE_OP, GDN.gdn_shape(1, dims, p)))
+        else:
+            y = GDN.gdn_prefill(*args, v=self._choose(GDN.PREFILL_OP, GDN.gdn_shape(t, dims, p)))
+        state.length += t
+        return y
+
+    def _gdn_in_place(self, qkv, z, b, a, p, state, dims):
+        """The reference op, its new state copied back into the same buffers (a graph holds them)."""
+        conv, ssm = state.conv, state.ssm
+        y = super().gated_deltanet(qkv, z, b, a, p, state, dims)
+        conv.copy_(state.conv)
+        ssm.copy_(state.ssm)
+        state.conv, state.ssm = conv, ssm
+        return y
+
+    # -- mixture of experts ------------------------------------------------------------------------
+    def moe_experts(self, x, idx, weights, gate_up, down, act):
+        if MOE is not None and self._runs_here(x) and MOE.supports(x, gate_up, down):
+            shape = MOE.MoeShape(x.shape[0], gate_up.shape[0], idx.shape[1], x.shape[1], down.shape[2], act)
+            return MOE.moe_experts(x, idx, weights, gate_up, down, act, v=self._choose(MOE.OP, shape))
+        if x.shape[0] == 1 and x.device.type == "cuda":
+            return self._moe_one_token(x, idx, weights, gate_up, down, act)
+        return super().moe_experts(x, idx, weights, gate_up, down, act)
+
+    def _moe_one_token(self, x, idx, weights, gate_up, down, act):
+        """One token's experts by gathering their weights: no host read, so a graph can hold it."""
+        from ..reference import _ACTIVATIONS
+        order = torch.sort(idx[0]).indices                      # ascending expert id, as the reference adds
+        e, wt = idx[0, order], weights[0, order]
+        gate, up = torch.matmul(gate_up[e], x[0]).chunk(2, dim=-1)            # [k, I] each
+        y = torch.matmul(down[e], (_ACTIVATIONS[act](gate) * up)[..., None])[..., 0] * wt[:, None]
+        out = torch.zeros_like(x[0])
+        for j in range(y.shape[0]):
+            out = out + y[j].to(out.dtype)
+        return out[None]
 
 
 def _model_types() -> dict:

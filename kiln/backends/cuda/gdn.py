@@ -1,0 +1,626 @@
+"""Gated DeltaNet: the fused decode step and the chunked prefill, rounding where the reference does
+(kiln.backends.reference.ReferenceOps.gated_deltanet and the methods it calls).
+
+State: conv [K, C] (activation dtype, the last K conv inputs, oldest first) and ssm [Hv, dk, dv] f32,
+both updated in place. Model dimensions (Hk, Hv, dk, dv, K) are `tl.constexpr`; the token count T is
+a runtime argument that is not specialised.
+
+Kernels:
+  conv_kernel       causal depthwise conv over [conv[1:], x] + SiLU; the program of the first token
+                    block (the only one reading the state) writes the new last K inputs.
+  recurrent_kernel  token by token (no tl.dot), one program per value head, gated norm fused: the
+                    trusted prefill, and with conv_kernel the trusted ("unfused") decode step.
+  decode_kernel     the whole decode step in one launch: conv + SiLU + l2norm of the q/k head it needs
+                    (recomputed by every program that reads it), the delta rule on a [dk, BV] state
+                    tile, the gated norm when BV == dv (else a second tiny norm_kernel pass).
+  prep_kernel       per (value head, chunk of 64): A = strictly-lower(k_beta k^T * decay), (I + A)^-1
+                    on tensor cores, w = (I + A)^-1 (k_beta * exp(cum)), u = (I + A)^-1 (v * beta).
+  scan_kernel       per (value head, dv block): the chunks in order with the state tile in registers;
+                    gated norm fused when BV == dv.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...tune.registry import Op, Variant, register, variant
+from .common import SUPPORTED, cdiv, device_info, interpreting, rne_flag, round_to
+
+CHUNK = 64          # the reference's chunk (and the unit of the WY/UT solve)
+CONV_BT = 16        # tokens per conv program; must be >= K - 1 (only the first block reads the state)
+
+
+# -- elementwise helpers -----------------------------------------------------------------------------
+
+@triton.jit
+def silu_f32(x):
+    """torch's silu: x / (1 + exp(-x))."""
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def softplus(x):
+    """torch's softplus (threshold 20), with a log1p that keeps precision where exp(x) is tiny."""
+    e = tl.exp(x)
+    u = 1.0 + e
+    lp = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit
+def decay_beta(a, b, alog, dtb, dtype: tl.constexpr, RNE: tl.constexpr):
+    """g = -exp(A_log) * softplus(a + dt_bias) in f32; beta = sigmoid(b) rounded to the activation dtype."""
+    g = -tl.exp(alog) * softplus(a + dtb)
+    beta = round_to(tl.sigmoid(b), dtype, RNE).to(tl.float32)
+    return g, beta
+
+
+@triton.jit
+def silu_rounded(acc, dtype: tl.constexpr, RNE: tl.constexpr):
+    """The conv sum (f32) rounded to the activation dtype, then SiLU, rounded again (as F.silu on it)."""
+    x = round_to(acc, dtype, RNE).to(tl.float32)
+    return round_to(silu_f32(x), dtype, RNE).to(tl.float32)
+
+
+@triton.jit
+def l2norm_rows(x):
+    """x [R, D] * rsqrt(sum x^2 + 1e-6) per row."""
+    return x * tl.math.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def gated_norm(o, zf, wf, eps, D: tl.constexpr, ROUND_WN: tl.constexpr, dtype: tl.constexpr, RNE: tl.constexpr):
+    """Rows o [R, D] (f32, already rounded to the activation dtype): (w * rmsnorm(o).cast) * silu(z),
+    rounded; w * normed is rounded too when both are 16-bit (ROUND_WN), as torch's product is."""
+    rstd = tl.math.rsqrt(tl.sum(o * o, axis=1) / D + eps)
+    normed = round_to(o * rstd[:, None], dtype, RNE).to(tl.float32)
+    wn = wf[None, :] * normed
+    if ROUND_WN:
+        wn = round_to(wn, dtype, RNE).to(tl.float32)
+    return round_to(wn * silu_f32(zf), dtype, RNE)
+
+
+# -- conv --------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["T"])
+def conv_kernel(x_ptr, w_ptr, st_ptr, y_ptr, T, C: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr, RNE: tl.constexpr):
+    """y[t, c] = silu(sum_j w[c, j] * full[t + j, c]), full = [st[1:], x] ([K-1+T, C]). Program
+    (tb, cb); BT >= K - 1, so only tb == 0 reads the state, and it alone writes the new state."""
+    tb, cb = tl.program_id(0), tl.program_id(1)
+    t = tb * BT + tl.arange(0, BT)
+    c = cb * BC + tl.arange(0, BC)
+    cm = (c < C)[None, :]
+    tm = (t < T)[:, None]
+    dtype = y_ptr.dtype.element_ty
+    acc = tl.zeros((BT, BC), dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = (t - (K - 1) + j)[:, None]                      # input row in x; < 0: state row K + r
+        xv = tl.load(x_ptr + r.to(tl.int64) * C + c[None, :], mask=(r >= 0) & tm & cm, other=0.0)
+        sv = tl.load(st_ptr + (K + r) * C + c[None, :], mask=(r < 0) & tm & cm, other=0.0)
+        wj = tl.load(w_ptr + c * K + j, mask=c < C, other=0.0).to(tl.float32)
+        acc += wj[None, :] * (xv.to(tl.float32) + sv.to(tl.float32))
+    y = silu_rounded(acc, dtype, RNE)
+    tl.store(y_ptr + t.to(tl.int64)[:, None] * C + c[None, :], y.to(dtype), mask=tm & cm)
+    if tb == 0:
+        # NOTE: every thread's state loads above come first; new row j = full[T - 1 + j], read from a
+        # later state row (T + j > j) or from x, so writing rows in ascending order never clobbers
+        # a row still to be read.
+        tl.debug_barrier()
+        for j in tl.static_range(K):
+            i = T - 1 + j + tl.zeros_like(c)               # a tensor (T may arrive as a Python int)
+            from_st = i < K - 1
+            sv = tl.load(st_ptr + (i + 1) * C + c, mask=(c < C) & from_st, other=0.0)
+            xv = tl.load(x_ptr + (i - (K - 1)).to(tl.int64) * C + c, mask=(c < C) & (i >= K - 1), other=0.0)
+            row = tl.where(from_st, sv, xv)
+            tl.debug_barrier()
+            tl.store(st_ptr + j * C + c, row, mask=c < C)
+
+
+def conv(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, bc: int = 128) -> torch.Tensor:
+    """silu(causal conv) [T, C] in the activation dtype; conv_state updated in place."""
+    t, c = qkv.shape
+    k = conv_w.shape[-1]
+    assert CONV_BT >= k - 1
+    y = torch.empty_like(qkv)
+    conv_kernel[(cdiv(t, CONV_BT), cdiv(c, bc))](qkv, conv_w, conv_state, y, t, C=c, K=k, BT=CONV_BT, BC=bc,
+                                                  RNE=rne_flag(qkv.dtype), num_warps=4)
+    return y
+
+
+# -- the recurrent (trusted) form ---------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["T"])
+def recurrent_kernel(xc_ptr, z_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, nw_ptr, ssm_ptr, y_ptr, T, eps, scale,
+                     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     ROUND_WN: tl.constexpr, RNE: tl.constexpr):
+    """One program per value head; token by token over the conv output xc [T, C]: S = S*exp(g);
+    u = (v - S^T k)*beta; S += k (x) u; o = S^T q; y = gated_norm(o)."""
+    h = tl.program_id(0)
+    kh = h // (HV // HK)
+    C: tl.constexpr = 2 * HK * DK + HV * DV
+    dtype = y_ptr.dtype.element_ty
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    sp = ssm_ptr + h.to(tl.int64) * DK * DV + dk[:, None] * DV + dv[None, :]
+    s = tl.load(sp)                                                         # [DK, DV] f32
+    alog = tl.load(alog_ptr + h).to(tl.float32)
+    dtb = tl.load(dtb_ptr + h).to(tl.float32)
+    wf = tl.load(nw_ptr + dv).to(tl.float32)
+    row, zrow, yrow = xc_ptr, z_ptr + h * DV, y_ptr + h * DV        # pointers step a token at a time (64-bit)
+    for t in range(T):
+        q = tl.load(row + kh * DK + dk[None, :]).to(tl.float32)                  # [1, DK]
+        k = tl.load(row + HK * DK + kh * DK + dk[None, :]).to(tl.float32)
+        v = tl.load(row + 2 * HK * DK + h * DV + dv).to(tl.float32)
+        q = l2norm_rows(q) * scale
+        k = l2norm_rows(k)
+        a = tl.load(a_ptr + t * HV + h).to(tl.float32)
+        b = tl.load(b_ptr + t * HV + h).to(tl.float32)
+        g, beta = decay_beta(a, b, alog, dtb, dtype, RNE)
+        s = s * tl.exp(g)
+        u = (v - tl.sum(s * tl.trans(k), axis=0)) * beta
+        s = s + tl.trans(k) * u[None, :]
+        o = round_to(tl.sum(s * tl.trans(q), axis=0), dtype, RNE).to(tl.float32)
+        zf = tl.load(zrow + dv[None, :]).to(tl.float32)
+        tl.store(yrow + dv[None, :], gated_norm(o[None, :], zf, wf, eps, DV, ROUND_WN, dtype, RNE))
+        row += C
+        zrow += HV * DV
+        yrow += HV * DV
+    tl.store(sp, s)
+
+
+# -- the decode step in one launch --------------------------------------------------------------------
+
+@triton.jit
+def decode_conv(x_ptr, cs_ptr, w_ptr, c, C: tl.constexpr, K: tl.constexpr, dtype: tl.constexpr, RNE: tl.constexpr):
+    """silu(conv) of channels c at the new token: the K most recent inputs are cs[1:] and x."""
+    acc = tl.load(w_ptr + c * K + (K - 1)).to(tl.float32) * tl.load(x_ptr + c).to(tl.float32)
+    for j in tl.static_range(K - 1):
+        acc += tl.load(w_ptr + c * K + j).to(tl.float32) * tl.load(cs_ptr + (j + 1) * C + c).to(tl.float32)
+    return silu_rounded(acc, dtype, RNE)
+
+
+@triton.jit
+def shift_state(x_ptr, cs_ptr, c, C: tl.constexpr, K: tl.constexpr):
+    """conv state of channels c <- [cs[1:], x]. Row j + 1 is read before row j is written (barriers:
+    a tensor's element may live in several threads)."""
+    for j in tl.static_range(K - 1):
+        row = tl.load(cs_ptr + (j + 1) * C + c)
+        tl.debug_barrier()
+        tl.store(cs_ptr + j * C + c, row)
+        tl.debug_barrier()
+    tl.store(cs_ptr + (K - 1) * C + c, tl.load(x_ptr + c))
+
+
+@triton.jit
+def decode_kernel(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, cs_ptr, ssm_ptr, y_ptr, o_ptr,
+                  count_ptr, eps, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  K: tl.constexpr, BV: tl.constexpr, ROUND_WN: tl.constexpr, RNE: tl.constexpr):
+    """Program (value head h, dv block vb). Conv state: the program owns its v channels and shifts them
+    after reading; the q/k channels of key head kh are read by READERS programs, and the last of them
+    to arrive (an arrival counter, as in serial split-K) shifts them, so no program reads a shifted row.
+    BV == DV: the gated norm here, else o goes to o_ptr for norm_kernel."""
+    h, vb = tl.program_id(0), tl.program_id(1)
+    kh = h // (HV // HK)
+    C: tl.constexpr = 2 * HK * DK + HV * DV
+    READERS: tl.constexpr = (HV // HK) * (DV // BV)
+    dtype = y_ptr.dtype.element_ty
+    dk = tl.arange(0, DK)
+    cols = vb * BV + tl.arange(0, BV)
+    qc, kc, vc = kh * DK + dk, HK * DK + kh * DK + dk, 2 * HK * DK + h * DV + cols
+    q = decode_conv(x_ptr, cs_ptr, cw_ptr, qc, C, K, dtype, RNE)
+    k = decode_conv(x_ptr, cs_ptr, cw_ptr, kc, C, K, dtype, RNE)
+    v = decode_conv(x_ptr, cs_ptr, cw_ptr, vc, C, K, dtype, RNE)
+    tl.debug_barrier()
+    shift_state(x_ptr, cs_ptr, vc, C, K)
+    if READERS == 1:
+        shift_state(x_ptr, cs_ptr, qc, C, K)
+        shift_state(x_ptr, cs_ptr, kc, C, K)
+    else:
+        # NOTE: release after this program's reads; the last arrival's acquire orders its writes after
+        # every reader's loads. It resets the counter for the next step (graph replays included).
+        arrived = tl.atomic_add(count_ptr + kh, 1, sem="acq_rel", scope="gpu")
+        if arrived == READERS - 1:
+            shift_state(x_ptr, cs_ptr, qc, C, K)
+            shift_state(x_ptr, cs_ptr, kc, C, K)
+            tl.atomic_xchg(count_ptr + kh, 0)
+    q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    a = tl.load(a_ptr + h).to(tl.float32)
+    b = tl.load(b_ptr + h).to(tl.float32)
+    g, beta = decay_beta(a, b, tl.load(alog_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32), dtype, RNE)
+    sp = ssm_ptr + h.to(tl.int64) * DK * DV + dk[:, None] * DV + cols[None, :]
+    s = tl.load(sp) * tl.exp(g)                                               # [DK, BV] f32
+    u = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * u[None, :]
+    o = round_to(tl.sum(s * q[:, None], axis=0), dtype, RNE).to(tl.float32)
+    tl.store(sp, s)
+    if BV == DV:
+        zf = tl.load(z_ptr + h * DV + cols[None, :]).to(tl.float32)
+        wf = tl.load(nw_ptr + cols).to(tl.float32)
+        tl.store(y_ptr + h * DV + cols[None, :], gated_norm(o[None, :], zf, wf, eps, DV, ROUND_WN, dtype, RNE))
+    else:
+        tl.store(o_ptr + h * DV + cols, o.to(dtype))
+
+
+@triton.jit(do_not_specialize=["R"])
+def norm_kernel(o_ptr, z_ptr, nw_ptr, y_ptr, R, eps, DV: tl.constexpr, ROWS: tl.constexpr, ROUND_WN: tl.constexpr,
+                RNE: tl.constexpr):
+    """The gated norm as its own pass: o, z, y [R, DV] (R = tokens x value heads)."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, DV)
+    inside = (r < R)[:, None]
+    off = r.to(tl.int64)[:, None] * DV + cols[None, :]
+    o = tl.load(o_ptr + off, mask=inside, other=0.0).to(tl.float32)
+    zf = tl.load(z_ptr + off, mask=inside, other=0.0).to(tl.float32)
+    wf = tl.load(nw_ptr + cols).to(tl.float32)
+    tl.store(y_ptr + off, gated_norm(o, zf, wf, eps, DV, ROUND_WN, y_ptr.dtype.element_ty, RNE), mask=inside)
+
+
+# -- the chunked prefill --------------------------------------------------------------------------------
+
+@triton.jit
+def unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for A [BT, BT] strictly lower, BT <= 64. The 16x16 diagonal blocks are inverted by
+    forward substitution (all blocks at once, row by row); with D their inverse and N the blocks below
+    the diagonal, (I + A)^-1 = (I + D N)^-1 D = (I - M)(I + M^2) D, M = D N (nilpotent: <= 4 block rows).
+    That is blockwise forward substitution written as products, with no Neumann cancellation inside
+    a block."""
+    NB: tl.constexpr = BT // 16
+    r = tl.arange(0, BT)
+    same = (r[:, None] // 16) == (r[None, :] // 16)
+    ad = tl.sum(tl.reshape(tl.where(same, A, 0.0), (BT, NB, 16)), axis=1)       # [BT, 16]: own block's row
+    ad = tl.reshape(ad, (NB, 16, 16))
+    ii = tl.arange(0, 16)
+    x = tl.broadcast_to(tl.where(ii[:, None] == ii[None, :], 1.0, 0.0)[None, :, :], (NB, 16, 16))
+    for i in tl.static_range(1, 16):
+        sel = (ii == i)[None, :, None]
+        a_i = tl.sum(tl.where(sel, ad, 0.0), axis=1)                             # [NB, 16]: row i of each block
+        new = tl.where((ii == i)[None, :], 1.0, 0.0) - tl.sum(a_i[:, :, None] * x, axis=1)
+        x = tl.where(sel, new[:, None, :], x)
+    d = tl.reshape(tl.broadcast_to(tl.reshape(x, (BT, 16))[:, None, :], (BT, NB, 16)), (BT, BT))
+    d = tl.where(same, d, 0.0)
+    m = tl.dot(d, tl.where(same, 0.0, A), input_precision=PREC)
+    m2 = tl.dot(m, m, input_precision=PREC)
+    p = d + tl.dot(m2, d, input_precision=PREC)
+    return p - tl.dot(m, p, input_precision=PREC)
+
+
+@triton.jit(do_not_specialize=["T"])
+def prep_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, T, HK: tl.constexpr,
+                HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+                RNE: tl.constexpr):
+    """Program (value head h, chunk n): w, u [BT, dk | dv] and cum [BT] (f32, rows padded to whole
+    chunks; padded tokens have g = beta = 0, k = v = 0, as the reference pads)."""
+    h, n = tl.program_id(0), tl.program_id(1)
+    kh = h // (HV // HK)
+    C: tl.constexpr = 2 * HK * DK + HV * DV
+    dtype = xc_ptr.dtype.element_ty
+    i = tl.arange(0, BT)
+    t = n * BT + i
+    tm = t < T
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    rows = xc_ptr + t.to(tl.int64)[:, None] * C
+    k = l2norm_rows(tl.load(rows + HK * DK + kh * DK + dk[None, :], mask=tm[:, None], other=0.0).to(tl.float32))
+    v = tl.load(rows + 2 * HK * DK + h * DV + dv[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
+    g, beta = decay_beta(a, b, tl.load(alog_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32), dtype, RNE)
+    g = tl.where(tm, g, 0.0)
+    beta = tl.where(tm, beta, 0.0)
+    cum = tl.cumsum(g, axis=0)
+    kb = k * beta[:, None]
+    lower = i[:, None] > i[None, :]
+    decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
+    A = tl.where(lower, tl.dot(kb, tl.trans(k), input_precision=PREC) * decay, 0.0)
+    inv = unit_lower_inverse(A, BT, PREC)
+    u = tl.dot(inv, v * beta[:, None], input_precision=PREC)
+    w = tl.dot(inv, kb * tl.exp(cum)[:, None], input_precision=PREC)
+    hrow = h.to(tl.int64) * (tl.cdiv(T, BT) * BT) + t                       # row in the padded buffers
+    tl.store(u_ptr + hrow[:, None] * DV + dv[None, :], u)
+    tl.store(w_ptr + hrow[:, None] * DK + dk[None, :], w)
+    tl.store(cum_ptr + hrow, cum)
+
+
+@triton.jit(do_not_specialize=["T"])
+def scan_kernel(xc_ptr, z_ptr, nw_ptr, w_ptr, u_ptr, cum_ptr, ssm_ptr, y_ptr, o_ptr, T, eps, scale,
+                HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                BT: tl.constexpr, PREC: tl.constexpr, ROUND_WN: tl.constexpr, RNE: tl.constexpr):
+    """Program (value head h, dv block vb) scans the chunks in order, state tile S [dk, BV] in registers:
+    v_new = u - w S; o = (q exp(cum)) S + (causal q k^T * decay) v_new; S = S exp(g_last) +
+    (k exp(g_last - cum))^T v_new. q and k are re-normalised from xc (cheaper than storing them)."""
+    h, vb = tl.program_id(0), tl.program_id(1)
+    kh = h // (HV // HK)
+    C: tl.constexpr = 2 * HK * DK + HV * DV
+    dtype = y_ptr.dtype.element_ty
+    npad = tl.cdiv(T, BT) * BT
+    i = tl.arange(0, BT)
+    dk = tl.arange(0, DK)
+    cols = vb * BV + tl.arange(0, BV)
+    causal = i[:, None] >= i[None, :]
+    sp = ssm_ptr + h.to(tl.int64) * DK * DV + dk[:, None] * DV + cols[None, :]
+    s = tl.load(sp)
+    wf = tl.load(nw_ptr + cols).to(tl.float32)
+    for n in range(0, tl.cdiv(T, BT)):
+        t = n * BT + i
+        tm = (t < T)[:, None]
+        rows = xc_ptr + t.to(tl.int64)[:, None] * C
+        q = l2norm_rows(tl.load(rows + kh * DK + dk[None, :], mask=tm, other=0.0).to(tl.float32)) * scale
+        k = l2norm_rows(tl.load(rows + HK * DK + kh * DK + dk[None, :], mask=tm, other=0.0).to(tl.float32))
+        hrow = h.to(tl.int64) * npad + t
+        cum = tl.load(cum_ptr + hrow)
+        glast = tl.load(cum_ptr + h.to(tl.int64) * npad + n * BT + BT - 1)
+        w = tl.load(w_ptr + hrow[:, None] * DK + dk[None, :])
+        u = tl.load(u_ptr + hrow[:, None] * DV + cols[None, :])
+        v_new = u - tl.dot(w, s, input_precision=PREC)
+        decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0))
+        intra = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PREC) * decay, 0.0)
+        o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision=PREC)
+        o = o + tl.dot(intra, v_new, input_precision=PREC)
+        kd = k * tl.exp(glast - cum)[:, None]
+        s = s * tl.exp(glast) + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
+        o = round_to(o, dtype, RNE).to(tl.float32)
+        out = t.to(tl.int64)[:, None] * (HV * DV) + h * DV + cols[None, :]
+        if BV == DV:
+            zf = tl.load(z_ptr + out, mask=tm, other=0.0).to(tl.float32)
+            tl.store(y_ptr + out, gated_norm(o, zf, wf, eps, DV, ROUND_WN, dtype, RNE), mask=tm)
+        else:
+            tl.store(o_ptr + out, o.to(dtype), mask=tm)
+    tl.store(sp, s)
+
+
+# -- launching -------------------------------------------------------------------------------------------
+
+def round_wn(qkv: torch.Tensor, norm_w: torch.Tensor) -> bool:
+    """Whether torch rounds w * normed (both 16-bit: the product stays 16-bit)."""
+    return torch.promote_types(norm_w.dtype, qkv.dtype) != torch.float32
+
+
+def gated_norm_pass(o, z, norm_w, y, eps, dv: int) -> None:
+    rows = o.numel() // dv
+    norm_kernel[(cdiv(rows, 4),)](o, z, norm_w, y, rows, eps, DV=dv, ROWS=4, ROUND_WN=round_wn(o, norm_w),
+                                  RNE=rne_flag(o.dtype), num_warps=4)
+
+
+def recurrent(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, warps: int = 4) -> None:
+    hk, hv, dk, dv, eps = dims
+    recurrent_kernel[(hv,)](xc, z, b, a, A_log, dt_bias, norm_w, ssm, y, xc.shape[0], eps, dk ** -0.5, HK=hk, HV=hv,
+                            DK=dk, DV=dv, ROUND_WN=round_wn(xc, norm_w), RNE=rne_flag(xc.dtype), num_warps=warps)
+
+
+def chunked(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, p: dict) -> None:
+    hk, hv, dk, dv, eps = dims
+    t, bv, rne = xc.shape[0], p["bv"], rne_flag(xc.dtype)
+    npad = cdiv(t, CHUNK) * CHUNK
+    w = torch.empty((hv, npad, dk), dtype=torch.float32, device=xc.device)
+    u = torch.empty((hv, npad, dv), dtype=torch.float32, device=xc.device)
+    cum = torch.empty((hv, npad), dtype=torch.float32, device=xc.device)
+    prep_kernel[(hv, npad // CHUNK)](xc, b, a, A_log, dt_bias, w, u, cum, t, HK=hk, HV=hv, DK=dk, DV=dv, BT=CHUNK,
+                                     PREC=p["prec"], RNE=rne, num_warps=p["pw"])
+    o = y if bv == dv else torch.empty_like(y)
+    scan_kernel[(hv, dv // bv)](xc, z, norm_w, w, u, cum, ssm, y, o, t, eps, dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv,
+                                BV=bv, BT=CHUNK, PREC=p["prec"], ROUND_WN=round_wn(xc, norm_w), RNE=rne,
+                                num_warps=p["w"])
+    if bv != dv:
+        gated_norm_pass(o, z, norm_w, y, eps, dv)
+
+
+def prefill_into(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, dims, v: Variant, y) -> None:
+    xc = conv(qkv, conv_w, conv_state)
+    if v.p["form"] == "recurrent":
+        recurrent(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, v.p["w"])
+    else:
+        chunked(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, v.p)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Per-key-head arrival counters of the decode kernel, zero between launches (the last arrival
+    resets its own). NOTE: allocate (run once) before capturing a CUDA graph that uses them."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+    return buf
+
+
+def decode_into(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, dims, v: Variant, y) -> None:
+    hk, hv, dk, dv, eps = dims
+    p = v.p
+    if p["form"] == "unfused":
+        xc = conv(qkv, conv_w, conv_state)
+        recurrent(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, p["w"])
+        return
+    bv = p["bv"]
+    o = y if bv == dv else torch.empty_like(y)
+    counts = arrival_counters(qkv.device, hk)
+    decode_kernel[(hv, dv // bv)](qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, y, o, counts, eps,
+                                  dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv, K=conv_w.shape[-1], BV=bv,
+                                  ROUND_WN=round_wn(qkv, norm_w), RNE=rne_flag(qkv.dtype), num_warps=p["w"])
+    if bv != dv:
+        gated_norm_pass(o, z, norm_w, y, eps, dv)
+
+
+def _shape(qkv, conv_w, ssm, dims) -> GdnShape:
+    hk, hv, dk, dv, _ = dims
+    return GdnShape(qkv.shape[0], hk, hv, dk, dv, conv_w.shape[-1])
+
+
+def gdn_prefill(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, dims, v: Variant | None = None):
+    """The GDN mixer over T >= 1 tokens (ReferenceOps.gated_deltanet without the length bookkeeping):
+    y [T, Hv*dv]; conv_state and ssm updated in place."""
+    assert conv_state.is_contiguous() and ssm.is_contiguous() and conv_w.is_contiguous()   # updated in place
+    v = v or PREFILL.default(_shape(qkv, conv_w, ssm, dims), device_info(qkv.device))
+    y = torch.empty((qkv.shape[0], dims[1] * dims[3]), dtype=qkv.dtype, device=qkv.device)
+    prefill_into(qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), conv_w, A_log, dt_bias, norm_w,
+                 conv_state, ssm, dims, v, y)
+    return y
+
+
+def gdn_decode(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, dims, v: Variant | None = None):
+    """One token (T == 1): y [1, Hv*dv]; conv_state and ssm updated in place. CUDA-graph capturable."""
+    assert conv_state.is_contiguous() and ssm.is_contiguous() and conv_w.is_contiguous()   # updated in place
+    v = v or DECODE.default(_shape(qkv, conv_w, ssm, dims), device_info(qkv.device))
+    y = torch.empty((1, dims[1] * dims[3]), dtype=qkv.dtype, device=qkv.device)
+    decode_into(qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), conv_w, A_log, dt_bias, norm_w,
+                conv_state, ssm, dims, v, y)
+    return y
+
+
+# -- the ops: variants, inputs, outputs --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GdnShape:
+    rows: int     # tokens (runtime; 1 for decode)
+    hk: int
+    hv: int
+    dk: int
+    dv: int
+    k: int        # conv kernel
+
+    @property
+    def key(self) -> tuple:
+        return (self.hk, self.hv, self.dk, self.dv, self.k)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.hk * self.dk + self.hv * self.dv
+
+
+def chunk_variant(bv: int, w: int, prec: str, pw: int | None = None) -> Variant:
+    pw = pw or w
+    return variant(f"chunk_bv{bv}_w{w}_pw{pw}_{prec}", form="chunk", bv=bv, w=w, pw=pw, prec=prec)
+
+
+def fused_variant(bv: int, w: int) -> Variant:
+    return variant(f"fused_bv{bv}_w{w}", form="fused", bv=bv, w=w)
+
+
+RECURRENT = variant("recurrent", form="recurrent", w=4)        # trusted prefill: token by token, no tl.dot
+UNFUSED = variant("unfused", form="unfused", w=4)              # trusted decode: conv kernel + recurrent step
+GPU_PREC = ("tf32x3", "ieee")      # "tf32" alone (10-bit mantissa) only when pinned: the state is f32 by contract
+
+
+def gdn_inputs(s: GdnShape, dtype, device, gen) -> dict:
+    """Random inputs shaped like the model's (never zeros): decays from HF's A_log / dt_bias init ranges,
+    a non-zero prior conv window and state."""
+    r = lambda *shape, scale=1.0: torch.randn(*shape, generator=gen, device=device) * scale  # noqa: E731
+    u = lambda n, lo, hi: lo + (hi - lo) * torch.rand(n, generator=gen, device=device)  # noqa: E731
+    t, c = s.rows, s.conv_dim
+    dt = torch.exp(u(s.hv, -6.9, -2.3))                                   # dt in [1e-3, 0.1]
+    return {"qkv": r(t, c).to(dtype), "z": r(t, s.hv * s.dv).to(dtype), "b": r(t, s.hv).to(dtype),
+            "a": r(t, s.hv).to(dtype), "conv_w": r(c, 1, s.k, scale=0.5).to(dtype),
+            "A_log": torch.log(u(s.hv, 1.0, 16.0)).to(dtype), "dt_bias": (dt + torch.log(-torch.expm1(-dt))).to(dtype),
+            "norm_w": r(s.dv, scale=0.1).add(1.0).to(dtype), "conv_state": r(s.k, c).to(dtype),
+            "ssm": r(s.hv, s.dk, s.dv, scale=0.1), "dims": (s.hk, s.hv, s.dk, s.dv, 1e-6)}
+
+
+ARGS = ("qkv", "z", "b", "a", "conv_w", "A_log", "dt_bias", "norm_w")
+
+
+class GdnOp(Op):
+    """Outputs y and copies of the state: launch() copies the input state into them and updates the
+    copies in place, so the gate can run every variant on the same inputs and compare the state too."""
+    sources = (__file__,)
+    into = None
+
+    def shape_str(self, s: GdnShape) -> str:
+        return f"{s.rows}_h{s.hk}-{s.hv}_d{s.dk}-{s.dv}_k{s.k}"
+
+    def with_rows(self, s: GdnShape, rows: int) -> GdnShape:
+        return GdnShape(rows, s.hk, s.hv, s.dk, s.dv, s.k)
+
+    def inputs(self, s: GdnShape, dtype, device, gen) -> dict:
+        return gdn_inputs(s, dtype, device, gen)
+
+    def outputs(self, s: GdnShape, inputs: dict) -> dict:
+        q = inputs["qkv"]
+        return {"y": torch.empty((q.shape[0], s.hv * s.dv), dtype=q.dtype, device=q.device),
+                "conv": torch.empty_like(inputs["conv_state"]), "ssm": torch.empty_like(inputs["ssm"])}
+
+    def launch(self, v: Variant, inputs: dict, outputs: dict, plan=None) -> None:
+        outputs["conv"].copy_(inputs["conv_state"])
+        outputs["ssm"].copy_(inputs["ssm"])
+        type(self).into(*(inputs[k] for k in ARGS), outputs["conv"], outputs["ssm"], inputs["dims"], v, outputs["y"])
+
+    def compile(self, v: Variant, s: GdnShape, dtype, device) -> list:
+        """Runs the variant once on a small block (a full and a ragged chunk): T is not specialised, so
+        that compiles every kernel it launches for this shape."""
+        if interpreting() or v.run is not None:
+            return []
+        block = self.with_rows(s, 1 if self.name == "gdn_decode" else CHUNK + 1)
+        gen = torch.Generator(device=device).manual_seed(0)
+        inputs = self.inputs(block, dtype, device, gen)
+        self.run(v, inputs, self.outputs(block, inputs))
+        return []
+
+    def supports(self, qkv, conv_w, ssm, dims) -> bool:
+        hk, hv, dk, dv, _ = dims
+        pow2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
+        return (qkv.dtype in SUPPORTED and conv_w.dtype == qkv.dtype and ssm.dtype == torch.float32
+                and pow2(dk) and pow2(dv) and hv % hk == 0 and conv_w.shape[-1] - 1 <= CONV_BT)
+
+
+class GdnPrefillOp(GdnOp):
+    name = "gdn_prefill"
+    into = staticmethod(prefill_into)
+
+    def catalogue(self, s: GdnShape, dev) -> list[Variant]:
+        bvs = [bv for bv in (16, 32, 64, 128) if bv <= s.dv]
+        if dev.capability is None:
+            return [RECURRENT, chunk_variant(s.dv, 4, "ieee")] + ([chunk_variant(16, 4, "ieee")] if s.dv > 16 else [])
+        forms = [RECURRENT] + [chunk_variant(bv, w, prec) for prec in GPU_PREC + ("tf32",) for bv in bvs[1:]
+                               for w in (4, 8)]
+        return forms + [chunk_variant(bv, 4, prec, 8) for prec in GPU_PREC for bv in bvs[1:]]
+
+    def candidates(self, s: GdnShape, dev) -> list[Variant]:
+        return [v for v in self.catalogue(s, dev) if v.p.get("prec") != "tf32"]
+
+    def trusted(self, s, dev) -> Variant:
+        return RECURRENT
+
+    def default(self, s: GdnShape, dev) -> Variant:
+        if dev.capability is None:
+            return chunk_variant(s.dv, 4, "ieee")
+        return chunk_variant(min(64, s.dv), 4, "tf32x3", 8)
+
+    def kernel_sources(self, v: Variant) -> list:
+        if v.p["form"] == "recurrent":
+            return [conv_kernel, recurrent_kernel]
+        return [conv_kernel, prep_kernel, unit_lower_inverse, scan_kernel] + [norm_kernel]
+
+
+class GdnDecodeOp(GdnOp):
+    name = "gdn_decode"
+    into = staticmethod(decode_into)
+
+    def blocks(self, s) -> tuple[int, int]:
+        return 1, 1
+
+    def catalogue(self, s: GdnShape, dev) -> list[Variant]:
+        bvs = [bv for bv in (16, 32, 64, 128) if bv <= s.dv]
+        if dev.capability is None:
+            return [UNFUSED, fused_variant(s.dv, 4)] + ([fused_variant(16, 4)] if s.dv > 16 else [])
+        # at most 128 state floats a thread: more only spills
+        return [UNFUSED] + [fused_variant(bv, w) for bv in bvs for w in (1, 2, 4, 8) if bv * s.dk <= 128 * 32 * w]
+
+    def trusted(self, s, dev) -> Variant:
+        return UNFUSED
+
+    def default(self, s: GdnShape, dev) -> Variant:
+        return fused_variant(s.dv, 4 if dev.capability is None else 8)
+
+    def kernel_sources(self, v: Variant) -> list:
+        if v.p["form"] == "unfused":
+            return [conv_kernel, recurrent_kernel]
+        return [decode_kernel, decode_conv, shift_state] + [norm_kernel]
+
+
+PREFILL = register(GdnPrefillOp())
+DECODE = register(GdnDecodeOp())

@@ -1,0 +1,410 @@
+"""Routed experts (mixture of experts): y[t] = sum over t's top-k experts e, in ascending id, of
+w[t, e] * down_e(act(gate_e(x[t])) * up_e(x[t])), rounded where ReferenceOps.moe_experts rounds.
+
+Two forms, both measured by the tuner:
+- grouped (prefill): the T*k (token, slot) pairs are sorted by expert on the device; each program
+  takes a block of BM rows of one expert (each expert's rows padded to whole blocks, found from the
+  per-expert counts inside the kernel) and runs a tensor-core GEMM. Kernel 1: gate_up with the
+  activation and the product in its epilogue -> h [T*k, I]; kernel 2: down, times the routing weight
+  -> y [T*k, H]; kernel 3: the combine.
+- gemv (decode, few tokens): one program per (pair, column block), no sorting, no padded tile rows.
+The combine adds each token's k contributions in ascending expert id with a rounding after each add,
+as the reference's index_add into the activation-dtype buffer does.
+
+Every launch has a grid fixed by T (an upper bound on the blocks; blocks past the real count exit
+at once) and nothing reads device values on the host: the whole op can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...tune.registry import Op, Variant, register, variant
+from . import gemm as G
+from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, next_pow2, rne_flag, round_to
+
+ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
+COMBINE_BH = 256     # columns per combine program: the combine reads k rows, it is never the bottleneck
+
+
+# -- device helpers --------------------------------------------------------------------------------
+
+@triton.jit
+def activate(g, ACT: tl.constexpr):
+    """g in f32. silu, or gelu with the tanh approximation written as 0.5 g (1 + tanh(u)) =
+    g sigmoid(2u): no libdevice (the interpreter runs the same formula) and no cancellation
+    where 1 + tanh(u) is small."""
+    if ACT == 0:
+        return g / (1.0 + tl.exp(-g))
+    u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    return g / (1.0 + tl.exp(-2.0 * u))
+
+
+@triton.jit
+def glu(acc_g, acc_u, dtype: tl.constexpr, ACT: tl.constexpr, RNE: tl.constexpr):
+    """h = act(gate) * up with the reference's roundings: gate and up, act(gate), the product."""
+    g = round_to(acc_g, dtype, RNE).to(tl.float32)
+    u = round_to(acc_u, dtype, RNE).to(tl.float32)
+    a = round_to(activate(g, ACT), dtype, RNE).to(tl.float32)
+    return round_to(a * u, dtype, RNE)
+
+
+@triton.jit
+def weighted(acc, w, dtype: tl.constexpr, RNE: tl.constexpr):
+    """down output rounded, times the routing weight (f32 product of the two), rounded: the same
+    value whether the weights are 16-bit (torch multiplies in f32 then rounds) or f32."""
+    d = round_to(acc, dtype, RNE).to(tl.float32)
+    return round_to(d * w, dtype, RNE)
+
+
+@triton.jit
+def expert_block(starts_ptr, b, P, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
+    """Block b of the padded layout -> (expert, first sorted row, end of the expert's rows).
+    starts [E + 1]: where each expert's rows begin among the P sorted pairs. Blocks past the last
+    get an expert >= E."""
+    ids = tl.arange(0, EP)
+    s0 = tl.load(starts_ptr + ids, mask=ids < E, other=P)
+    counts = tl.load(starts_ptr + 1 + ids, mask=ids < E, other=P) - s0        # 0 on the padding
+    nblk = (counts + BM - 1) // BM
+    blk_end = tl.cumsum(nblk, axis=0)
+    e = tl.sum((blk_end <= b).to(tl.int32), axis=0)
+    here = ids == e
+    first = tl.sum(tl.where(here, s0, 0), axis=0)
+    row0 = first + (b - tl.sum(tl.where(here, blk_end - nblk, 0), axis=0)) * BM
+    return e, row0, first + tl.sum(tl.where(here, counts, 0), axis=0)
+
+
+# -- grouped (prefill) -----------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["P"])
+def grouped_gate_up_kernel(x_ptr, w_ptr, order_ptr, starts_ptr, h_ptr, P, E: tl.constexpr, EP: tl.constexpr,
+                           KTOP: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                           RNE: tl.constexpr):
+    """h[sorted rows, n block] for one block of one expert: x rows gathered by token, the gate tile
+    (w rows n..) and the up tile (w rows I + n..) of gate_up [E, 2I, H] in one pass over H."""
+    e, row0, row_end = expert_block(starts_ptr, tl.program_id(0), P, E, EP, BM)
+    if e >= E:
+        return
+    rm = row0 + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    tok = tl.load(order_ptr + tl.minimum(rm, P - 1)) // KTOP       # rows past the expert read a valid row
+    xs = x_ptr + tok.to(tl.int64)[:, None] * H + rk[None, :]
+    gs = w_ptr + e.to(tl.int64) * (2 * I * H) + tl.minimum(rn, I - 1).to(tl.int64)[None, :] * H + rk[:, None]
+    us = gs + I * H
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, H, BK):
+        if H % BK == 0:
+            a = tl.load(xs)
+            bg = tl.load(gs)
+            bu = tl.load(us)
+        else:
+            inside = rk + k < H
+            a = tl.load(xs, mask=inside[None, :], other=0.0)
+            bg = tl.load(gs, mask=inside[:, None], other=0.0)
+            bu = tl.load(us, mask=inside[:, None], other=0.0)
+        acc_g = G.mma(acc_g, a, bg, UPCAST, IEEE)
+        acc_u = G.mma(acc_u, a, bu, UPCAST, IEEE)
+        xs += BK
+        gs += BK
+        us += BK
+    keep = (rm < row_end)[:, None] & (rn < I)[None, :]
+    h = glu(acc_g, acc_u, h_ptr.dtype.element_ty, ACT, RNE)
+    tl.store(h_ptr + rm.to(tl.int64)[:, None] * I + rn[None, :], h, mask=keep)
+
+
+@triton.jit(do_not_specialize=["P"])
+def grouped_down_kernel(h_ptr, w_ptr, order_ptr, starts_ptr, rw_ptr, y_ptr, P, E: tl.constexpr, EP: tl.constexpr,
+                        H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr):
+    """y[pair, n block] = round(round(h @ down_e^T) * routing weight) for one block of one expert;
+    h rows are in sorted order, y rows in pair order (token * k + slot)."""
+    e, row0, row_end = expert_block(starts_ptr, tl.program_id(0), P, E, EP, BM)
+    if e >= E:
+        return
+    rm = row0 + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    hs = h_ptr + tl.minimum(rm, P - 1).to(tl.int64)[:, None] * I + rk[None, :]
+    ws = w_ptr + e.to(tl.int64) * (H * I) + tl.minimum(rn, H - 1).to(tl.int64)[None, :] * I + rk[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, I, BK):
+        if I % BK == 0:
+            a = tl.load(hs)
+            b = tl.load(ws)
+        else:
+            inside = rk + k < I
+            a = tl.load(hs, mask=inside[None, :], other=0.0)
+            b = tl.load(ws, mask=inside[:, None], other=0.0)
+        acc = G.mma(acc, a, b, UPCAST, IEEE)
+        hs += BK
+        ws += BK
+    inside = rm < row_end
+    pair = tl.load(order_ptr + rm, mask=inside, other=0)
+    rw = tl.load(rw_ptr + pair, mask=inside, other=0.0).to(tl.float32)
+    y = weighted(acc, rw[:, None], y_ptr.dtype.element_ty, RNE)
+    tl.store(y_ptr + pair.to(tl.int64)[:, None] * H + rn[None, :], y, mask=inside[:, None] & (rn < H)[None, :])
+
+
+# -- gemv (decode) ---------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["P"])
+def gemv_gate_up_kernel(x_ptr, w_ptr, idx_ptr, h_ptr, P, KTOP: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, RNE: tl.constexpr):
+    """h[pair, n block] for one (token, slot) pair: w tiles times the token's x row, in f32."""
+    pair = tl.program_id(0)
+    e = tl.load(idx_ptr + pair).to(tl.int64)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    xs = x_ptr + (pair // KTOP).to(tl.int64) * H + rk
+    gs = w_ptr + e * (2 * I * H) + tl.minimum(rn, I - 1).to(tl.int64)[:, None] * H + rk[None, :]
+    us = gs + I * H
+    acc_g = tl.zeros((BN,), dtype=tl.float32)
+    acc_u = tl.zeros((BN,), dtype=tl.float32)
+    for k in range(0, H, BK):
+        inside = rk + k < H
+        a = tl.load(xs, mask=inside, other=0.0).to(tl.float32)[None, :]
+        acc_g += tl.sum(tl.load(gs, mask=inside[None, :], other=0.0).to(tl.float32) * a, axis=1)
+        acc_u += tl.sum(tl.load(us, mask=inside[None, :], other=0.0).to(tl.float32) * a, axis=1)
+        xs += BK
+        gs += BK
+        us += BK
+    h = glu(acc_g, acc_u, h_ptr.dtype.element_ty, ACT, RNE)
+    tl.store(h_ptr + pair.to(tl.int64) * I + rn, h, mask=rn < I)
+
+
+@triton.jit(do_not_specialize=["P"])
+def gemv_down_kernel(h_ptr, w_ptr, idx_ptr, rw_ptr, y_ptr, P, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, RNE: tl.constexpr):
+    """y[pair, n block] = round(round(down_e h[pair]) * routing weight)."""
+    pair = tl.program_id(0)
+    e = tl.load(idx_ptr + pair).to(tl.int64)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    hs = h_ptr + pair.to(tl.int64) * I + rk
+    ws = w_ptr + e * (H * I) + tl.minimum(rn, H - 1).to(tl.int64)[:, None] * I + rk[None, :]
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for k in range(0, I, BK):
+        inside = rk + k < I
+        a = tl.load(hs, mask=inside, other=0.0).to(tl.float32)[None, :]
+        acc += tl.sum(tl.load(ws, mask=inside[None, :], other=0.0).to(tl.float32) * a, axis=1)
+        hs += BK
+        ws += BK
+    y = weighted(acc, tl.load(rw_ptr + pair).to(tl.float32), y_ptr.dtype.element_ty, RNE)
+    tl.store(y_ptr + pair.to(tl.int64) * H + rn, y, mask=rn < H)
+
+
+# -- combine -----------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["T"])
+def combine_kernel(y_ptr, idx_ptr, out_ptr, T, KTOP: tl.constexpr, KP: tl.constexpr, H: tl.constexpr,
+                   BH: tl.constexpr, RNE: tl.constexpr):
+    """out[t] = the token's k contributions y[t * k + slot], added in ascending expert id with a
+    rounding to out's dtype after each add. NOTE: assumes a token's k expert ids are distinct."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    slots = tl.arange(0, KP)
+    ids = tl.load(idx_ptr + t * KTOP + slots, mask=slots < KTOP, other=0).to(tl.int64)
+    ids = tl.where(slots < KTOP, ids, (1 << 30) + slots)               # padding ranks last (ids < 2^30)
+    rank = tl.sum((ids[:, None] < ids[None, :]).to(tl.int32), axis=0)    # [KP]: how many ids are smaller
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for j in tl.static_range(KTOP):
+        slot = tl.sum(tl.where(rank == j, slots, 0), axis=0)
+        y = tl.load(y_ptr + (t * KTOP + slot) * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+        acc = round_to(acc + y, dtype, RNE).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, acc.to(dtype), mask=cols < H)
+
+
+# -- launching ---------------------------------------------------------------------------------------
+
+def max_blocks(pairs: int, experts: int, bm: int) -> int:
+    """An upper bound on the padded row blocks: each expert with rows adds at most one partial block."""
+    return cdiv(pairs, bm) + min(experts, pairs)
+
+
+def sort_pairs(idx: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, starts): pair ids sorted by expert (stable), and where each expert's rows begin
+    among them ([E + 1], the last is T*k). All on the device: no host sync."""
+    flat = idx.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    bounds = torch.arange(experts + 1, device=idx.device, dtype=sorted_ids.dtype)
+    return order, torch.searchsorted(sorted_ids, bounds)
+
+
+def run_grouped(x, idx, rw, gate_up, down, act, p: dict, y: torch.Tensor) -> None:
+    (t, hd), (e, k), i = x.shape, (gate_up.shape[0], idx.shape[1]), down.shape[2]
+    order, starts = sort_pairs(idx, e)
+    h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
+    nb = max_blocks(t * k, e, p["bm"])
+    common = dict(E=e, EP=next_pow2(e), BM=p["bm"], BN=p["bn"], BK=p["bk"], RNE=rne_flag(x.dtype),
+                  **dot_flags(x.dtype), num_warps=p["w"], num_stages=p["s"])
+    grouped_gate_up_kernel[(nb, cdiv(i, p["bn"]))](x, gate_up, order, starts, h, t * k, KTOP=k, H=hd, I=i,
+                                                   ACT=ACTS[act], **common)
+    grouped_down_kernel[(nb, cdiv(hd, p["bn"]))](h, down, order, starts, rw, y, t * k, H=hd, I=i, **common)
+
+
+def run_gemv(x, idx, rw, gate_up, down, act, p: dict, y: torch.Tensor) -> None:
+    (t, hd), k, i = x.shape, idx.shape[1], down.shape[2]
+    h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
+    rne, opts = rne_flag(x.dtype), dict(num_warps=p["w"], num_stages=1)
+    gemv_gate_up_kernel[(t * k, cdiv(i, p["bn"]))](x, gate_up, idx, h, t * k, KTOP=k, H=hd, I=i, BN=p["bn"],
+                                                   BK=p["bk"], ACT=ACTS[act], RNE=rne, **opts)
+    gemv_down_kernel[(t * k, cdiv(hd, p["bn"]))](h, down, idx, rw, y, t * k, H=hd, I=i, BN=p["bn"], BK=p["bk"],
+                                                 RNE=rne, **opts)
+
+
+def combine(y: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
+    (t, hd), k = out.shape, idx.shape[1]
+    bh = min(COMBINE_BH, next_pow2(hd))
+    combine_kernel[(t, cdiv(hd, bh))](y, idx, out, t, KTOP=k, KP=next_pow2(k), H=hd, BH=bh, RNE=rne_flag(out.dtype),
+                                      num_warps=4)
+
+
+def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, act: str, v: Variant | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """ReferenceOps.moe_experts with variant `v` (None: the op's default). x [T, H]; idx [T, k]
+    (distinct expert ids per token); weights [T, k] (x's dtype or f32); gate_up [E, 2I, H] (gate
+    rows first); down [E, H, I]. Returns (or fills `out`) [T, H] in x's dtype."""
+    t, k = idx.shape
+    out = torch.empty_like(x) if out is None else out
+    if t == 0:
+        return out
+    if v is None:
+        v = OP.default(MoeShape(t, gate_up.shape[0], k, x.shape[1], down.shape[2], act), device_info(x.device))
+    x, idx, weights = x.contiguous(), idx.contiguous(), weights.contiguous()
+    y = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)     # [T*k, H], pair order
+    (run_gemv if v.p.get("gemv") else run_grouped)(x, idx, weights, gate_up, down, act, v.p, y)
+    combine(y, idx, out)
+    return out
+
+
+# -- the op: variants, inputs, outputs ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MoeShape:
+    rows: int     # T, tokens (runtime)
+    e: int        # experts
+    k: int        # experts per token
+    h: int        # hidden size
+    i: int        # expert FFN size
+    act: str
+
+    @property
+    def key(self) -> tuple:
+        return (self.e, self.k, self.h, self.i, self.act)
+
+
+def grouped_variant(bm, bn, bk, w, s) -> Variant:
+    return variant(f"grouped_bm{bm}_bn{bn}_bk{bk}_w{w}_s{s}", bm=bm, bn=bn, bk=bk, w=w, s=s)
+
+
+def gemv_variant(bn, bk, w) -> Variant:
+    return variant(f"gemv_bn{bn}_bk{bk}_w{w}", gemv=True, bn=bn, bk=bk, w=w)
+
+
+TRUSTED = grouped_variant(16, 32, 32, 4, 1)     # small tiles, no pipelining
+# (bm, bn, bk, warps, stages): BM 16/32 for few rows per expert (decode batches, short prompts), 64 for prefill.
+GPU_GROUPED = [(16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (32, 64, 128, 4, 3), (32, 128, 64, 4, 3),
+               (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4), (64, 64, 128, 4, 3),
+               (64, 256, 32, 8, 3)]
+GPU_GEMV = [(16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 128, 8)]
+GEMV_MAX_ROWS = 64     # beyond this the gemv rereads each expert's weights for too many pairs
+CPU_GROUPED = [(32, 32, 64, 4, 1), (64, 64, 32, 4, 1)]
+CPU_GEMV = [(64, 64, 4)]
+
+
+class MoeOp(Op):
+    name = "moe"
+    sources = (__file__, G.__file__)
+
+    def shape_str(self, s: MoeShape) -> str:
+        return f"{s.rows}x{s.e}e{s.k}_{s.h}x{s.i}_{s.act}"
+
+    def with_rows(self, s: MoeShape, rows: int) -> MoeShape:
+        return MoeShape(rows, s.e, s.k, s.h, s.i, s.act)
+
+    def catalogue(self, s: MoeShape, dev) -> list[Variant]:
+        grouped, gemv = (CPU_GROUPED, CPU_GEMV) if dev.capability is None else (GPU_GROUPED, GPU_GEMV)
+        return [TRUSTED] + [grouped_variant(*t) for t in grouped] + [gemv_variant(*t) for t in gemv]
+
+    def candidates(self, s: MoeShape, dev) -> list[Variant]:
+        forms = self.catalogue(s, dev)
+        if dev.capability is None:
+            return forms
+        per_expert = s.rows * s.k / s.e     # mean rows per expert
+        return [v for v in forms if v == TRUSTED or
+                (s.rows <= GEMV_MAX_ROWS if v.p.get("gemv") else v.p["bm"] <= max(16, 4 * next_pow2(int(per_expert))))]
+
+    def trusted(self, s, dev) -> Variant:
+        return TRUSTED
+
+    def default(self, s: MoeShape, dev) -> Variant:
+        if dev.capability is None:
+            return TRUSTED
+        if s.rows <= 4:
+            return gemv_variant(16, 256, 4)
+        return grouped_variant(16, 64, 128, 4, 3) if s.rows * s.k <= 16 * s.e else grouped_variant(64, 128, 64, 4, 3)
+
+    def inputs(self, s: MoeShape, dtype, device, gen) -> dict:
+        return moe_inputs(s, dtype, device, gen)
+
+    def outputs(self, s: MoeShape, inputs: dict) -> dict:
+        return {"y": torch.empty_like(inputs["x"])}
+
+    def launch(self, v: Variant, inputs: dict, outputs: dict, plan=None) -> None:
+        i = inputs
+        moe_experts(i["x"], i["idx"], i["weights"], i["gate_up"], i["down"], i["act"], v, outputs["y"])
+
+    def compile(self, v: Variant, s: MoeShape, dtype, device) -> list:
+        if interpreting() or v.run is not None:
+            return []
+        # Only dtypes and 16-byte alignment specialise a kernel: small stand-ins serve for every tensor.
+        a = torch.empty(64, dtype=dtype, device=device)
+        i64 = torch.empty(64, dtype=torch.int64, device=device)
+        p, k, grid = v.p, s.k, (1,)
+        kernels = [combine_kernel.warmup(a, i64, a, 1, KTOP=k, KP=next_pow2(k), H=s.h, BH=min(COMBINE_BH, next_pow2(s.h)),
+                                         RNE=False, num_warps=4, grid=grid)]
+        if p.get("gemv"):
+            opts = dict(BN=p["bn"], BK=p["bk"], RNE=False, num_warps=p["w"], num_stages=1, grid=grid)
+            kernels += [gemv_gate_up_kernel.warmup(a, a, i64, a, 1, KTOP=k, H=s.h, I=s.i, ACT=ACTS[s.act], **opts),
+                        gemv_down_kernel.warmup(a, a, i64, a, a, 1, H=s.h, I=s.i, **opts)]
+            return kernels
+        opts = dict(E=s.e, EP=next_pow2(s.e), H=s.h, I=s.i, BM=p["bm"], BN=p["bn"], BK=p["bk"], RNE=False,
+                    **dot_flags(dtype), num_warps=p["w"], num_stages=p["s"], grid=grid)
+        kernels += [grouped_gate_up_kernel.warmup(a, a, i64, i64, a, 1, KTOP=k, ACT=ACTS[s.act], **opts),
+                    grouped_down_kernel.warmup(a, a, i64, i64, a, a, 1, **opts)]
+        return kernels
+
+    def kernel_sources(self, v: Variant) -> list:
+        shared = [combine_kernel, glu, activate, weighted, round_to]
+        if v.p.get("gemv"):
+            return [gemv_gate_up_kernel, gemv_down_kernel] + shared
+        return [grouped_gate_up_kernel, grouped_down_kernel, expert_block, G.mma] + shared
+
+    def supports(self, x, idx, weights, gate_up, down, act) -> bool:
+        return (x.dtype in SUPPORTED and gate_up.dtype == x.dtype and down.dtype == x.dtype and act in ACTS
+                and weights.dtype in (x.dtype, torch.float32) and x.dim() == 2 and idx.dim() == 2)
+
+
+def moe_inputs(s: MoeShape, dtype, device, gen, route_dtype=None) -> dict:
+    """x ~ N(0, 1); each token's k distinct experts drawn from a random subset of about 3/4 of them
+    (so some experts get no tokens); positive routing weights summing to 1; expert weights ~ N(0, 0.02)."""
+    live = torch.randperm(s.e, generator=gen, device=device)[:max(s.k, (3 * s.e) // 4)]
+    pick = torch.rand(s.rows, live.numel(), generator=gen, device=device).argsort(dim=1)[:, :s.k]
+    rw = torch.rand(s.rows, s.k, generator=gen, device=device) + 0.1
+    return {"x": torch.randn(s.rows, s.h, generator=gen, device=device).to(dtype),
+            "idx": live[pick],
+            "weights": (rw / rw.sum(dim=1, keepdim=True)).to(route_dtype or dtype),
+            "gate_up": (torch.randn(s.e, 2 * s.i, s.h, generator=gen, device=device) * 0.02).to(dtype),
+            "down": (torch.randn(s.e, s.h, s.i, generator=gen, device=device) * 0.02).to(dtype),
+            "act": s.act}
+
+
+OP = register(MoeOp())

@@ -1,0 +1,114 @@
+"""The decode step captured as one CUDA graph.
+
+A graph replays fixed kernels on fixed addresses, so it is captured over one persistent per-layer
+state (the engine resets it between requests instead of allocating a new one) and over static
+token/position inputs. A KV buffer that grows (a longer request: a new context bucket) changes the
+addresses, and the graph is captured again. The first decode step of a bucket runs eagerly (it
+compiles kernels and allocates workspaces), the next one is captured and then replayed every token.
+
+Python bookkeeping inside the forward (each layer's `.length`) runs once during capture; the runner
+restores it and advances it by one after each replay.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+from .cache import GDNState, KVCache
+
+GRAPHABLE = (KVCache, GDNState)
+
+
+def graphable(state: list) -> bool:
+    return all(isinstance(layer, GRAPHABLE) for layer in state)
+
+
+def signature(state: list) -> tuple:
+    """The buffer addresses a graph captured over this state depends on."""
+    out = []
+    for layer in state:
+        if isinstance(layer, KVCache):
+            out += [layer.k.data_ptr(), layer.v.data_ptr()]
+        else:
+            out += [layer.conv.data_ptr(), layer.ssm.data_ptr()]
+    return tuple(out)
+
+
+class DecodeGraph:
+    def __init__(self, model, device: torch.device):
+        self.model, self.device = model, device
+        self.ids = torch.zeros(1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.key: tuple | None = None
+        self.warm: tuple | None = None    # the signature an eager step has run on
+        self.launches: int | None = None
+        self.captures = 0
+
+    def step(self, token: int, pos: int, state: list, quiet: bool = True) -> torch.Tensor:
+        self.ids.fill_(token)
+        self.pos.fill_(pos)
+        key = signature(state)
+        if self.key != key:
+            if self.warm != key:           # first step on these buffers: eager (compiles, allocates)
+                self.warm = key
+                return self.model.forward(self.ids, self.pos, state)[-1]
+            self._capture(state, key, quiet)
+        self.graph.replay()
+        for layer in state:
+            layer.length += 1
+        return self.logits[-1]
+
+    def _capture(self, state: list, key: tuple, quiet: bool) -> None:
+        self.graph = self.logits = None
+        lengths = [layer.length for layer in state]
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self.model.forward(self.ids, self.pos, state)
+        for layer, n in zip(state, lengths):
+            layer.length = n
+        self.graph, self.logits, self.key = graph, logits, key
+        self.launches = count_nodes(graph)
+        self.captures += 1
+        if not quiet:
+            cap = max((layer.capacity for layer in state if isinstance(layer, KVCache)), default=0)
+            n = "?" if self.launches is None else self.launches
+            print(f"[kiln] decode step captured as one CUDA graph: {n} launches per token "
+                  f"(context bucket {cap})", file=sys.stderr)
+
+
+def count_nodes(graph: torch.cuda.CUDAGraph) -> int | None:
+    """Kernel and copy nodes in a captured graph (cudaGraphGetNodes), or None where unavailable."""
+    raw = getattr(graph, "raw_cuda_graph", None)
+    lib = _cudart()
+    if raw is None or lib is None:
+        return None
+    try:
+        count = ctypes.c_size_t(0)
+        if lib.cudaGraphGetNodes(ctypes.c_void_p(raw()), None, ctypes.byref(count)) != 0:
+            return None
+        return int(count.value)
+    except Exception:                   # a torch without the accessor, a runtime without the symbol
+        return None
+
+
+def _cudart():
+    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    try:                                 # the runtime that torch itself loaded
+        import nvidia.cuda_runtime as rt  # type: ignore
+        import glob
+        import os
+        for path in glob.glob(os.path.join(list(rt.__path__)[0], "lib", "libcudart.so*")):
+            return ctypes.CDLL(path)
+    except Exception:
+        pass
+    return None

@@ -1,0 +1,207 @@
+"""The attention kernels (prefill flash attention, split-KV decode) equal ReferenceOps.attention on
+small shapes under Triton's interpreter on CPU (ragged chunks, cached prefixes, sliding windows,
+softcap, GQA groups of 2 and 3), every variant passes the tuner's gate, and on a GPU every variant
+of the catalogue equals the reference at the real models' shapes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # before kiln's kernels are decorated
+
+triton = pytest.importorskip("triton")
+
+from kiln.backends.cuda import attention as A  # noqa: E402
+from kiln.backends.cuda.common import device_info  # noqa: E402
+from kiln.backends.reference import ReferenceOps  # noqa: E402
+from kiln.cache import KVCache  # noqa: E402
+from kiln.tune import cache as C  # noqa: E402
+from kiln.tune.registry import extra_variant, variant  # noqa: E402
+from kiln.tune.tuner import Tuner, Workload  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+REF = ReferenceOps(DEVICE)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def filled_cache(t, q_start, h, kv, d, dtype, seed=0, q_scale=1.0):
+    """q [t, h, d] (a strided view, as Qwen3.5's q/gate split), the chunk's k/v, and a KVCache
+    holding a random prefix of q_start positions (its capacity grows by doubling: spare rows)."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(t, h, 2 * d, generator=g) * q_scale).to(dtype=dtype, device=DEVICE)[..., :d]
+    k, v, kp, vp = (torch.randn(n, kv, d, generator=g).to(dtype=dtype, device=DEVICE) for n in (t, t, q_start, q_start))
+    cache = KVCache(kv, d, dtype, DEVICE, capacity=8)
+    if q_start:
+        cache.update(kp, vp, torch.arange(q_start, device=DEVICE))
+    return q, k, v, cache
+
+
+def reference(q, k, v, cache, q_start, window, softcap):
+    """ReferenceOps.attention appends the chunk to the cache: afterwards cache.k/v are the buffers."""
+    positions = q_start + torch.arange(q.shape[0], device=DEVICE)
+    return REF.attention(q, k, v, cache, positions, q.shape[-1] ** -0.5, window, softcap)
+
+
+def assert_attention_close(got: torch.Tensor, want: torch.Tensor):
+    """f32: summation order only. bf16: the online softmax rounds exp(s - m_running) instead of
+    HF's normalised probabilities (module docstring), a relative error of 2^-9 per probability,
+    so an output differs by about one bf16 ulp of its row's largest value; 2 ulps (2 eps x row max)
+    bound every element, and the mean error stays a fraction of an ulp (no bias)."""
+    assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+    assert not torch.isnan(got).any()
+    err = (got.float() - want.float()).abs()
+    if want.dtype == torch.float32:
+        assert err.max().item() <= 1e-5 * want.abs().max().item() + 1e-6, err.max().item()
+        return
+    eps = torch.finfo(want.dtype).eps
+    row_max = want.float().abs().amax(dim=-1, keepdim=True)
+    assert (err <= 2 * eps * row_max + 1e-6).all(), f"{(err / (eps * row_max)).max().item():.2f} eps x row max"
+    assert err.mean().item() <= 0.5 * eps * want.float().abs().mean().item()
+
+
+# (T, q_start, H, KV, D, window, softcap): one token, ragged chunks, chunks past a cached prefix,
+# windows narrower than a key block, softcap, GQA group 3 (SmolLM2) and no GQA.
+PREFILL_CASES = [(1, 0, 4, 2, 32, None, None), (5, 13, 4, 2, 64, 8, 30.0), (37, 13, 4, 2, 32, None, None),
+                 (64, 64, 4, 2, 16, 8, None), (70, 0, 4, 2, 32, None, 30.0), (70, 64, 4, 2, 64, None, None),
+                 (37, 13, 6, 2, 32, 8, None), (20, 5, 2, 2, 16, None, None)]
+PREFILL_FORMS = [A.scalar_variant(16, 16), A.tile_variant(64, 32, 4, 1), A.tile_variant(32, 16, 4, 1, pack=True)]
+
+
+def case_id(c):
+    return "x".join(str(x) for x in c)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=case_id)
+def test_prefill_attention_equals_reference(case, dtype):
+    t, q_start, h, kv, d, window, softcap = case
+    # softcap: scores of tens, where tanh bends them
+    q, k, v, cache = filled_cache(t, q_start, h, kv, d, dtype, q_scale=10.0 if softcap else 1.0)
+    want = reference(q, k, v, cache, q_start, window, softcap)
+    for form in PREFILL_FORMS:
+        got = A.prefill_attention(q, cache.k, cache.v, q_start, q_start + t, d ** -0.5, window, softcap, form)
+        assert_attention_close(got, want)
+
+
+# (pos, H, KV, D, window, softcap): the first position, splits past pos (capacity doubled),
+# windows inside and across splits, softcap, GQA group 3 and 4.
+DECODE_CASES = [(0, 4, 2, 32, None, None), (100, 4, 2, 32, None, None), (77, 8, 2, 16, 8, None),
+                (200, 4, 1, 64, 40, 30.0), (150, 6, 2, 32, None, None)]
+DECODE_FORMS = [A.decode_trusted_variant(16), A.decode_variant(32, 16, 4), A.decode_variant(64, 32, 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=case_id)
+def test_decode_attention_equals_reference(case, dtype):
+    pos, h, kv, d, window, softcap = case
+    q, k, v, cache = filled_cache(1, pos, h, kv, d, dtype, seed=1, q_scale=10.0 if softcap else 1.0)
+    want = reference(q, k, v, cache, pos, window, softcap)
+    assert cache.k.shape[0] > pos + 1 or pos == 0
+    p = torch.tensor([pos], dtype=torch.int64, device=DEVICE)
+    for form in DECODE_FORMS:
+        assert_attention_close(A.decode_attention(q, cache.k, cache.v, p, d ** -0.5, window, softcap, form), want)
+
+
+def test_default_variants_and_supports():
+    q, k, v, cache = filled_cache(9, 7, 4, 2, 16, torch.float32)
+    want = reference(q, k, v, cache, 7, None, None)
+    assert_attention_close(A.prefill_attention(q, cache.k, cache.v, 7, 16, 0.25, None, None), want)
+    q1 = q[-1:]
+    want1 = reference(q1, k[-1:], v[-1:], cache, 16, None, None)
+    p = torch.tensor([16], dtype=torch.int64, device=DEVICE)
+    assert_attention_close(A.decode_attention(q1, cache.k, cache.v, p, 0.25, None, None), want1)
+    assert A.OP.supports(q, cache.k, cache.v) and A.DECODE_OP.supports(q1, cache.k, cache.v)
+    assert not A.DECODE_OP.supports(q, cache.k, cache.v)                    # decode takes one query
+    assert not A.OP.supports(q[..., :12], cache.k[..., :12], cache.v[..., :12])   # head_dim 12
+
+
+def wrong_window(inputs, outputs, plan):
+    """Attends to the whole prefix: right without a window, wrong with one."""
+    i = inputs
+    A.run_prefill(i["q"], i["k_buf"], i["v_buf"], i["q_start"], i["kv_len"], i["scale"], None, i["softcap"],
+                  A.tile_variant(*A.CPU_TILES[0]), outputs["o"])
+
+
+def test_tuner_gates_and_picks_every_attention_candidate(tmp_path):
+    """Every candidate of both ops passes the gate against the trusted scalar forms; a planted
+    wrong one does not."""
+    lines: list[str] = []
+    works = [Workload(A.OP, A.AttnShape(40, 4, 2, 16, window=8, kv_prefix=16)),
+             Workload(A.DECODE_OP, A.DecodeShape(100, 4, 2, 32, softcap=30.0))]
+    tuner = Tuner(DEVICE, torch.float32 if DEVICE.type == "cpu" else torch.bfloat16, log=lines.append, reps=1,
+                  cache=C.TuneCache(tmp_path / "tune", warn=lines.append))
+    bad = variant("wrong_window", run=wrong_window)
+    with extra_variant("attention", bad):
+        plan, report = tuner.tune(works)
+    never = [line for line in lines if "never picked" in line]
+    assert len(never) == 1 and "wrong_window" in never[0], lines
+    for w in works:
+        assert plan.choose(w.op, w.shape).name != "wrong_window"
+        timed = next(line for line in lines if line.startswith(f"[autotune] {w.label}:") and " -> " in line)
+        names = {v.name for v in w.op.candidates(w.shape, device_info(DEVICE))} | {w.op.trusted(w.shape, tuner.dev).name}
+        assert all(f"{n} " in timed or f"{n}* " in timed for n in names), timed
+
+
+# -- on the GPU: every variant of the catalogue at the real models' shapes --------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# (name, H, KV, D, window)
+MODELS = [("qwen3.5-0.8b", 8, 2, 256, None), ("qwen3.5-9b", 16, 4, 256, None), ("gemma4-full", 16, 2, 512, None),
+          ("gemma4-sliding", 16, 8, 256, 1024), ("smollm2", 9, 3, 64, None)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("q_start", [0, 1024])
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m[0])
+def test_gpu_prefill_variants_equal_reference(model, q_start):
+    _, h, kv, d, window = model
+    q, k, v, cache = filled_cache(512, q_start, h, kv, d, torch.bfloat16)
+    want = reference(q, k, v, cache, q_start, window, None)
+    dev = device_info(DEVICE)
+    shape = A.AttnShape(512, h, kv, d, window)
+    for form in A.OP.catalogue(shape, dev) + [A.OP.trusted(shape, dev)]:
+        got = A.prefill_attention(q, cache.k, cache.v, q_start, q_start + 512, d ** -0.5, window, None, form)
+        assert_attention_close(got, want)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pos", [100, 5000])
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m[0])
+def test_gpu_decode_variants_equal_reference(model, pos):
+    _, h, kv, d, window = model
+    q, k, v, cache = filled_cache(1, pos, h, kv, d, torch.bfloat16, seed=2)
+    want = reference(q, k, v, cache, pos, window, None)
+    dev = device_info(DEVICE)
+    shape = A.DecodeShape(pos + 1, h, kv, d, window)
+    p = torch.tensor([pos], dtype=torch.int64, device=DEVICE)
+    for form in A.DECODE_OP.catalogue(shape, dev) + [A.DECODE_OP.trusted(shape, dev)]:
+        assert_attention_close(A.decode_attention(q, cache.k, cache.v, p, d ** -0.5, window, None, form), want)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_replays_in_a_cuda_graph_at_new_positions():
+    """Captured once, replayed after the position tensor changes: the kernels read pos themselves."""
+    h, kv, d = 16, 4, 256
+    q, k, v, cache = filled_cache(1, 3000, h, kv, d, torch.bfloat16, seed=3)
+    reference(q, k, v, cache, 3000, None, None)          # fills cache.k/v with 3001 positions
+    pos = torch.tensor([100], dtype=torch.int64, device=DEVICE)
+    form = A.decode_variant(256, 64, 4)
+    A.decode_attention(q, cache.k, cache.v, pos, d ** -0.5, None, None, form)    # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = A.decode_attention(q, cache.k, cache.v, pos, d ** -0.5, None, None, form)
+    for p in (100, 2999, 7):
+        pos.fill_(p)
+        graph.replay()
+        keys = KVCache(kv, d, torch.bfloat16, DEVICE)
+        keys.update(cache.k[:p], cache.v[:p], torch.arange(p, device=DEVICE))
+        want = reference(q, cache.k[p:p + 1], cache.v[p:p + 1], keys, p, None, None)
+        assert_attention_close(out, want)

@@ -1,0 +1,188 @@
+"""Gated DeltaNet kernels (kiln.backends.cuda.gdn) against the reference mixer
+(ReferenceOps.gated_deltanet on a GDNState): output y and the in-place conv / ssm state, on ragged
+lengths, from a non-zero and from a zero state; decode steps after a prefill equal one long prefill.
+Under Triton's interpreter on CPU (small shapes); the `gpu` tests run the real Qwen3.5 shapes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # before kiln's kernels are decorated
+
+triton = pytest.importorskip("triton")
+
+from kiln.backends.cuda import gdn as D  # noqa: E402
+from kiln.backends.cuda.common import device_info  # noqa: E402
+from kiln.backends.reference import ReferenceOps  # noqa: E402
+from kiln.cache import GDNState  # noqa: E402
+from kiln.tune import gate  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+REF = ReferenceOps(DEVICE)
+SMALL = dict(hk=2, hv=4, dk=16, dv=32, k=4)
+
+
+def case(t: int, dtype, zero: bool = False, seed: int = 0, hk=2, hv=4, dk=16, dv=32, k=4):
+    """Random inputs and a reference state holding the same prior conv window and ssm (or zeros)."""
+    s = D.GdnShape(t, hk, hv, dk, dv, k)
+    inp = D.gdn_inputs(s, dtype, DEVICE, torch.Generator(device=DEVICE).manual_seed(seed))
+    st = GDNState(s.conv_dim, k, hv, dk, dv, dtype, DEVICE)
+    if not zero:
+        st.conv, st.ssm, st.length = inp["conv_state"].clone(), inp["ssm"].clone(), 3
+    return inp, st
+
+
+def reference(inp, st, lo=0, hi=None):
+    """The reference mixer on tokens [lo, hi); updates st."""
+    p = {"conv1d.weight": inp["conv_w"], "A_log": inp["A_log"], "dt_bias": inp["dt_bias"], "norm.weight": inp["norm_w"]}
+    part = [inp[n][lo:hi] for n in ("qkv", "z", "b", "a")]
+    return REF.gated_deltanet(*part, p, st, inp["dims"])
+
+
+def kiln(fn, inp, conv, ssm, v, lo=0, hi=None):
+    args = [inp[n][lo:hi] for n in ("qkv", "z", "b", "a")] + [inp[n] for n in D.ARGS[4:]]
+    return fn(*args, conv, ssm, inp["dims"], v)
+
+
+def assert_close(got, want, what: str):
+    """f32: the same math in another order, within 1e-4 of the largest value. bf16 (y, conv): the
+    kernels round where the reference rounds; f32 sums in another order may flip a rounding, so at
+    most 2 bf16 ulps of the largest value (1/128 of it) and mostly bit-equal. ssm stays f32 always."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    assert not torch.isnan(got).any(), what
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    if want.dtype == torch.float32:
+        assert err <= 1e-4 * scale + 1e-6, f"{what}: {err:.2e} of {scale:.2e}"
+    else:
+        assert err <= scale / 128, f"{what}: {err:.2e} of {scale:.2e}"
+        assert (got == want).float().mean().item() >= 0.95, what
+
+
+def check(fn, v, t, dtype, zero=False, seed=0, **dims):
+    inp, st = case(t, dtype, zero, seed, **dims)
+    conv, ssm = st.conv.clone(), st.ssm.clone()
+    y = kiln(fn, inp, conv, ssm, v)
+    want = reference(inp, st)
+    assert_close(y, want, f"{v.name} y")
+    assert_close(ssm, st.ssm, f"{v.name} ssm")
+    assert torch.equal(conv, st.conv), f"{v.name} conv"
+
+
+CHUNK_FORMS = [D.chunk_variant(32, 4, "ieee"), D.chunk_variant(16, 4, "ieee")]   # norm fused / second pass
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 70, 130])
+def test_chunked_prefill_equals_reference(t):
+    check(D.gdn_prefill, CHUNK_FORMS[0], t, torch.float32, seed=t)
+
+
+@pytest.mark.parametrize("v", CHUNK_FORMS[1:] + [D.RECURRENT], ids=lambda v: v.name)
+def test_other_prefill_forms_equal_reference(v):
+    check(D.gdn_prefill, v, 70 if v.p["form"] == "chunk" else 24, torch.float32, seed=1)   # the interpreter's per-token cost
+    check(D.gdn_prefill, v, 9, torch.float32, zero=True, seed=2)
+
+
+def test_prefill_from_zero_state_and_bf16():
+    check(D.gdn_prefill, CHUNK_FORMS[0], 130, torch.float32, zero=True, seed=3)
+    check(D.gdn_prefill, CHUNK_FORMS[0], 130, torch.bfloat16, seed=4)
+    check(D.gdn_prefill, D.RECURRENT, 20, torch.bfloat16, seed=5)
+
+
+def test_prefill_group_of_one_key_head_per_value_head():
+    check(D.gdn_prefill, D.chunk_variant(16, 4, "ieee"), 66, torch.float32, seed=6, hk=4, hv=4, dk=32, dv=16)
+
+
+DECODE_FORMS = [D.UNFUSED, D.fused_variant(32, 4), D.fused_variant(16, 4)]
+
+
+@pytest.mark.parametrize("v", DECODE_FORMS, ids=lambda v: v.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_equals_reference(v, dtype):
+    check(D.gdn_decode, v, 1, dtype, seed=7)
+    check(D.gdn_decode, v, 1, dtype, zero=True, seed=8)
+
+
+def test_decode_one_reader_per_key_head():
+    """Hv == Hk and BV == dv: no arrival counter (each program alone reads its q/k channels)."""
+    check(D.gdn_decode, D.fused_variant(16, 4), 1, torch.float32, seed=9, hk=4, hv=4, dk=16, dv=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefill_then_decode_steps_equal_one_long_prefill(dtype):
+    """Prefill 70 tokens, then 5 fused decode steps (the state carried in place) == 75 at once."""
+    inp, st = case(75, dtype, seed=10)
+    conv, ssm = st.conv.clone(), st.ssm.clone()
+    parts = [kiln(D.gdn_prefill, inp, conv, ssm, CHUNK_FORMS[0], 0, 70)]
+    parts += [kiln(D.gdn_decode, inp, conv, ssm, D.fused_variant(16, 4), i, i + 1) for i in range(70, 75)]
+    whole_conv, whole_ssm = st.conv.clone(), st.ssm.clone()
+    whole = kiln(D.gdn_prefill, inp, whole_conv, whole_ssm, CHUNK_FORMS[0])
+    assert_close(torch.cat(parts), whole, "y")
+    assert_close(ssm, whole_ssm, "ssm")
+    assert torch.equal(conv, whole_conv)
+    assert_close(torch.cat(parts), reference(inp, st), "y vs reference")
+
+
+def test_decode_op_gate_passes_every_candidate_and_keeps_inputs():
+    """The registry op: outputs are y and copies of the state; the gate accepts every candidate; the
+    inputs' state is untouched, so every variant sees the same."""
+    op, dev = D.DECODE, device_info(DEVICE)
+    s = D.GdnShape(1, **SMALL)
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    cases = gate.trusted_cases(op, s, op.trusted(s, dev), torch.float32, DEVICE, gen)
+    before = cases[0].inputs["ssm"].clone()
+    for v in op.candidates(s, dev):
+        verdict = gate.check(op, v, cases)
+        assert verdict.ok, (v.name, verdict)
+    assert torch.equal(cases[0].inputs["ssm"], before)
+    assert not torch.equal(cases[0].expected["ssm"], before)
+
+
+# -- on the GPU: the real Qwen3.5 shapes ----------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+REAL = {"qwen3.5-0.8b": dict(hk=16, hv=16, dk=128, dv=128, k=4), "qwen3.5-9b": dict(hk=16, hv=32, dk=128, dv=128, k=4)}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("model", list(REAL))
+@pytest.mark.parametrize("t", [512, 1000])
+def test_gpu_prefill_variants_equal_reference(model, t):
+    dims = REAL[model]
+    s = D.GdnShape(t, **dims)
+    forms = D.PREFILL.candidates(s, device_info(DEVICE))
+    for v in forms:
+        check(D.gdn_prefill, v, t, torch.bfloat16, seed=t, **dims)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("model", list(REAL))
+def test_gpu_decode_variants_equal_reference(model):
+    dims = REAL[model]
+    for v in D.DECODE.catalogue(D.GdnShape(1, **dims), device_info(DEVICE)):
+        check(D.gdn_decode, v, 1, torch.bfloat16, seed=1, **dims)
+        check(D.gdn_decode, v, 1, torch.bfloat16, zero=True, seed=2, **dims)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_step_captures_in_a_cuda_graph():
+    dims = REAL["qwen3.5-9b"]
+    inp, st = case(1, torch.bfloat16, seed=3, **dims)
+    conv, ssm = st.conv.clone(), st.ssm.clone()
+    v = D.DECODE.default(D.GdnShape(1, **dims), device_info(DEVICE))
+    kiln(D.gdn_decode, inp, conv.clone(), ssm.clone(), v)          # compile, counters allocated
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kiln(D.gdn_decode, inp, conv, ssm, v)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(y, reference(inp, st), "y")
+    assert_close(ssm, st.ssm, "ssm")
+    assert torch.equal(conv, st.conv)

@@ -1,0 +1,183 @@
+"""The MoE kernels (kiln/backends/cuda/moe.py) equal ReferenceOps.moe_experts: under Triton's
+interpreter on small shapes (ragged ones, one token, experts with no tokens, f32 routing weights),
+and on the GPU at the real Qwen3.5-35B-A3B and Gemma 4 26B-A4B shapes, graph-captured too."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # before kiln's kernels are decorated
+
+triton = pytest.importorskip("triton")
+
+from kiln.backends.cuda import moe as M  # noqa: E402
+from kiln.backends.cuda.common import device_info  # noqa: E402
+from kiln.backends.reference import ReferenceOps  # noqa: E402
+from kiln.tune import gate  # noqa: E402
+from kiln.tune.registry import get_op  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+REF = ReferenceOps(DEVICE)
+# (T, k, H, I, act): one token, a few, ragged H/I (not multiples of the tiles), more rows than a tile.
+CASES = [(1, 2, 64, 32, "silu"), (3, 3, 48, 40, "gelu_pytorch_tanh"), (17, 3, 64, 32, "gelu_pytorch_tanh"),
+         (40, 2, 48, 40, "silu")]
+FORMS = [M.TRUSTED, M.grouped_variant(64, 64, 32, 4, 1), M.grouped_variant(32, 32, 64, 4, 1), M.gemv_variant(64, 64, 4)]
+
+
+def inputs(t, k, h, i, act, dtype, e=8, route_dtype=None, seed=0):
+    """moe_inputs, rescaled so that gate/up/down outputs are O(1): the activations see their whole range."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    d = M.moe_inputs(M.MoeShape(t, e, k, h, i, act), torch.float32, DEVICE, gen, route_dtype=torch.float32)
+    d["gate_up"] *= 1.5 * h ** -0.5 / 0.02
+    d["down"] *= i ** -0.5 / 0.02
+    for name in ("x", "gate_up", "down"):
+        d[name] = d[name].to(dtype)
+    d["weights"] = d["weights"].to(route_dtype or dtype)
+    return d
+
+
+def run(d, v):
+    return M.moe_experts(d["x"], d["idx"], d["weights"], d["gate_up"], d["down"], d["act"], v)
+
+
+def reference(d):
+    return REF.moe_experts(d["x"], d["idx"], d["weights"], d["gate_up"], d["down"], d["act"])
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, k: int, exact_fraction: float) -> float:
+    """f32: the same sums in another order, 1e-5 of the largest value. 16-bit: each of a token's k
+    contributions may be one ulp (of itself, at most about the row's largest value) off where a
+    GEMM's rounding flips with the summation order, and the combine's rounding after each add can
+    move that by one ulp more: (k + 1) ulp of the row's largest |value|; and mostly bit-equal.
+    Returns the fraction of bit-equal elements."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert not torch.isnan(got).any()
+    err = (got.float() - want.float()).abs()
+    if want.dtype == torch.float32:
+        assert err.max().item() <= 1e-5 * want.abs().max().item() + 1e-7, err.max().item()
+        return float((got == want).float().mean())
+    row = want.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-6)
+    ulp = 2.0 ** (torch.floor(torch.log2(row)) + 1) * torch.finfo(want.dtype).eps / 2   # spacing at row's max
+    assert (err <= (k + 1) * ulp).all(), f"{(err / ulp).max().item():.2f} ulp of the row max"
+    same = float((got == want).float().mean())
+    assert same >= exact_fraction, f"only {same:.4f} of the elements bit-equal"
+    return same
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("t,k,h,i,act", CASES)
+def test_moe_equals_reference(t, k, h, i, act, dtype):
+    d = inputs(t, k, h, i, act, dtype, seed=t)
+    want = reference(d)
+    for v in FORMS if t <= 17 else FORMS[:-1]:     # the gemv is for few tokens (and slow interpreted)
+        assert_close(run(d, v), want, k, exact_fraction=0.99)
+
+
+@pytest.mark.parametrize("form", [M.grouped_variant(32, 32, 64, 4, 1), M.gemv_variant(64, 64, 4)], ids=lambda v: v.name)
+def test_moe_f32_routing_weights(form):
+    """Gemma 4: routing weights in f32, the down output times the weight in f32, rounded once."""
+    d = inputs(17, 3, 48, 40, "gelu_pytorch_tanh", torch.bfloat16, route_dtype=torch.float32, seed=3)
+    assert_close(run(d, form), reference(d), 3, exact_fraction=0.99)
+
+
+def test_moe_crowded_experts_and_exact_blocks():
+    """Every token on the same two experts (one expert's rows fill whole BM blocks, the others
+    none), and tokens whose experts are listed in descending id (the combine sorts them)."""
+    d = inputs(16, 2, 64, 32, "silu", torch.bfloat16, seed=7)
+    d["idx"] = torch.tensor([[5, 2]] * 16, device=DEVICE)
+    want = reference(d)
+    for v in (M.TRUSTED, M.grouped_variant(32, 32, 64, 4, 1), M.gemv_variant(64, 64, 4)):
+        assert_close(run(d, v), want, 2, exact_fraction=0.99)
+
+
+def test_moe_op_registered_inputs_and_gate():
+    """The registry op: its inputs are what the brief asks for, and every CPU candidate passes the
+    tuner's gate (outputs poisoned with NaN first) against the trusted variant."""
+    op = get_op("moe")
+    assert op is M.OP
+    shape = M.MoeShape(9, 8, 3, 48, 40, "silu")
+    assert shape.key == (8, 3, 48, 40, "silu")
+    dev = device_info(DEVICE)
+    d = op.inputs(shape, torch.float32, DEVICE, torch.Generator(device=DEVICE).manual_seed(1))
+    idx = d["idx"]
+    assert idx.shape == (9, 3) and all(len(set(r.tolist())) == 3 for r in idx)       # distinct per token
+    assert 3 < len(set(idx.flatten().tolist())) < 8                                   # spread, some experts idle
+    assert (d["weights"] > 0).all() and torch.allclose(d["weights"].sum(1), torch.ones(9, device=DEVICE))
+    names = [v.name for v in op.catalogue(shape, dev)]
+    assert len(names) == len(set(names)) and op.trusted(shape, dev).name in names
+    cases = []
+    for rows in (9, 4):
+        block = op.with_rows(shape, rows)
+        ins = op.inputs(block, torch.bfloat16, DEVICE, torch.Generator(device=DEVICE).manual_seed(rows))
+        out = gate.poisoned(op, block, ins)
+        op.run(op.trusted(shape, dev), ins, out)
+        cases.append(gate.Case(block, ins, out))
+    for v in op.candidates(shape, dev):
+        verdict = gate.check(op, v, cases)
+        assert verdict.ok, (v.name, verdict)
+
+
+def test_max_blocks_bounds_the_padded_layout():
+    for pairs in (1, 7, 16, 17, 300):
+        for e in (1, 8, 256):
+            for bm in (16, 32, 64):
+                counts = torch.bincount(torch.randint(0, e, (pairs,)), minlength=e)
+                assert int(((counts + bm - 1) // bm).sum()) <= M.max_blocks(pairs, e, bm)
+
+
+# -- on the GPU: the real shapes ---------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+QWEN = (256, 8, 2048, 512, "silu", None)                                # qwen3.5-35b-a3b
+GEMMA = (128, 8, 2816, 704, "gelu_pytorch_tanh", torch.float32)         # gemma4-26b-a4b, f32 routing weights
+
+
+def real_inputs(t, e, k, h, i, act, route_dtype):
+    gen = torch.Generator(device=DEVICE).manual_seed(t)
+    return M.moe_inputs(M.MoeShape(t, e, k, h, i, act), torch.bfloat16, DEVICE, gen, route_dtype=route_dtype)
+
+
+def gpu_forms(shape):
+    dev = device_info(DEVICE)
+    return list(dict.fromkeys([M.OP.trusted(shape, dev), M.OP.default(shape, dev)] + M.OP.candidates(shape, dev)))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("model,t", [(QWEN, 1), (QWEN, 512), (QWEN, 2048), (GEMMA, 1), (GEMMA, 512)],
+                         ids=["qwen-1", "qwen-512", "qwen-2048", "gemma-1", "gemma-512"])
+def test_gpu_moe_real_shapes(model, t):
+    e, k, h, i, act, route = model
+    d = real_inputs(t, e, k, h, i, act, route)
+    want = reference(d)
+    shape = M.MoeShape(t, e, k, h, i, act)
+    for v in gpu_forms(shape):
+        same = assert_close(run(d, v), want, k, exact_fraction=0.9)
+        print(f"{M.OP.shape_str(shape)} {v.name}: {same:.4f} of the elements bit-equal to the reference")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("form", [M.gemv_variant(16, 256, 4), M.grouped_variant(16, 64, 128, 4, 3)], ids=lambda v: v.name)
+def test_gpu_moe_captures_in_a_cuda_graph(form):
+    """No host sync anywhere: the op replays from a graph, and new routing gives new outputs."""
+    d = real_inputs(4, *QWEN[:5], None)
+    out = torch.empty_like(d["x"])
+    run_once = lambda: M.moe_experts(d["x"], d["idx"], d["weights"], d["gate_up"], d["down"], "silu", form, out)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run_once()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_once()
+    d["idx"].copy_(torch.flip(d["idx"], dims=[0]).roll(1, dims=1))
+    d["x"].copy_(torch.randn_like(d["x"]))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, reference(d), 8, exact_fraction=0.9)
