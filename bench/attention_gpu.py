@@ -33,6 +33,7 @@ from kiln.backends.cuda import attention as A
 
 MODELS = {"qwen3.5-0.8b": (8, 2), "qwen3.5-9b": (16, 4)}
 D = 256
+DEV = "cuda"
 PREFILL_T = (8192, 32768, 81920)
 DECODE_CTX = (512, 8192, 32768, 81920)
 PREFILL_FORMS = [A.tile_variant(128, 64, 8, 2), A.tile_variant(128, 64, 8, 2, pack=True),
@@ -84,10 +85,10 @@ def pick_sdpa(q4, k4, v4, causal: bool):
 
 def prefill_case(model: str, t: int) -> dict:
     h, kv = MODELS[model]
-    g = torch.Generator(device="cuda").manual_seed(t)
-    q = torch.randn(t, h, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    k = torch.randn(t, kv, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    v = torch.randn(t, kv, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    g = torch.Generator(device=DEV).manual_seed(t)
+    q = torch.randn(t, h, D, device=DEV, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(t, kv, D, device=DEV, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(t, kv, D, device=DEV, generator=g, dtype=torch.bfloat16)
     q4, k4, v4 = (x.transpose(0, 1)[None].contiguous() for x in (q, k, v))     # [1, heads, T, D]
     flash, backend, want = pick_sdpa(q4, k4, v4, True)
     want = want[0].transpose(0, 1)                                          # [T, H, D]
@@ -142,11 +143,11 @@ def decode_case(model: str, ctx: int) -> dict:
     h, kv = MODELS[model]
     kv_bytes = 2 * ctx * kv * D * 2
     sets = max(1, min(128, math.ceil(200e6 / kv_bytes)))    # rotate K/V past the L2
-    g = torch.Generator(device="cuda").manual_seed(ctx)
-    q = torch.randn(1, h, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    bufs = [(torch.randn(ctx, kv, D, device="cuda", generator=g, dtype=torch.bfloat16),
-             torch.randn(ctx, kv, D, device="cuda", generator=g, dtype=torch.bfloat16)) for _ in range(sets)]
-    pos = torch.tensor([ctx - 1], dtype=torch.int64, device="cuda")
+    g = torch.Generator(device=DEV).manual_seed(ctx)
+    q = torch.randn(1, h, D, device=DEV, generator=g, dtype=torch.bfloat16)
+    bufs = [(torch.randn(ctx, kv, D, device=DEV, generator=g, dtype=torch.bfloat16),
+             torch.randn(ctx, kv, D, device=DEV, generator=g, dtype=torch.bfloat16)) for _ in range(sets)]
+    pos = torch.tensor([ctx - 1], dtype=torch.int64, device=DEV)
     q4 = q.transpose(0, 1)[None].contiguous()
     kv4 = [tuple(x.transpose(0, 1)[None].contiguous() for x in b) for b in bufs]
     flash, backend, want = pick_sdpa(q4, *kv4[0], False)

@@ -31,8 +31,9 @@ from kiln.tune.timing import time_ms
 DEV = torch.device("cuda")
 HK, DK, DV, K = 16, 128, 128, 4
 BUDGET_S = 100.0
-CHUNK_FORMS = [D.chunk_variant(64, 4, "tf32x3", 8), D.chunk_variant(128, 8, "tf32x3"), D.chunk_variant(64, 4, "ieee", 8),
-               D.chunk_variant(32, 4, "tf32x3", 8), D.chunk_variant(64, 4, "tf32", 8)]
+CHUNK_FORMS = [D.chunk_variant(64, 4, "tf32x3", 8), D.chunk_variant(128, 8, "tf32x3"),
+               D.chunk_variant(64, 4, "ieee", 8), D.chunk_variant(32, 4, "tf32x3", 8),
+               D.chunk_variant(64, 4, "tf32", 8)]
 
 
 def inputs(t: int, hv: int) -> dict:
@@ -113,7 +114,8 @@ def decode_case(hv: int) -> dict:
         try:
             cs, s = inp["conv_state"].clone(), inp["ssm"].clone()
             y = D.gdn_decode(*pre, cs, s, dims, v)
-            err = {"y_rel_err": rel(y, want), "ssm_rel_err": rel(s, want_s), "conv_equal": bool(torch.equal(cs, want_c))}
+            err = {"y_rel_err": rel(y, want), "ssm_rel_err": rel(s, want_s),
+                   "conv_equal": bool(torch.equal(cs, want_c))}
             ms = time_ms([lambda: D.gdn_decode(*pre, cs, s, dims, v)], DEV)
             row["variants"][v.name] = {"ms": ms, "state_GBps": state_bytes / ms / 1e6, **err}
         except Exception as e:  # noqa: BLE001

@@ -121,6 +121,17 @@ def test_moe_op_registered_inputs_and_gate():
         assert verdict.ok, (v.name, verdict)
 
 
+def test_cuda_ops_route_moe_to_the_kernels():
+    """CudaOps.moe_experts (the lead's routing) reaches these kernels and equals the reference."""
+    from kiln.backends.cuda import CudaOps
+
+    d = inputs(3, 2, 64, 32, "silu", torch.bfloat16, seed=11)
+    x, idx, w, gu, dn = d["x"], d["idx"], d["weights"], d["gate_up"], d["down"]
+    assert M.supports(x, gu, dn) and not M.supports(x, gu, dn, "gelu") and not M.supports(x, gu.float(), dn)
+    assert M.OP.supports(x, idx, w.float(), gu, dn, "silu")
+    assert_close(CudaOps(DEVICE).moe_experts(x, idx, w, gu, dn, "silu"), reference(d), 2, exact_fraction=0.99)
+
+
 def test_max_blocks_bounds_the_padded_layout():
     for pairs in (1, 7, 16, 17, 300):
         for e in (1, 8, 256):

@@ -23,8 +23,12 @@ from .common import device_info, interpreting
 
 
 def _optional(name: str):
-    """A kernel family module, or None where it is not built yet (its op then runs the reference)."""
+    """A kernel family module, or None where it is not built yet or switched off with
+    KILN_KERNELS_OFF=name,... (its op then runs the reference: for A/B runs and bisecting)."""
     import importlib
+    import os
+    if name in os.environ.get("KILN_KERNELS_OFF", "").split(","):
+        return None
     try:
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as e:
@@ -121,14 +125,17 @@ class CudaOps(ReferenceOps):
 
     # -- gated deltanet ----------------------------------------------------------------------------
     def gated_deltanet(self, qkv, z, b, a, p, state, dims):
-        if GDN is None or not isinstance(state, GDNState) or not self._runs_here(qkv):
+        conv_w = p["conv1d.weight"]
+        if (GDN is None or not isinstance(state, GDNState) or not self._runs_here(qkv)
+                or not GDN.PREFILL.supports(qkv, conv_w, state.ssm, dims)):
             return self._gdn_in_place(qkv, z, b, a, p, state, dims)
-        args = (qkv, z, b, a, p["conv1d.weight"], p["A_log"], p["dt_bias"], p["norm.weight"], state.conv, state.ssm, dims)
-        t = qkv.shape[0]
+        args = (qkv, z, b, a, conv_w, p["A_log"], p["dt_bias"], p["norm.weight"], state.conv, state.ssm, dims)
+        t, (hk, hv, dk, dv, _) = qkv.shape[0], dims
+        shape = GDN.GdnShape(t, hk, hv, dk, dv, conv_w.shape[-1])
         if t == 1 and state.length > 0:
-            y = GDN.gdn_decode(*args, v=self._choose(GDN.DECODE_OP, GDN.gdn_shape(1, dims, p)))
+            y = GDN.gdn_decode(*args, v=self._choose(GDN.DECODE, shape))
         else:
-            y = GDN.gdn_prefill(*args, v=self._choose(GDN.PREFILL_OP, GDN.gdn_shape(t, dims, p)))
+            y = GDN.gdn_prefill(*args, v=self._choose(GDN.PREFILL, shape))
         state.length += t
         return y
 
@@ -143,7 +150,7 @@ class CudaOps(ReferenceOps):
 
     # -- mixture of experts ------------------------------------------------------------------------
     def moe_experts(self, x, idx, weights, gate_up, down, act):
-        if MOE is not None and self._runs_here(x) and MOE.supports(x, gate_up, down):
+        if MOE is not None and self._runs_here(x) and MOE.supports(x, gate_up, down, act):
             shape = MOE.MoeShape(x.shape[0], gate_up.shape[0], idx.shape[1], x.shape[1], down.shape[2], act)
             return MOE.moe_experts(x, idx, weights, gate_up, down, act, v=self._choose(MOE.OP, shape))
         if x.shape[0] == 1 and x.device.type == "cuda":

@@ -491,7 +491,8 @@ def decode_trusted_variant(bn: int) -> Variant:
 
 
 # (chunk, bn, warps): short chunks fill the GPU at short contexts, long ones cut the combine's work.
-GPU_DECODE = [(c, bn, w) for c in (64, 128, 256, 512, 1024, 2048) for bn in (32, 64, 128) for w in (4, 8) if bn <= c]
+GPU_DECODE = ([(c, bn, 4) for c in (64, 128, 256, 512, 1024) for bn in (32, 64) if bn <= c]
+              + [(c, 64, 8) for c in (512, 1024)] + [(c, 128, 8) for c in (256, 512, 1024, 2048)])
 CPU_DECODE = [(32, 16, 4), (64, 32, 4)]
 
 

@@ -389,8 +389,13 @@ class MoeOp(Op):
         return [grouped_gate_up_kernel, grouped_down_kernel, expert_block, G.mma] + shared
 
     def supports(self, x, idx, weights, gate_up, down, act) -> bool:
-        return (x.dtype in SUPPORTED and gate_up.dtype == x.dtype and down.dtype == x.dtype and act in ACTS
-                and weights.dtype in (x.dtype, torch.float32) and x.dim() == 2 and idx.dim() == 2)
+        return supports(x, gate_up, down, act) and weights.dtype in (x.dtype, torch.float32) and idx.dim() == 2
+
+
+def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str = "silu") -> bool:
+    """What the kernels cover: 2-D x, expert weights in x's dtype, an activation they know."""
+    return (x.dtype in SUPPORTED and gate_up.dtype == x.dtype and down.dtype == x.dtype and x.dim() == 2
+            and act in ACTS)
 
 
 def moe_inputs(s: MoeShape, dtype, device, gen, route_dtype=None) -> dict:
