@@ -218,5 +218,5 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     eos = eos_ids(ckpt.config, ckpt.generation)
     if tokenizer is not None:
         eos += [i for i in tokenizer.eos_ids if i not in eos]
-    engine = Engine(net, dt, dev, limit, graphs=getattr(ops, "graphs", False) and not enforce_eager, quiet=quiet)
+    engine = Engine(net, dt, dev, limit, prefill_chunk=getattr(ops, "prefill_chunk", 512), graphs=getattr(ops, "graphs", False) and not enforce_eager, quiet=quiet)
     return LLM(path, net, tokenizer, engine, eos, time.perf_counter() - t0)

@@ -50,7 +50,8 @@ def assert_attention_close(got: torch.Tensor, want: torch.Tensor):
     """f32: summation order only. bf16: the online softmax rounds exp(s - m_running) instead of
     HF's normalised probabilities (module docstring), a relative error of 2^-9 per probability,
     so an output differs by about one bf16 ulp of its row's largest value; 2 ulps (2 eps x row max)
-    bound every element, and the mean error stays a fraction of an ulp (no bias)."""
+    bound every element, and the mean error stays under 3/4 ulp of the mean value (measured: about
+    1/4 to 1/3; unrounded scores, a contract breach, give about 4x more)."""
     assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
     assert not torch.isnan(got).any()
     err = (got.float() - want.float()).abs()
@@ -60,14 +61,15 @@ def assert_attention_close(got: torch.Tensor, want: torch.Tensor):
     eps = torch.finfo(want.dtype).eps
     row_max = want.float().abs().amax(dim=-1, keepdim=True)
     assert (err <= 2 * eps * row_max + 1e-6).all(), f"{(err / (eps * row_max)).max().item():.2f} eps x row max"
-    assert err.mean().item() <= 0.5 * eps * want.float().abs().mean().item()
+    assert err.mean().item() <= 0.75 * eps * want.float().abs().mean().item()
 
 
 # (T, q_start, H, KV, D, window, softcap): one token, ragged chunks, chunks past a cached prefix,
-# windows narrower than a key block, softcap, GQA group 3 (SmolLM2) and no GQA.
+# windows narrower than a key block and wide enough for unmasked blocks inside them, softcap,
+# GQA group 3 (SmolLM2) and no GQA.
 PREFILL_CASES = [(1, 0, 4, 2, 32, None, None), (5, 13, 4, 2, 64, 8, 30.0), (37, 13, 4, 2, 32, None, None),
                  (64, 64, 4, 2, 16, 8, None), (70, 0, 4, 2, 32, None, 30.0), (70, 64, 4, 2, 64, None, None),
-                 (37, 13, 6, 2, 32, 8, None), (20, 5, 2, 2, 16, None, None)]
+                 (37, 13, 6, 2, 32, 8, None), (20, 5, 2, 2, 16, None, None), (70, 64, 4, 2, 16, 40, None)]
 PREFILL_FORMS = [A.scalar_variant(16, 16), A.tile_variant(64, 32, 4, 1), A.tile_variant(32, 16, 4, 1, pack=True)]
 
 
@@ -114,9 +116,23 @@ def test_default_variants_and_supports():
     want1 = reference(q1, k[-1:], v[-1:], cache, 16, None, None)
     p = torch.tensor([16], dtype=torch.int64, device=DEVICE)
     assert_attention_close(A.decode_attention(q1, cache.k, cache.v, p, 0.25, None, None), want1)
-    assert A.OP.supports(q, cache.k, cache.v) and A.DECODE_OP.supports(q1, cache.k, cache.v)
+    assert A.supports(q, cache.k) and A.supports(q1, cache.k, cache.v)
+    assert A.PREFILL_OP.supports(q, cache.k, cache.v) and A.DECODE_OP.supports(q1, cache.k, cache.v)
     assert not A.DECODE_OP.supports(q, cache.k, cache.v)                    # decode takes one query
-    assert not A.OP.supports(q[..., :12], cache.k[..., :12], cache.v[..., :12])   # head_dim 12
+    assert not A.PREFILL_OP.supports(q[..., :12], cache.k[..., :12], cache.v[..., :12])   # head_dim 12
+
+
+def test_cuda_ops_attention_runs_the_kernels():
+    """CudaOps.attention: a prefill chunk, then decode steps at device-side positions."""
+    from kiln.backends.cuda import CudaOps
+
+    ops, dtype = CudaOps(DEVICE), torch.bfloat16
+    q, k, v, _ = filled_cache(12, 0, 4, 2, 16, dtype, seed=4)
+    ref_cache, cuda_cache = KVCache(2, 16, dtype, DEVICE, capacity=8), KVCache(2, 16, dtype, DEVICE, capacity=8)
+    for lo, hi in ((0, 10), (10, 11), (11, 12)):
+        pos = torch.arange(lo, hi, device=DEVICE)
+        want = REF.attention(q[lo:hi], k[lo:hi], v[lo:hi], ref_cache, pos, 0.25, 8, None)
+        assert_attention_close(ops.attention(q[lo:hi], k[lo:hi], v[lo:hi], cuda_cache, pos, 0.25, 8, None), want)
 
 
 def wrong_window(inputs, outputs, plan):
@@ -130,7 +146,7 @@ def test_tuner_gates_and_picks_every_attention_candidate(tmp_path):
     """Every candidate of both ops passes the gate against the trusted scalar forms; a planted
     wrong one does not."""
     lines: list[str] = []
-    works = [Workload(A.OP, A.AttnShape(40, 4, 2, 16, window=8, kv_prefix=16)),
+    works = [Workload(A.PREFILL_OP, A.PrefillShape(40, 4, 2, 16, window=8, kv_prefix=16)),
              Workload(A.DECODE_OP, A.DecodeShape(100, 4, 2, 32, softcap=30.0))]
     tuner = Tuner(DEVICE, torch.float32 if DEVICE.type == "cpu" else torch.bfloat16, log=lines.append, reps=1,
                   cache=C.TuneCache(tmp_path / "tune", warn=lines.append))
@@ -142,7 +158,7 @@ def test_tuner_gates_and_picks_every_attention_candidate(tmp_path):
     for w in works:
         assert plan.choose(w.op, w.shape).name != "wrong_window"
         timed = next(line for line in lines if line.startswith(f"[autotune] {w.label}:") and " -> " in line)
-        names = {v.name for v in w.op.candidates(w.shape, device_info(DEVICE))} | {w.op.trusted(w.shape, tuner.dev).name}
+        names = {v.name for v in w.op.candidates(w.shape, tuner.dev)} | {w.op.trusted(w.shape, tuner.dev).name}
         assert all(f"{n} " in timed or f"{n}* " in timed for n in names), timed
 
 
@@ -163,8 +179,8 @@ def test_gpu_prefill_variants_equal_reference(model, q_start):
     q, k, v, cache = filled_cache(512, q_start, h, kv, d, torch.bfloat16)
     want = reference(q, k, v, cache, q_start, window, None)
     dev = device_info(DEVICE)
-    shape = A.AttnShape(512, h, kv, d, window)
-    for form in A.OP.catalogue(shape, dev) + [A.OP.trusted(shape, dev)]:
+    shape = A.PrefillShape(512, h, kv, d, window)
+    for form in A.PREFILL_OP.catalogue(shape, dev) + [A.PREFILL_OP.trusted(shape, dev)]:
         got = A.prefill_attention(q, cache.k, cache.v, q_start, q_start + 512, d ** -0.5, window, None, form)
         assert_attention_close(got, want)
 

@@ -47,7 +47,7 @@ def setup(a):
     from ..api import pick_device, pick_dtype, resolve_model
     from ..backends.cuda.common import interpreting
     from ..weights import open_checkpoint
-    from .registry import get_op
+    from .registry import REGISTRY, _load_families, get_op
     from .tuner import Tuner
     from .workloads import DECODE_ROWS, OPS, PREFILL_CHUNK, config_workloads
 
@@ -57,9 +57,13 @@ def setup(a):
     dtype = pick_dtype(a.dtype, dev)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise KilnError(f"no kernels for dtype {dtype}")
-    ops = tuple(o.strip() for o in a.ops.split(",") if o.strip()) if a.ops else OPS
-    for op in ops:
-        get_op(op)
+    if a.ops:
+        ops = tuple(o.strip() for o in a.ops.split(",") if o.strip())
+        for op in ops:
+            get_op(op)
+    else:   # every registered family (KILN_KERNELS_OFF may leave some out)
+        _load_families()
+        ops = tuple(o for o in OPS if o in REGISTRY)
     ckpt = open_checkpoint(resolve_model(a.model, quiet=a.quiet))
     workloads = config_workloads(ckpt.config, tuple(a.m) if a.m else (PREFILL_CHUNK, DECODE_ROWS), ops)
     if not workloads:

@@ -11,11 +11,12 @@ from .tuner import Workload
 
 PREFILL_CHUNK = 512       # kiln.engine.Engine's default chunk
 DECODE_ROWS = 1
+DECODE_CONTEXTS = (2048, 32768)   # decode attention is measured at these context buckets
 # How each family's RMSNorm scales (kiln.backends.reference.ReferenceOps.rmsnorm); the GDN gated
 # norm (`linear_attn.norm`) is an op of its own.
 NORM_STYLE = {"llama": "llama", "qwen3": "llama", "gemma3_text": "offset", "gemma4_text": "plain",
               "qwen3_5_text": "offset", "qwen3_5_moe_text": "offset", "qwen3_next": "offset"}
-OPS = ("gemm", "rmsnorm", "rmsnorm_gemm")
+OPS = ("gemm", "rmsnorm", "rmsnorm_gemm", "gdn_prefill", "gdn_decode", "moe", "attention", "attention_decode")
 
 
 def config_workloads(config: dict, m_values=(PREFILL_CHUNK, DECODE_ROWS), ops=OPS) -> list[Workload]:
@@ -39,7 +40,47 @@ def model_workloads(cls, cfg, model_type: str, m_values=(PREFILL_CHUNK, DECODE_R
         elif len(shape) == 1 and name.endswith("norm.weight") and "linear_attn.norm" not in name:
             per_row = next((h for part, h in heads.items() if f".{part}." in name), 1)
             out += [Workload(R.OP, R.NormShape(m * per_row, shape[0], style)) for m in m_values]
+    out += mixer_workloads(cfg, shapes, m_values)
     if "lm_head.weight" in shapes and "model.norm.weight" in shapes:
         vocab, hidden = shapes["lm_head.weight"]
         out.append(Workload(RG.OP, RG.NormGemmShape(DECODE_ROWS, vocab, hidden, style)))
     return list(dict.fromkeys(w for w in out if w.op.name in ops))
+
+
+def mixer_workloads(cfg, shapes: dict, m_values) -> list[Workload]:
+    """Gated DeltaNet and MoE shapes, read off the weights (one per distinct shape)."""
+    from ..backends.cuda import _optional
+
+    gdn, moe, attn = _optional("gdn"), _optional("moe"), _optional("attention")
+    out: list[Workload] = []
+    if attn is not None and _plain_attention(cfg) and _pow2(cfg.head_dim):
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        for m in m_values:
+            if m == 1:
+                out += [Workload(attn.DECODE_OP, attn.DecodeShape(n, h, kv, d, None, None)) for n in DECODE_CONTEXTS]
+            else:
+                out.append(Workload(attn.PREFILL_OP, attn.PrefillShape(m, h, kv, d, None, None, 0)))
+    for name, shape in shapes.items():
+        if gdn is not None and name.endswith("linear_attn.conv1d.weight"):
+            hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+            dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            if not (_pow2(dk) and _pow2(dv)):
+                continue
+            out += [Workload(gdn.DECODE if m == 1 else gdn.PREFILL, gdn.GdnShape(m, hk, hv, dk, dv, shape[-1]))
+                    for m in m_values]
+        elif moe is not None and name.endswith("experts.gate_up_proj"):
+            e, two_i, h = shape
+            k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "top_k_experts")
+            act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation")
+            out += [Workload(moe.OP, moe.MoeShape(m, e, k, h, two_i // 2, act)) for m in m_values]
+    return out
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def _plain_attention(cfg) -> bool:
+    """Every attention layer global, one head shape, no softcap (Llama, Qwen3, Qwen3.5): Gemma's sliding
+    layers run on ring caches and its global layers differ per layer; they take the defaults."""
+    return not hasattr(cfg, "sliding_window") and hasattr(cfg, "num_key_value_heads") and bool(cfg.head_dim)

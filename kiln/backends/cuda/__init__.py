@@ -43,12 +43,17 @@ A, GDN, MOE = _optional("attention"), _optional("gdn"), _optional("moe")
 class CudaOps(ReferenceOps):
     name = "cuda"
     graphs = True    # its decode path may be captured as one CUDA graph (kiln.graphs)
+    # Prompt chunk: long enough that attention and the GDN scan fill the GPU (512-token chunks
+    # leave most SMs idle in attention), short enough that activations stay small.
+    prefill_chunk = 4096     # under the interpreter (CPU tests): 512
 
     def __init__(self, device: torch.device | str = "cuda"):
         super().__init__(device)
         if self.device.type != "cuda" and not interpreting():
             raise KilnError("backend cuda needs a CUDA GPU (or TRITON_INTERPRET=1 to run its kernels on CPU, slowly)")
         self.dev = device_info(self.device)
+        if self.device.type != "cuda":
+            self.prefill_chunk = 512
         self.plan = None              # kiln.tune.tuner.Plan; until prepare() runs, each op's default
         self.tune_s: float | None = None
         self.tune_cache: str | None = None
@@ -61,7 +66,8 @@ class CudaOps(ReferenceOps):
 
         t0 = time.perf_counter()
         model_type = next(k for k, (_, c) in _model_types().items() if c == type(model).__name__)
-        workloads = model_workloads(type(model), model.cfg, model_type, m_values or (PREFILL_CHUNK, DECODE_ROWS))
+        m_values = m_values or tuple(dict.fromkeys((PREFILL_CHUNK, self.prefill_chunk, DECODE_ROWS)))
+        workloads = model_workloads(type(model), model.cfg, model_type, m_values)
         tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
         self.plan, report = tuner.tune(workloads)
         self.tune_s, self.tune_cache = time.perf_counter() - t0, "hit" if report.hit else "miss"

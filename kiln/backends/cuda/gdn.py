@@ -114,9 +114,9 @@ def conv_kernel(x_ptr, w_ptr, st_ptr, y_ptr, T, C: tl.constexpr, K: tl.constexpr
         for j in tl.static_range(K):
             i = T - 1 + j + tl.zeros_like(c)               # a tensor (T may arrive as a Python int)
             from_st = i < K - 1
-            sv = tl.load(st_ptr + (i + 1) * C + c, mask=(c < C) & from_st, other=0.0)
-            xv = tl.load(x_ptr + (i - (K - 1)).to(tl.int64) * C + c, mask=(c < C) & (i >= K - 1), other=0.0)
-            row = tl.where(from_st, sv, xv)
+            old = tl.load(st_ptr + (i + 1) * C + c, mask=(c < C) & from_st, other=0.0)
+            new = tl.load(x_ptr + (i - (K - 1)).to(tl.int64) * C + c, mask=(c < C) & (i >= K - 1), other=0.0)
+            row = tl.where(from_st, old, new)     # names unused above: Triton keeps a name's type across an if
             tl.debug_barrier()
             tl.store(st_ptr + j * C + c, row, mask=c < C)
 
