@@ -67,13 +67,18 @@ class DecodeGraph:
         self.graph = self.logits = None
         lengths = [layer.length for layer in state]
         torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
+        try:                 # keep_graph: the node list stays readable until instantiate()
+            graph, kept = torch.cuda.CUDAGraph(keep_graph=True), True
+        except TypeError:
+            graph, kept = torch.cuda.CUDAGraph(), False
         with torch.cuda.graph(graph):
             logits = self.model.forward(self.ids, self.pos, state)
         for layer, n in zip(state, lengths):
             layer.length = n
+        self.launches = count_nodes(graph) if kept else None
+        if kept:
+            graph.instantiate()
         self.graph, self.logits, self.key = graph, logits, key
-        self.launches = count_nodes(graph)
         self.captures += 1
         if not quiet:
             cap = max((layer.capacity for layer in state if isinstance(layer, KVCache)), default=0)
@@ -83,32 +88,12 @@ class DecodeGraph:
 
 
 def count_nodes(graph: torch.cuda.CUDAGraph) -> int | None:
-    """Kernel and copy nodes in a captured graph (cudaGraphGetNodes), or None where unavailable."""
-    raw = getattr(graph, "raw_cuda_graph", None)
-    lib = _cudart()
-    if raw is None or lib is None:
-        return None
+    """Kernel, copy and memset nodes of a captured graph (the driver's cuGraphGetNodes), or None."""
     try:
+        lib = ctypes.CDLL("libcuda.so.1")
         count = ctypes.c_size_t(0)
-        if lib.cudaGraphGetNodes(ctypes.c_void_p(raw()), None, ctypes.byref(count)) != 0:
+        if lib.cuGraphGetNodes(ctypes.c_void_p(graph.raw_cuda_graph()), None, ctypes.byref(count)) != 0:
             return None
         return int(count.value)
-    except Exception:                   # a torch without the accessor, a runtime without the symbol
+    except Exception:                   # no driver library, a torch without the accessor
         return None
-
-
-def _cudart():
-    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    try:                                 # the runtime that torch itself loaded
-        import nvidia.cuda_runtime as rt  # type: ignore
-        import glob
-        import os
-        for path in glob.glob(os.path.join(list(rt.__path__)[0], "lib", "libcudart.so*")):
-            return ctypes.CDLL(path)
-    except Exception:
-        pass
-    return None

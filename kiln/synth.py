@@ -150,6 +150,10 @@ CONFIGS: dict[str, dict] = {
                               linear_key_head_dim=20, linear_value_head_dim=28, full_attention_interval=3,
                               layer_types=_hybrid(5, 3),
                               rope_parameters=_TINY_QWEN_ROPE),
+    # Power-of-two head dims, so the cuda backend's attention and GDN kernels (not the fallback) run.
+    "tiny-qwen3.5-moe-p2": _tiny(_qwen35_moe(64, 4, 4, 2, 8, 2, 32, 48, 2, 4), vocab_size=397, head_dim=32,
+                                 linear_key_head_dim=16, linear_value_head_dim=32, full_attention_interval=2,
+                                 layer_types=_hybrid(4, 2), rope_parameters=_TINY_QWEN_ROPE),
     "tiny-qwen3-next": _tiny(_QWEN3_NEXT_80B, vocab_size=443, hidden_size=72, intermediate_size=120,
                              num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, head_dim=24,
                              num_experts=12, num_experts_per_tok=4, moe_intermediate_size=36,

@@ -93,7 +93,9 @@ class Tuner:
         if self.device.type == "cuda":   # the context exists before the stage is timed (a load has moved weights)
             torch.empty(1, device=self.device)
         self.dtype, self.retune, self.pins = dtype, retune, dict(pins or {})
-        self.budget_s = DEFAULT_BUDGET_S if budget_s is None else budget_s
+        if budget_s is None:   # KILN_TUNE_BUDGET_S: e.g. 0 in CPU tests, where only the numbers matter
+            budget_s = float(os.environ.get("KILN_TUNE_BUDGET_S", DEFAULT_BUDGET_S))
+        self.budget_s = budget_s
         self.reps = reps if reps is not None else (None if self.device.type == "cuda" else 1)
         self.workers = workers
         self.log = log or ((lambda line: None) if quiet else (lambda line: print(line, file=sys.stderr, flush=True)))

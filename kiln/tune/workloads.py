@@ -50,14 +50,16 @@ def model_workloads(cls, cfg, model_type: str, m_values=(PREFILL_CHUNK, DECODE_R
 def mixer_workloads(cfg, shapes: dict, m_values) -> list[Workload]:
     """Gated DeltaNet and MoE shapes, read off the weights (one per distinct shape)."""
     from ..backends.cuda import _optional
+    from ..backends.cuda.common import interpreting
 
+    contexts = (64,) if interpreting() else DECODE_CONTEXTS     # the interpreter is slow
     gdn, moe, attn = _optional("gdn"), _optional("moe"), _optional("attention")
     out: list[Workload] = []
     if attn is not None and _plain_attention(cfg) and _pow2(cfg.head_dim):
         h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         for m in m_values:
             if m == 1:
-                out += [Workload(attn.DECODE_OP, attn.DecodeShape(n, h, kv, d, None, None)) for n in DECODE_CONTEXTS]
+                out += [Workload(attn.DECODE_OP, attn.DecodeShape(n, h, kv, d, None, None)) for n in contexts]
             else:
                 out.append(Workload(attn.PREFILL_OP, attn.PrefillShape(m, h, kv, d, None, None, 0)))
     for name, shape in shapes.items():

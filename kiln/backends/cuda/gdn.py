@@ -580,7 +580,12 @@ class GdnPrefillOp(GdnOp):
         return forms + [chunk_variant(bv, 4, prec, 8) for prec in GPU_PREC for bv in bvs[1:]]
 
     def candidates(self, s: GdnShape, dev) -> list[Variant]:
-        return [v for v in self.catalogue(s, dev) if v.p.get("prec") != "tf32"]
+        """tf32x3 only (ieee costs more for the same pass of the gate) and a few tiles: every form
+        compiles for seconds, and a cold load compiles them all."""
+        forms = [v for v in self.catalogue(s, dev) if v.p.get("prec") != "tf32"]
+        if dev.capability is None:
+            return forms
+        return [v for v in forms if v == RECURRENT or (v.p["prec"] == "tf32x3" and v.p["bv"] in (32, 64))]
 
     def trusted(self, s, dev) -> Variant:
         return RECURRENT
