@@ -585,7 +585,9 @@ class GdnPrefillOp(GdnOp):
         forms = [v for v in self.catalogue(s, dev) if v.p.get("prec") != "tf32"]
         if dev.capability is None:
             return forms
-        return [v for v in forms if v == RECURRENT or (v.p["prec"] == "tf32x3" and v.p["bv"] in (32, 64))]
+        # Hopper shared memory (232 KB) holds the scan's f32 dot operands only for ieee at bv <= 64
+        # (tf32x3 needs 247-395 KB: measured by cross-compiling for sm_90, see bench/NOTES.md).
+        return [v for v in forms if v == RECURRENT or (v.p["prec"] == "ieee" and v.p["bv"] in (32, 64))]
 
     def trusted(self, s, dev) -> Variant:
         return RECURRENT
@@ -593,7 +595,7 @@ class GdnPrefillOp(GdnOp):
     def default(self, s: GdnShape, dev) -> Variant:
         if dev.capability is None:
             return chunk_variant(s.dv, 4, "ieee")
-        return chunk_variant(min(64, s.dv), 4, "tf32x3", 8)
+        return chunk_variant(min(64, s.dv), 4, "ieee", 8)
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p["form"] == "recurrent":
