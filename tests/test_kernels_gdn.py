@@ -81,9 +81,9 @@ def test_chunked_prefill_equals_reference(t):
     check(D.gdn_prefill, CHUNK_FORMS[0], t, torch.float32, seed=t)
 
 
-@pytest.mark.parametrize("v", CHUNK_FORMS[1:] + [D.RECURRENT], ids=lambda v: v.name)
+@pytest.mark.parametrize("v", CHUNK_FORMS[1:] + [D.RECURRENT, D.TORCH], ids=lambda v: v.name)
 def test_other_prefill_forms_equal_reference(v):
-    t = 70 if v.p["form"] == "chunk" else 24        # the interpreter's cost is per token here
+    t = 70 if v.p["form"] != "recurrent" else 24       # the interpreter's cost is per token here
     check(D.gdn_prefill, v, t, torch.float32, seed=1)
     check(D.gdn_prefill, v, 9, torch.float32, zero=True, seed=2)
 

@@ -410,9 +410,30 @@ def chunked(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, p: dict) -> None:
         gated_norm_pass(o, z, norm_w, y, eps, dv)
 
 
+def torch_chunked(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y) -> None:
+    """The reference's chunked WY/UT form in torch ops (cuBLAS batched matmuls, one small step per
+    chunk): a measured alternative to the Triton scan, whose f32 dots are slow on Hopper."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from ..reference import ReferenceOps
+
+    hk, hv, dk, dv, eps = dims
+    t, ref = xc.shape[0], ReferenceOps(xc.device)
+    q, k, v = xc.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    state = SimpleNamespace(ssm=ssm)
+    o = ref.gdn_chunked(q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv), g, torch.sigmoid(b), state)
+    ssm.copy_(state.ssm)
+    y.copy_(ref.gated_rmsnorm(o, z.view(t, hv, dv), norm_w, eps).reshape(t, hv * dv))
+
+
 def prefill_into(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, dims, v: Variant, y) -> None:
     xc = conv(qkv, conv_w, conv_state)
-    if v.p["form"] == "recurrent":
+    if v.p["form"] == "torch":
+        torch_chunked(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y)
+    elif v.p["form"] == "recurrent":
         recurrent(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, v.p["w"])
     else:
         chunked(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, v.p)
@@ -503,6 +524,7 @@ def fused_variant(bv: int, w: int) -> Variant:
 
 
 RECURRENT = variant("recurrent", form="recurrent", w=4)        # trusted prefill: token by token, no tl.dot
+TORCH = variant("torch_chunked", form="torch")                  # the reference's chunked form in torch ops
 UNFUSED = variant("unfused", form="unfused", w=4)              # trusted decode: conv kernel + recurrent step
 GPU_PREC = ("tf32x3", "ieee")      # "tf32" alone (10-bit mantissa) only when pinned: the state is f32 by contract
 
@@ -574,8 +596,8 @@ class GdnPrefillOp(GdnOp):
     def catalogue(self, s: GdnShape, dev) -> list[Variant]:
         bvs = [bv for bv in (16, 32, 64, 128) if bv <= s.dv]
         if dev.capability is None:
-            return [RECURRENT, chunk_variant(s.dv, 4, "ieee")] + ([chunk_variant(16, 4, "ieee")] if s.dv > 16 else [])
-        forms = [RECURRENT] + [chunk_variant(bv, w, prec) for prec in GPU_PREC + ("tf32",) for bv in bvs[1:]
+            return [RECURRENT, TORCH, chunk_variant(s.dv, 4, "ieee")] + ([chunk_variant(16, 4, "ieee")] if s.dv > 16 else [])
+        forms = [RECURRENT, TORCH] + [chunk_variant(bv, w, prec) for prec in GPU_PREC + ("tf32",) for bv in bvs[1:]
                                for w in (4, 8)]
         return forms + [chunk_variant(bv, 4, prec, 8) for prec in GPU_PREC for bv in bvs[1:]]
 
@@ -587,7 +609,7 @@ class GdnPrefillOp(GdnOp):
             return forms
         # Hopper shared memory (232 KB) holds the scan's f32 dot operands only for ieee at bv <= 64
         # (tf32x3 needs 247-395 KB: measured by cross-compiling for sm_90, see bench/NOTES.md).
-        return [v for v in forms if v == RECURRENT or (v.p["prec"] == "ieee" and v.p["bv"] in (32, 64))]
+        return [v for v in forms if v in (RECURRENT, TORCH) or (v.p["prec"] == "ieee" and v.p["bv"] in (32, 64))]
 
     def trusted(self, s, dev) -> Variant:
         return RECURRENT
@@ -600,6 +622,8 @@ class GdnPrefillOp(GdnOp):
     def kernel_sources(self, v: Variant) -> list:
         if v.p["form"] == "recurrent":
             return [conv_kernel, recurrent_kernel]
+        if v.p["form"] == "torch":
+            return [conv_kernel]
         return [conv_kernel, prep_kernel, unit_lower_inverse, scan_kernel] + [norm_kernel]
 
 
