@@ -63,7 +63,10 @@ def _nvidia_driver() -> str | None:
 
 def kiln_commit() -> str | None:
     """HEAD of the checkout kiln runs from, with "-dirty" when tracked files differ from it.
-    Where the tree travels without .git (the lent GPU machine), $KILN_COMMIT says it."""
+    $KILN_COMMIT, when set, says it instead: the lent GPU machine's copy of the tree carries a
+    stale .git (measured: it reported the session's first HEAD, "-dirty", for later commits)."""
+    if os.environ.get("KILN_COMMIT"):
+        return os.environ["KILN_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=20)

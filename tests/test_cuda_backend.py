@@ -40,3 +40,21 @@ def test_cuda_backend_logits_equal_reference_through_prefill_and_decode(monkeypa
     err = (got - ref).abs().max() / ref.abs().max()
     assert err < 1e-4, err
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_decode_graph_gives_the_eager_tokens_and_counts_launches():
+    """The decode step replayed as a CUDA graph gives the tokens of the same kernels run eagerly,
+    across two requests on the one persistent state (the second replays the first's graph)."""
+    import kiln
+
+    prompt = [(11 * i + 5) % 397 for i in range(40)]
+    eager = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cuda", dtype="bf16", enforce_eager=True)
+    want = eager.generate(prompt, max_new_tokens=12, temperature=0).token_ids
+    graph = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cuda", dtype="bf16")
+    assert graph.engine.graph is not None
+    for _ in range(2):
+        assert graph.generate(prompt, max_new_tokens=12, temperature=0).token_ids == want
+    assert graph.engine.graph.captures == 1
+    assert graph.engine.launches_per_token is None or graph.engine.launches_per_token > 0

@@ -607,9 +607,9 @@ class GdnPrefillOp(GdnOp):
         forms = [v for v in self.catalogue(s, dev) if v.p.get("prec") != "tf32"]
         if dev.capability is None:
             return forms
-        # Hopper shared memory (232 KB) holds the scan's f32 dot operands only for ieee at bv <= 64
-        # (tf32x3 needs 247-395 KB: measured by cross-compiling for sm_90, see bench/NOTES.md).
-        return [v for v in forms if v in (RECURRENT, TORCH) or (v.p["prec"] == "ieee" and v.p["bv"] in (32, 64))]
+        # On the H200 (Triton 3.6) only the ieee scans at bv 32 compiled within 232 KB of shared memory
+        # (tf32x3 needs 247-395 KB cross-compiled for sm_90), and 8 warps won by 2-3x: keep that one.
+        return [v for v in forms if v in (RECURRENT, TORCH) or v == chunk_variant(32, 8, "ieee", 8)]
 
     def trusted(self, s, dev) -> Variant:
         return RECURRENT
@@ -617,7 +617,7 @@ class GdnPrefillOp(GdnOp):
     def default(self, s: GdnShape, dev) -> Variant:
         if dev.capability is None:
             return chunk_variant(s.dv, 4, "ieee")
-        return chunk_variant(min(64, s.dv), 4, "ieee", 8)
+        return chunk_variant(min(32, s.dv), 8, "ieee", 8)
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p["form"] == "recurrent":
