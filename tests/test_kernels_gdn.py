@@ -88,6 +88,36 @@ def test_other_prefill_forms_equal_reference(v):
     check(D.gdn_prefill, v, 9, torch.float32, zero=True, seed=2)
 
 
+BF16_DOTS = D.chunk_variant(32, 4, "bf16")
+
+
+def test_bf16_dot_form_is_ieee_with_f32_activations():
+    """Precision "bf16" rounds dot operands only to a 16-bit activation dtype: in f32 it is exact."""
+    check(D.gdn_prefill, BF16_DOTS, 70, torch.float32, seed=1)
+    check(D.gdn_prefill, D.chunk_variant(16, 4, "bf16"), 9, torch.float32, zero=True, seed=2)
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["state", "zero"])
+def test_bf16_dot_form_within_the_gate(zero):
+    """bf16 activations: every dot operand (the state's copy included) is rounded to bf16 (2^-9
+    relative each) and accumulated in f32, so each dot carries ~2^-8 of its operands' scale and the
+    state carries that error from chunk to chunk; the reference rounds nowhere there. Bound: the
+    tuner's gate, max|reference| / 64, for y and the f32 state (measured ~1/144 and ~1/240 here). The
+    conv state is exact, and the state must differ from the ieee form's (the 16-bit path ran)."""
+    inp, st = case(130, torch.bfloat16, zero, seed=12)
+    conv, ssm = st.conv.clone(), st.ssm.clone()
+    y = kiln(D.gdn_prefill, inp, conv, ssm, BF16_DOTS)
+    ieee_ssm = st.ssm.clone()
+    kiln(D.gdn_prefill, inp, st.conv.clone(), ieee_ssm, D.chunk_variant(32, 4, "ieee"))
+    want = reference(inp, st)
+    for got, ref, what in ((y, want, "y"), (ssm, st.ssm, "ssm")):
+        assert got.dtype == ref.dtype and not torch.isnan(got).any(), what
+        err, scale = (got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item()
+        assert err <= scale * gate.TOLERANCE, f"{what}: {err:.2e} of {scale:.2e}"
+    assert torch.equal(conv, st.conv)
+    assert not torch.equal(ssm, ieee_ssm)
+
+
 def test_prefill_from_zero_state_and_bf16():
     check(D.gdn_prefill, CHUNK_FORMS[0], 130, torch.float32, zero=True, seed=3)
     check(D.gdn_prefill, CHUNK_FORMS[0], 130, torch.bfloat16, seed=4)

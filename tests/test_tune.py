@@ -253,8 +253,9 @@ def test_workloads_of_qwen35_08b_are_its_projections():
     work = config_workloads(synth_config("qwen3.5-0.8b"))
     gemms = {(w.shape.rows, w.shape.n, w.shape.k) for w in work if w.op.name == "gemm"}
     prefill = {(n, k) for m, n, k in gemms if m == 512}
-    assert prefill == {(6144, 1024), (2048, 1024), (16, 1024), (1024, 2048), (4096, 1024), (512, 1024),
-                       (3584, 1024), (1024, 3584)}      # GDN qkv/z/b,a/out, attention q/k,v/o, MLP
+    # GDN qkv|z|b|a (6144 + 2048 + 16 + 16) and out; attention q(+gate)|k|v (4096 + 512 + 512) and o;
+    # MLP gate|up (2 x 3584) and down: projections of one input run as one concatenated GEMM
+    assert prefill == {(8224, 1024), (1024, 2048), (5120, 1024), (7168, 1024), (1024, 3584)}
     assert {(n, k) for m, n, k in gemms if m == 1} == prefill | {(248320, 1024)}    # + the LM head
     norms = {(w.shape.rows, w.shape.d, w.shape.style) for w in work if w.op.name == "rmsnorm"}
     assert {(512, 1024, "offset"), (512 * 8, 256, "offset"), (512 * 2, 256, "offset"), (1, 1024, "offset")} <= norms

@@ -39,7 +39,7 @@ def test_tune_prints_autotune_lines_and_summary_then_hits_the_cache(tuned):
     lines = first.stderr.splitlines()
     for op in ("gemm", "rmsnorm", "rmsnorm_gemm"):
         assert any(re.match(rf"\[autotune\] {op} \S+: .* ms -> \S+$", line) for line in lines), op
-    assert any(line.startswith("[autotune] gemm 512x264x96: ") for line in lines)     # GDN in_proj_qkv, prefill
+    assert any(line.startswith("[autotune] gemm 512x396x96: ") for line in lines)     # GDN in_proj qkv|z|b|a, prefill
     assert any(line.startswith("[autotune] gemm 1x509x96: ") for line in lines)       # LM head, decode
     m = SUMMARY.match(lines[-1])
     assert m and m[2] == "miss" and m[3].startswith(str(cache)) and os.path.exists(m[3])
@@ -50,7 +50,7 @@ def test_tune_prints_autotune_lines_and_summary_then_hits_the_cache(tuned):
     table = [line for line in second.stdout.splitlines() if line.startswith("| ")]
     assert table[0] == "| op | shape | variant | ms | how |"
     assert {row.split("|")[5].strip() for row in table[1:]} == {"cached"}
-    assert any("| gemm | 512x480x96 |" in row for row in table)                     # q_proj with its gate
+    assert any("| gemm | 512x640x96 |" in row for row in table)                     # q_proj (with its gate) | k | v
 
 
 def test_kernels_dump_writes_each_chosen_kernel_named_by_op_and_shape(tuned, tmp_path):
@@ -59,9 +59,9 @@ def test_kernels_dump_writes_each_chosen_kernel_named_by_op_and_shape(tuned, tmp
     assert r.returncode == 0, r.stderr
     assert not [line for line in r.stderr.splitlines() if line.startswith("[autotune]")]   # from the cache
     names = sorted(p.name for p in (tmp_path / "k").iterdir())
-    assert any(re.fullmatch(r"gemm_512x264x96_\S+\.py", n) for n in names)
+    assert any(re.fullmatch(r"gemm_512x396x96_\S+\.py", n) for n in names)
     assert any(re.fullmatch(r"rmsnorm_512x96_offset_\S+\.py", n) for n in names)
-    src = next((tmp_path / "k").glob("gemm_512x264x96_*.py")).read_text()
+    src = next((tmp_path / "k").glob("gemm_512x396x96_*.py")).read_text()
     assert "def gemm_kernel(" in src or "def gemm_tma_kernel(" in src
 
 

@@ -46,6 +46,10 @@ class ReferenceOps:
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, w, b)
 
+    def linear_split(self, x: torch.Tensor, ws: list) -> list:
+        """Several projections of the same input (one GEMM on GPU where their weights are concatenated)."""
+        return [self.linear(x, w) for w in ws]
+
     def rmsnorm_linear(self, x, norm_w, eps, style, w):
         """Norm fused into the next projection (fused on GPU where the tuner finds it pays)."""
         return self.linear(self.rmsnorm(x, norm_w, eps, style), w)

@@ -129,9 +129,8 @@ class Qwen35(Model):
     # -- forward --------------------------------------------------------------------------------
     def gdn_projections(self, x, p):
         """(qkv, z, b, a) from the layer input; Qwen3-Next overrides this for its packed layout."""
-        w, ops = self.w, self.ops
-        return (ops.linear(x, w[p + "in_proj_qkv.weight"]), ops.linear(x, w[p + "in_proj_z.weight"]),
-                ops.linear(x, w[p + "in_proj_b.weight"]), ops.linear(x, w[p + "in_proj_a.weight"]))
+        w = self.w
+        return tuple(self.ops.linear_split(x, [w[p + f"in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")]))
 
     def linear_attention(self, i, x, state):
         c, w, p = self.cfg, self.w, f"model.layers.{i}.linear_attn."
@@ -143,9 +142,9 @@ class Qwen35(Model):
     def full_attention(self, i, x, positions, cache, rope):
         c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.self_attn."
         t, d, eps = x.shape[0], c.head_dim, c.rms_norm_eps
-        q, gate = ops.linear(x, w[p + "q_proj.weight"]).view(t, -1, 2 * d).chunk(2, dim=-1)   # per-head interleave
-        k = ops.linear(x, w[p + "k_proj.weight"]).view(t, -1, d)
-        v = ops.linear(x, w[p + "v_proj.weight"]).view(t, -1, d)
+        qg, k, v = ops.linear_split(x, [w[p + f"{n}_proj.weight"] for n in "qkv"])
+        q, gate = qg.view(t, -1, 2 * d).chunk(2, dim=-1)                                 # per-head interleave
+        k, v = k.view(t, -1, d), v.view(t, -1, d)
         q = ops.apply_rope(ops.rmsnorm(q, w[p + "q_norm.weight"], eps, "offset"), *rope)
         k = ops.apply_rope(ops.rmsnorm(k, w[p + "k_norm.weight"], eps, "offset"), *rope)
         o = ops.attention(q, k, v, cache, positions, default_scale(d)).reshape(t, -1)

@@ -1,6 +1,8 @@
 """The (op, shape) pairs a model runs, from its config: every projection (each 2-D weight but the
-embeddings) as a GEMM at the prefill chunk and at decode (the LM head only at one row: prefill
-keeps the last token), every RMSNorm at the rows it sees, and the final norm fused into the LM head.
+embeddings; projections of one input concatenated as CudaOps runs them: q|k|v, GDN qkv|z|b|a,
+gate|up) as a GEMM at the prefill chunk and at decode (the LM head only at one row: prefill keeps
+the last token), every RMSNorm at the rows it sees, the final norm fused into the LM head, and the
+attention, Gated DeltaNet and MoE shapes.
 """
 
 from __future__ import annotations
@@ -32,14 +34,18 @@ def model_workloads(cls, cfg, model_type: str, m_values=(PREFILL_CHUNK, DECODE_R
     shapes = cls.weight_shapes(cfg)
     style = NORM_STYLE.get(model_type, "llama")
     heads = {"q_norm": getattr(cfg, "num_attention_heads", 1), "k_norm": getattr(cfg, "num_key_value_heads", 1)}
+    from ..backends.cuda.fuse import projection_groups
+
+    grouped = {n for names in projection_groups(shapes) for n in names}   # run as one concatenated GEMM
     out: list[Workload] = []
     for name, shape in shapes.items():
-        if len(shape) == 2 and "embed" not in name:
+        if len(shape) == 2 and "embed" not in name and name not in grouped:
             ms = (DECODE_ROWS,) if name == "lm_head.weight" else m_values
             out += [Workload(G.OP, G.GemmShape(m, shape[0], shape[1])) for m in ms]
         elif len(shape) == 1 and name.endswith("norm.weight") and "linear_attn.norm" not in name:
             per_row = next((h for part, h in heads.items() if f".{part}." in name), 1)
             out += [Workload(R.OP, R.NormShape(m * per_row, shape[0], style)) for m in m_values]
+    out += fused_gemm_workloads(shapes, m_values)
     out += mixer_workloads(cfg, shapes, m_values)
     if "lm_head.weight" in shapes and "model.norm.weight" in shapes:
         vocab, hidden = shapes["lm_head.weight"]
@@ -86,3 +92,15 @@ def _plain_attention(cfg) -> bool:
     """Every attention layer global, one head shape, no softcap (Llama, Qwen3, Qwen3.5): Gemma's sliding
     layers run on ring caches and its global layers differ per layer; they take the defaults."""
     return not hasattr(cfg, "sliding_window") and hasattr(cfg, "num_key_value_heads") and bool(cfg.head_dim)
+
+
+def fused_gemm_workloads(shapes: dict, m_values) -> list[Workload]:
+    """The concatenated projections CudaOps runs as one GEMM (kiln/backends/cuda/fuse.py)."""
+    from ..backends.cuda import gemm as G
+    from ..backends.cuda.fuse import projection_groups
+
+    out = []
+    for names in projection_groups(shapes):
+        n, k = sum(shapes[x][0] for x in names), shapes[names[0]][1]
+        out += [Workload(G.OP, G.GemmShape(m, n, k)) for m in m_values]
+    return out

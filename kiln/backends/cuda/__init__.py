@@ -55,6 +55,7 @@ class CudaOps(ReferenceOps):
         if self.device.type != "cuda":
             self.prefill_chunk = 512
         self.plan = None              # kiln.tune.tuner.Plan; until prepare() runs, each op's default
+        self.fused: dict[tuple, torch.Tensor] = {}   # concatenated projections (kiln/backends/cuda/fuse.py)
         self.tune_s: float | None = None
         self.tune_cache: str | None = None
 
@@ -64,7 +65,10 @@ class CudaOps(ReferenceOps):
         from ...tune.tuner import Tuner
         from ...tune.workloads import DECODE_ROWS, PREFILL_CHUNK, model_workloads
 
+        from .fuse import concatenate, projection_groups
+
         t0 = time.perf_counter()
+        self.fused = concatenate(model.w, projection_groups({n: tuple(w.shape) for n, w in model.w.items()}))
         model_type = next(k for k, (_, c) in _model_types().items() if c == type(model).__name__)
         m_values = m_values or tuple(dict.fromkeys((PREFILL_CHUNK, self.prefill_chunk, DECODE_ROWS)))
         workloads = model_workloads(type(model), model.cfg, model_type, m_values)
@@ -91,6 +95,19 @@ class CudaOps(ReferenceOps):
             v = G.OP.default(G.GemmShape(x2.shape[0], n, k), self.dev)
         G.OP.run(v, {"x": x2, "w": w.contiguous()}, {"y": y}, self.plan)
         return y.view(*x.shape[:-1], n)
+
+    def linear_split(self, x, ws):
+        cat = self.fused.get(tuple(w.data_ptr() for w in ws))
+        if cat is None:
+            return super().linear_split(x, ws)
+        return list(self.linear(x, cat).split([w.shape[0] for w in ws], dim=-1))
+
+    def gated_mlp(self, x, gate_w, up_w, down_w, act):
+        if (gate_w.data_ptr(), up_w.data_ptr()) not in self.fused:
+            return super().gated_mlp(x, gate_w, up_w, down_w, act)
+        from ..reference import _ACTIVATIONS
+        gate, up = self.linear_split(x, [gate_w, up_w])
+        return self.linear(_ACTIVATIONS[act](gate) * up, down_w)
 
     def rmsnorm(self, x, w, eps, style="llama"):
         if not self._runs_here(x) or not R.OP.supports(x, w, style):

@@ -17,6 +17,12 @@ Kernels:
                     on tensor cores, w = (I + A)^-1 (k_beta * exp(cum)), u = (I + A)^-1 (v * beta).
   scan_kernel       per (value head, dv block): the chunks in order with the state tile in registers;
                     gated norm fused when BV == dv.
+
+Dot precision of prep/scan (PREC of a chunk variant): "ieee" / "tf32x3" / "tf32" multiply f32 operands;
+"bf16" rounds both operands of every dot to the activation dtype (when it is 16-bit; with f32
+activations it is "ieee") and accumulates in f32 on tensor cores, as flash-linear-attention does. The
+state S stays f32 in registers and memory; only its copy fed to a dot is rounded. The (I + A)^-1 solve
+stays f32 ("ieee"): its products feed every w and u, and it is a small share of the work.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, variant
-from .common import SUPPORTED, cdiv, device_info, interpreting, rne_flag, round_to
+from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, rne_flag, round_to
 
 CHUNK = 64          # the reference's chunk (and the unit of the WY/UT solve)
 CONV_BT = 16        # tokens per conv program; must be >= K - 1 (only the first block reads the state)
@@ -264,6 +270,25 @@ def norm_kernel(o_ptr, z_ptr, nw_ptr, y_ptr, R, eps, DV: tl.constexpr, ROWS: tl.
 # -- the chunked prefill --------------------------------------------------------------------------------
 
 @triton.jit
+def mm(a, b, PREC: tl.constexpr, DOT16: tl.constexpr, UPCAST: tl.constexpr, dtype: tl.constexpr,
+       RNE: tl.constexpr):
+    """a @ b with f32 accumulation. DOT16 (precision "bf16" with 16-bit activations): both operands
+    rounded to the activation dtype first (tensor-core MMA, as flash-linear-attention does); the
+    f32 values themselves (the state S included) stay f32. UPCAST: under the interpreter the rounded
+    operands multiply as f32 (exact: a product of two 16-bit floats fits f32's mantissa)."""
+    if DOT16:
+        a16 = round_to(a, dtype, RNE)
+        b16 = round_to(b, dtype, RNE)
+        if UPCAST:
+            c = tl.dot(a16.to(tl.float32), b16.to(tl.float32), input_precision="ieee")
+        else:
+            c = tl.dot(a16, b16)
+    else:
+        c = tl.dot(a, b, input_precision=PREC)
+    return c
+
+
+@triton.jit
 def unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
     """(I + A)^-1 for A [BT, BT] strictly lower, BT <= 64. The 16x16 diagonal blocks are inverted by
     forward substitution (all blocks at once, row by row); with D their inverse and N the blocks below
@@ -293,7 +318,7 @@ def unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
 @triton.jit(do_not_specialize=["T"])
 def prep_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, T, HK: tl.constexpr,
                 HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
-                RNE: tl.constexpr):
+                DOT16: tl.constexpr, UPCAST: tl.constexpr, RNE: tl.constexpr):
     """Program (value head h, chunk n): w, u [BT, dk | dv] and cum [BT] (f32, rows padded to whole
     chunks; padded tokens have g = beta = 0, k = v = 0, as the reference pads)."""
     h, n = tl.program_id(0), tl.program_id(1)
@@ -317,10 +342,10 @@ def prep_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, 
     kb = k * beta[:, None]
     lower = i[:, None] > i[None, :]
     decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
-    A = tl.where(lower, tl.dot(kb, tl.trans(k), input_precision=PREC) * decay, 0.0)
-    inv = unit_lower_inverse(A, BT, PREC)
-    u = tl.dot(inv, v * beta[:, None], input_precision=PREC)
-    w = tl.dot(inv, kb * tl.exp(cum)[:, None], input_precision=PREC)
+    A = tl.where(lower, mm(kb, tl.trans(k), PREC, DOT16, UPCAST, dtype, RNE) * decay, 0.0)
+    inv = unit_lower_inverse(A, BT, PREC)          # f32 (PREC) even under DOT16: see the module doc
+    u = mm(inv, v * beta[:, None], PREC, DOT16, UPCAST, dtype, RNE)
+    w = mm(inv, kb * tl.exp(cum)[:, None], PREC, DOT16, UPCAST, dtype, RNE)
     hrow = h.to(tl.int64) * (tl.cdiv(T, BT) * BT) + t                       # row in the padded buffers
     tl.store(u_ptr + hrow[:, None] * DV + dv[None, :], u)
     tl.store(w_ptr + hrow[:, None] * DK + dk[None, :], w)
@@ -330,7 +355,8 @@ def prep_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, 
 @triton.jit(do_not_specialize=["T"])
 def scan_kernel(xc_ptr, z_ptr, nw_ptr, w_ptr, u_ptr, cum_ptr, ssm_ptr, y_ptr, o_ptr, T, eps, scale,
                 HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                BT: tl.constexpr, PREC: tl.constexpr, ROUND_WN: tl.constexpr, RNE: tl.constexpr):
+                BT: tl.constexpr, PREC: tl.constexpr, DOT16: tl.constexpr, UPCAST: tl.constexpr,
+                ROUND_WN: tl.constexpr, RNE: tl.constexpr):
     """Program (value head h, dv block vb) scans the chunks in order, state tile S [dk, BV] in registers:
     v_new = u - w S; o = (q exp(cum)) S + (causal q k^T * decay) v_new; S = S exp(g_last) +
     (k exp(g_last - cum))^T v_new. q and k are re-normalised from xc (cheaper than storing them)."""
@@ -357,13 +383,13 @@ def scan_kernel(xc_ptr, z_ptr, nw_ptr, w_ptr, u_ptr, cum_ptr, ssm_ptr, y_ptr, o_
         glast = tl.load(cum_ptr + h.to(tl.int64) * npad + n * BT + BT - 1)
         w = tl.load(w_ptr + hrow[:, None] * DK + dk[None, :])
         u = tl.load(u_ptr + hrow[:, None] * DV + cols[None, :])
-        v_new = u - tl.dot(w, s, input_precision=PREC)
+        v_new = u - mm(w, s, PREC, DOT16, UPCAST, dtype, RNE)
         decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0))
-        intra = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PREC) * decay, 0.0)
-        o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision=PREC)
-        o = o + tl.dot(intra, v_new, input_precision=PREC)
+        intra = tl.where(causal, mm(q, tl.trans(k), PREC, DOT16, UPCAST, dtype, RNE) * decay, 0.0)
+        o = mm(q * tl.exp(cum)[:, None], s, PREC, DOT16, UPCAST, dtype, RNE)
+        o = o + mm(intra, v_new, PREC, DOT16, UPCAST, dtype, RNE)
         kd = k * tl.exp(glast - cum)[:, None]
-        s = s * tl.exp(glast) + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
+        s = s * tl.exp(glast) + mm(tl.trans(kd), v_new, PREC, DOT16, UPCAST, dtype, RNE)
         o = round_to(o, dtype, RNE).to(tl.float32)
         out = t.to(tl.int64)[:, None] * (HV * DV) + h * DV + cols[None, :]
         if BV == DV:
@@ -393,18 +419,28 @@ def recurrent(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, warps: int = 4)
                             DK=dk, DV=dv, ROUND_WN=round_wn(xc, norm_w), RNE=rne_flag(xc.dtype), num_warps=warps)
 
 
+def dot_precision(prec: str, dtype: torch.dtype) -> tuple[str, bool, bool]:
+    """(PREC for the f32 dots, DOT16, UPCAST) of the kernels. "bf16": 16-bit operands (the activation
+    dtype) with f32 accumulation; with f32 activations it is "ieee" (f32 stays exact for the tests)."""
+    if prec != "bf16":
+        return prec, False, False
+    dot16 = dtype != torch.float32
+    return "ieee", dot16, dot16 and dot_flags(dtype)["UPCAST"]
+
+
 def chunked(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, p: dict) -> None:
     hk, hv, dk, dv, eps = dims
     t, bv, rne = xc.shape[0], p["bv"], rne_flag(xc.dtype)
     npad = cdiv(t, CHUNK) * CHUNK
+    prec, dot16, upcast = dot_precision(p["prec"], xc.dtype)
     w = torch.empty((hv, npad, dk), dtype=torch.float32, device=xc.device)
     u = torch.empty((hv, npad, dv), dtype=torch.float32, device=xc.device)
     cum = torch.empty((hv, npad), dtype=torch.float32, device=xc.device)
     prep_kernel[(hv, npad // CHUNK)](xc, b, a, A_log, dt_bias, w, u, cum, t, HK=hk, HV=hv, DK=dk, DV=dv, BT=CHUNK,
-                                     PREC=p["prec"], RNE=rne, num_warps=p["pw"])
+                                     PREC=prec, DOT16=dot16, UPCAST=upcast, RNE=rne, num_warps=p["pw"])
     o = y if bv == dv else torch.empty_like(y)
     scan_kernel[(hv, dv // bv)](xc, z, norm_w, w, u, cum, ssm, y, o, t, eps, dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv,
-                                BV=bv, BT=CHUNK, PREC=p["prec"], ROUND_WN=round_wn(xc, norm_w), RNE=rne,
+                                BV=bv, BT=CHUNK, PREC=prec, DOT16=dot16, UPCAST=upcast, ROUND_WN=round_wn(xc, norm_w), RNE=rne,
                                 num_warps=p["w"])
     if bv != dv:
         gated_norm_pass(o, z, norm_w, y, eps, dv)
@@ -529,6 +565,13 @@ UNFUSED = variant("unfused", form="unfused", w=4)              # trusted decode:
 GPU_PREC = ("tf32x3", "ieee")      # "tf32" alone (10-bit mantissa) only when pinned: the state is f32 by contract
 
 
+def bf16_forms(dv: int) -> list[Variant]:
+    """The 16-bit-operand forms that fit sm_90's 232448 bytes of shared memory (cross-compiled with
+    Triton 3.9 at dk = dv = 128, BT = 64: scan 124-198 KB, prep 32 KB); 8 warps spill 3-5x less
+    than 4 (scan bv 32: ~1.3 KB against ~5 KB; the ieee scan it replaces: ~22 KB)."""
+    return [chunk_variant(bv, 8, "bf16", 8) for bv in (32, 64, 128) if bv <= dv]
+
+
 def gdn_inputs(s: GdnShape, dtype, device, gen) -> dict:
     """Random inputs shaped like the model's (never zeros): decays from HF's A_log / dt_bias init ranges,
     a non-zero prior conv window and state."""
@@ -599,17 +642,19 @@ class GdnPrefillOp(GdnOp):
             return [RECURRENT, TORCH, chunk_variant(s.dv, 4, "ieee")] + ([chunk_variant(16, 4, "ieee")] if s.dv > 16 else [])
         forms = [RECURRENT, TORCH] + [chunk_variant(bv, w, prec) for prec in GPU_PREC + ("tf32",) for bv in bvs[1:]
                                for w in (4, 8)]
+        forms += [chunk_variant(bv, w, "bf16", 8) for bv in bvs[1:] for w in (4, 8)]
         return forms + [chunk_variant(bv, 4, prec, 8) for prec in GPU_PREC for bv in bvs[1:]]
 
     def candidates(self, s: GdnShape, dev) -> list[Variant]:
-        """tf32x3 only (ieee costs more for the same pass of the gate) and a few tiles: every form
-        compiles for seconds, and a cold load compiles them all."""
+        """A few forms only: every form compiles for seconds, and a cold load compiles them all."""
         forms = [v for v in self.catalogue(s, dev) if v.p.get("prec") != "tf32"]
         if dev.capability is None:
             return forms
         # On the H200 (Triton 3.6) only the ieee scans at bv 32 compiled within 232 KB of shared memory
-        # (tf32x3 needs 247-395 KB cross-compiled for sm_90), and 8 warps won by 2-3x: keep that one.
-        return [v for v in forms if v in (RECURRENT, TORCH) or v == chunk_variant(32, 8, "ieee", 8)]
+        # (tf32x3 needs 247-395 KB cross-compiled for sm_90), and 8 warps won by 2-3x: keep that one,
+        # and the 16-bit-operand forms that fit (bf16_forms).
+        keep = [RECURRENT, TORCH, chunk_variant(32, 8, "ieee", 8)] + bf16_forms(s.dv)
+        return [v for v in forms if v in keep]
 
     def trusted(self, s, dev) -> Variant:
         return RECURRENT
@@ -617,7 +662,7 @@ class GdnPrefillOp(GdnOp):
     def default(self, s: GdnShape, dev) -> Variant:
         if dev.capability is None:
             return chunk_variant(s.dv, 4, "ieee")
-        return chunk_variant(min(32, s.dv), 8, "ieee", 8)
+        return chunk_variant(min(32, s.dv), 8, "bf16", 8)     # least spilling bf16 form, most programs
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p["form"] == "recurrent":
