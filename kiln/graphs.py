@@ -48,20 +48,39 @@ class DecodeGraph:
         self.warm: tuple | None = None    # the signature an eager step has run on
         self.launches: int | None = None
         self.captures = 0
+        self.failed = False               # a capture failed: decode eagerly
 
     def step(self, token: int, pos: int, state: list, quiet: bool = True) -> torch.Tensor:
         self.ids.fill_(token)
         self.pos.fill_(pos)
         key = signature(state)
+        if self.failed:
+            return self.model.forward(self.ids, self.pos, state)[-1]
         if self.key != key:
             if self.warm != key:           # first step on these buffers: eager (compiles, allocates)
                 self.warm = key
                 return self.model.forward(self.ids, self.pos, state)[-1]
-            self._capture(state, key, quiet)
+            if not self._try_capture(state, key, quiet):
+                return self.model.forward(self.ids, self.pos, state)[-1]
         self.graph.replay()
         for layer in state:
             layer.length += 1
         return self.logits[-1]
+
+    def _try_capture(self, state: list, key: tuple, quiet: bool) -> bool:
+        """Capture, or on failure (an op that is not graph-safe) warn once and decode eagerly from now on."""
+        lengths = [layer.length for layer in state]
+        try:
+            self._capture(state, key, quiet)
+            return True
+        except Exception as e:        # noqa: BLE001 - any capture error means: run eagerly
+            for layer, n in zip(state, lengths):
+                layer.length = n
+            self.failed, self.graph, self.logits, self.key = True, None, None, None
+            torch.cuda.synchronize(self.device)
+            print(f"[kiln] warning: the decode step could not be captured as a CUDA graph "
+                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); decoding eagerly", file=sys.stderr)
+            return False
 
     def _capture(self, state: list, key: tuple, quiet: bool) -> None:
         self.graph = self.logits = None

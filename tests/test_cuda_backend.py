@@ -58,3 +58,48 @@ def test_gpu_decode_graph_gives_the_eager_tokens_and_counts_launches():
         assert graph.generate(prompt, max_new_tokens=12, temperature=0).token_ids == want
     assert graph.engine.graph.captures == 1
     assert graph.engine.launches_per_token is None or graph.engine.launches_per_token > 0
+
+
+def test_a_failed_capture_warns_once_and_decodes_eagerly(monkeypatch, capsys):
+    """A decode step that cannot be captured (an op that is not graph-safe) must not fail the request:
+    the graph runner restores the layers' lengths, warns once, and runs every later step eagerly."""
+    import kiln
+    from kiln import graphs
+
+    llm = kiln.load("synth:tiny-llama", device="cpu", dtype="f32")   # KV buffers that stay put
+    model, eng = llm.model, llm.engine
+    runner = graphs.DecodeGraph(model, torch.device("cpu"))
+
+    def broken(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner, "_capture", broken)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    ids = [5, 9, 77, 3]
+    ours, plain = eng.new_state(16), eng.new_state(16)
+    eng.prefill(ids, ours)
+    eng.prefill(ids, plain)
+    tokens = [11, 12, 13]
+    for k, tok in enumerate(tokens):
+        got = runner.step(tok, len(ids) + k, ours)
+        want = eng.decode_step(tok, len(ids) + k, plain)
+        assert torch.equal(got, want)
+    assert runner.failed and runner.graph is None
+    assert [layer.length for layer in ours] == [layer.length for layer in plain]
+    assert capsys.readouterr().err.count("could not be captured") == 1
+
+
+def test_gemma3_on_the_cuda_backend_keeps_plain_caches_and_the_reference_tokens(monkeypatch):
+    """Sliding-window layers on the cuda backend keep a plain KV buffer (the window is masked in
+    attention), so the decode step can be a CUDA graph; tokens equal the reference's ring caches."""
+    import kiln
+    from kiln.cache import KVCache, RingKVCache
+
+    monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")
+    prompt = [(5 * i + 2) % 317 for i in range(11)]       # longer than the window of 7
+    ref = kiln.load("synth:tiny-gemma3", device="cpu", dtype="f32")
+    assert any(isinstance(s, RingKVCache) for s in ref.model.make_state(torch.float32, "cpu"))
+    llm = kiln.load("synth:tiny-gemma3", device="cpu", dtype="f32", backend="cuda")
+    assert all(isinstance(s, KVCache) for s in llm.model.make_state(torch.float32, "cpu"))
+    want = ref.generate(prompt, max_new_tokens=6, temperature=0).token_ids
+    assert llm.generate(prompt, max_new_tokens=6, temperature=0).token_ids == want

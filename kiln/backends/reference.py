@@ -29,7 +29,7 @@ class ReferenceOps:
     def embed(self, ids: torch.Tensor, table: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         x = F.embedding(ids, table)
         if scale is not None:  # Gemma: the scale is cast to the weight dtype first, as HF does
-            x = x * torch.tensor(scale, dtype=table.dtype, device=x.device)
+            x = x * torch.tensor(scale, dtype=table.dtype)   # a CPU scalar: no copy, so a graph can hold it
         return x
 
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, style: str = "llama") -> torch.Tensor:

@@ -74,9 +74,12 @@ class Gemma3(Model):
         return shapes
 
     def make_state(self, dtype, device):
+        """Sliding layers keep a ring of the window, or, on a backend whose attention masks the window
+        itself over a fixed buffer (`ops.static_windows`: the cuda backend, for CUDA graphs), a plain cache."""
         c = self.cfg
+        ring = not getattr(self.ops, "static_windows", False)
         return [RingKVCache(c.num_key_value_heads, c.head_dim, c.sliding_window, dtype, device)
-                if t == "sliding_attention" else KVCache(c.num_key_value_heads, c.head_dim, dtype, device)
+                if t == "sliding_attention" and ring else KVCache(c.num_key_value_heads, c.head_dim, dtype, device)
                 for t in c.layer_types]
 
     def attention(self, i, x, positions, cache, ropes):

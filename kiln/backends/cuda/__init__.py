@@ -43,6 +43,7 @@ A, GDN, MOE = _optional("attention"), _optional("gdn"), _optional("moe")
 class CudaOps(ReferenceOps):
     name = "cuda"
     graphs = True    # its decode path may be captured as one CUDA graph (kiln.graphs)
+    static_windows = True   # sliding windows masked in the kernel over a plain KV buffer (no ring)
     # Prompt chunk: long enough that attention and the GDN scan fill the GPU (512-token chunks
     # leave most SMs idle in attention), short enough that activations stay small.
     prefill_chunk = 4096     # under the interpreter (CPU tests): 512
