@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The measurements the cuda backend still owes (issues 4, 6, 7), in priority order, for one device
+# session: each step writes JSON under $OUT and is cut by its own timeout so later steps still run.
+# Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
+#   steps: bench08 bench9 bench35 compare08 profile08 gdn attn moe gputests
+# Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it).
+set -u
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+quiet() { grep -v "load:\|^\[autotune\] gemm\|^\[autotune\] rmsnorm" | cut -c1-400; }
+bench() {  # MODEL LENGTHS GEN TIMEOUT
+  n=$(echo "$1" | sed 's/synth://; s/[:=]/_/g')
+  timeout "$4" python3 -m kiln.cli bench "$1" --dtype bf16 --prompt-lengths "$2" --gen "$3" --runs 1 \
+    --baseline transformers --baseline-attn eager --json "$OUT/h200_bench_${n}_cuda.json" 2>&1 | quiet | tail -16
+}
+for step in "$@"; do
+  echo "=== $step"
+  case $step in
+    bench08) bench synth:qwen3.5-0.8b 512,8192,81920 64 420 ;;
+    bench9) bench synth:qwen3.5-9b 512,8192 32 420 ;;
+    bench35) bench synth:qwen3.5-35b-a3b 512,8192 32 500 ;;
+    compare08) timeout 300 python3 -m kiln.cli compare synth:qwen3.5-0.8b --dtype bf16 --random-prompt 512 \
+        --random-prompt 600 --random-prompt 8192 --tokens 48 --json "$OUT/h200_compare_qwen3.5-0.8b_cuda.json" 2>&1 | quiet | tail -10 ;;
+    profile08) timeout 240 python3 -m kiln.cli profile synth:qwen3.5-0.8b --dtype bf16 --prompt-length 4096 \
+        --repeats 2 --json "$OUT/h200_profile_qwen3.5-0.8b_cuda.json" 2>&1 | quiet | tail -16 ;;
+    gdn) timeout 200 python3 bench/gdn_gpu.py "$OUT/h200_gdn_ops.json" 2>&1 | tail -20 ;;
+    attn) timeout 200 python3 bench/attention_gpu.py "$OUT/h200_attention_ops.json" 2>&1 | tail -20 ;;
+    moe) timeout 200 python3 bench/moe_gpu.py "$OUT/h200_moe_ops.json" 2>&1 | tail -20 ;;
+    gputests) timeout 500 python3 -m pytest -q -m gpu tests/test_cuda_backend.py tests/test_kernels_gdn.py \
+        tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_kernels.py 2>&1 | tail -20 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
