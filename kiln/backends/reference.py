@@ -108,6 +108,15 @@ class ReferenceOps:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs[None], v4)[0].transpose(0, 1)                        # [T, H, D]
 
+    def qk_norm_rope_attention(self, q, k, v, q_norm_w, k_norm_w, eps: float, style: str, rope, cache, positions,
+                               scale: float, window: int | None = None, softcap: float | None = None):
+        """q/k RMSNorm (when the family has it), RoPE, the KV append and attention: one seam, so a
+        backend can fuse the norm, the rotation and the append into one kernel."""
+        if q_norm_w is not None:
+            q, k = self.rmsnorm(q, q_norm_w, eps, style), self.rmsnorm(k, k_norm_w, eps, style)
+        q, k = self.apply_rope(q, *rope), self.apply_rope(k, *rope)
+        return self.attention(q, k, v, cache, positions, scale, window, softcap)
+
     # -- mixture of experts ------------------------------------------------------------------------
     def router_topk(self, logits: torch.Tensor, k: int, renormalize: bool = True):
         """Softmax in f32, top-k, optional renormalisation in f32, weights cast back to the logits dtype."""

@@ -145,9 +145,8 @@ class Qwen35(Model):
         qg, k, v = ops.linear_split(x, [w[p + f"{n}_proj.weight"] for n in "qkv"])
         q, gate = qg.view(t, -1, 2 * d).chunk(2, dim=-1)                                 # per-head interleave
         k, v = k.view(t, -1, d), v.view(t, -1, d)
-        q = ops.apply_rope(ops.rmsnorm(q, w[p + "q_norm.weight"], eps, "offset"), *rope)
-        k = ops.apply_rope(ops.rmsnorm(k, w[p + "k_norm.weight"], eps, "offset"), *rope)
-        o = ops.attention(q, k, v, cache, positions, default_scale(d)).reshape(t, -1)
+        o = ops.qk_norm_rope_attention(q, k, v, w[p + "q_norm.weight"], w[p + "k_norm.weight"], eps, "offset", rope,
+                                       cache, positions, default_scale(d)).reshape(t, -1)
         return ops.linear(o * gate.reshape(t, -1).sigmoid(), w[p + "o_proj.weight"])
 
     def mlp(self, i, x):

@@ -18,7 +18,8 @@ DECODE_CONTEXTS = (2048, 32768)   # decode attention is measured at these contex
 # norm (`linear_attn.norm`) is an op of its own.
 NORM_STYLE = {"llama": "llama", "qwen3": "llama", "gemma3_text": "offset", "gemma4_text": "plain",
               "qwen3_5_text": "offset", "qwen3_5_moe_text": "offset", "qwen3_next": "offset"}
-OPS = ("gemm", "rmsnorm", "rmsnorm_gemm", "gdn_prefill", "gdn_decode", "moe", "attention", "attention_decode")
+OPS = ("gemm", "rmsnorm", "rmsnorm_gemm", "gdn_prefill", "gdn_decode", "moe", "attention", "attention_decode",
+       "qk_rope")
 
 
 def config_workloads(config: dict, m_values=(PREFILL_CHUNK, DECODE_ROWS), ops=OPS) -> list[Workload]:
@@ -59,8 +60,13 @@ def mixer_workloads(cfg, shapes: dict, m_values) -> list[Workload]:
     from ..backends.cuda.common import interpreting
 
     contexts = (64,) if interpreting() else DECODE_CONTEXTS     # the interpreter is slow
-    gdn, moe, attn = _optional("gdn"), _optional("moe"), _optional("attention")
+    gdn, moe, attn, rope = _optional("gdn"), _optional("moe"), _optional("attention"), _optional("rope")
     out: list[Workload] = []
+    if rope is not None and getattr(cfg, "layer_types", None) and hasattr(cfg, "linear_num_key_heads"):
+        # Qwen3.5 / Qwen3-Next full attention: q/k norm + partial RoPE + KV append in one kernel
+        h, kv, d, r = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim
+        if _pow2(d) and r % 2 == 0 and 0 < r <= d:
+            out += [Workload(rope.OP, rope.RopeShape(m, h, kv, d, r, "offset")) for m in m_values]
     if attn is not None and _plain_attention(cfg) and _pow2(cfg.head_dim):
         h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         for m in m_values:
