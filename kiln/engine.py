@@ -49,7 +49,6 @@ class Engine:
         self.graph = None
         self._state = None
         self._owner = None
-        self._max_new = 0
         if graphs and self.device.type == "cuda":
             from .graphs import DecodeGraph, graphable
             if graphable(model.make_state(dtype, "meta")):
@@ -118,7 +117,7 @@ class Engine:
                                 self.reuse_prefix if reuse is None else reuse)
         return stream
 
-    def _reused_state(self, ids: list[int]) -> tuple[list, int]:
+    def _reused_state(self, ids: list[int], max_new: int) -> tuple[list, int]:
         """The kept state rewound to the prefix it shares with `ids` (leaving at least one token to
         prefill, for the logits), or a fresh state when nothing is shared or a layer cannot rewind."""
         kept, self._kept = self._kept, None
@@ -127,16 +126,15 @@ class Engine:
             n = min(_common_prefix(old, ids), len(ids) - 1)
             if n > 0 and all(layer.truncate(n) for layer in state):
                 if self.graph is not None:
-                    self.reserve(state, len(ids) + self._max_new)
+                    self.reserve(state, len(ids) + max_new)
                 return state, n
-        return self.new_state(len(ids) + self._max_new), 0
+        return self.new_state(len(ids) + max_new), 0
 
     def _loop(self, prompt_ids, params, eos, stream: TokenStream, reuse: bool):
         times, sampler = stream.times, Sampler(params, self.device)
         times.prompt_tokens = len(prompt_ids)
-        self._max_new = params.max_new_tokens
         if reuse:
-            state, cached = self._reused_state(prompt_ids)
+            state, cached = self._reused_state(prompt_ids, params.max_new_tokens)
         else:
             state, cached = self.new_state(len(prompt_ids) + params.max_new_tokens), 0
         self._owner = stream
