@@ -2,10 +2,12 @@
 # The measurements the cuda backend still owes (issues 4, 6, 7), in priority order, for one device
 # session: each step writes JSON under $OUT and is cut by its own timeout so later steps still run.
 # Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
-#   steps: bench08 bench9 bench35 compare08 profile08 gdn attn moe gputests
-# Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it).
+#   steps: bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
+# Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
+# lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 set -u
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KILN_CACHE_DIR=$PWD/.kiln-cache
+trap 'cp -r "$KILN_CACHE_DIR" "$OUT/kiln-cache" 2>/dev/null' EXIT
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -19,7 +21,9 @@ bench() {  # MODEL LENGTHS GEN TIMEOUT
 for step in "$@"; do
   echo "=== $step"
   case $step in
-    bench08) bench synth:qwen3.5-0.8b 512,8192,81920 64 420 ;;
+    bench08) bench synth:qwen3.5-0.8b 512,8192 64 300 ;;
+    bench08long) n=h200_bench_qwen3.5-0.8b_long_cuda.json; timeout 300 python3 -m kiln.cli bench synth:qwen3.5-0.8b \
+        --dtype bf16 --prompt-lengths 81920 --gen 64 --runs 1 --json "$OUT/$n" 2>&1 | quiet | tail -12 ;;
     bench9) bench synth:qwen3.5-9b 512,8192 32 420 ;;
     bench35) bench synth:qwen3.5-35b-a3b 512,8192 32 500 ;;
     compare08) timeout 300 python3 -m kiln.cli compare synth:qwen3.5-0.8b --dtype bf16 --random-prompt 512 \
