@@ -2,12 +2,12 @@
 # The measurements the cuda backend still owes (issues 4, 6, 7), in priority order, for one device
 # session: each step writes JSON under $OUT and is cut by its own timeout so later steps still run.
 # Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
-#   steps: bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
+#   steps: gdndiag bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KILN_CACHE_DIR=$PWD/.kiln-cache
-trap 'cp -r "$KILN_CACHE_DIR" "$OUT/kiln-cache" 2>/dev/null' EXIT
+trap 'mkdir -p "$OUT/kiln-cache" && cp -rT "$KILN_CACHE_DIR" "$OUT/kiln-cache" 2>/dev/null' EXIT
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -33,8 +33,12 @@ for step in "$@"; do
     gdn) timeout 200 python3 bench/gdn_gpu.py "$OUT/h200_gdn_ops.json" 2>&1 | tail -20 ;;
     attn) timeout 200 python3 bench/attention_gpu.py "$OUT/h200_attention_ops.json" 2>&1 | tail -20 ;;
     moe) timeout 200 python3 bench/moe_gpu.py "$OUT/h200_moe_ops.json" 2>&1 | tail -20 ;;
-    gputests) timeout 500 python3 -m pytest -q -m gpu tests/test_cuda_backend.py tests/test_kernels_gdn.py \
-        tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_kernels.py 2>&1 | tail -20 ;;
+    gdndiag) timeout 560 python3 bench/gdn_diag.py "$OUT/h200_gdn_forms.json" 2>&1 | cut -c1-700 | tail -30 ;;
+    gputests)  # one process a file: an illegal memory access poisons the CUDA context for the rest
+      for f in tests/test_cuda_backend.py tests/test_kernels_gdn.py tests/test_kernels_attention.py \
+          tests/test_kernels_moe.py tests/test_kernels_rope.py tests/test_kernels.py; do
+        timeout 150 python3 -m pytest -q -m gpu -rf --tb=line -p no:cacheprovider "$f" 2>&1 | grep -v "^\s*$" | tail -8
+      done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -118,6 +118,26 @@ def test_bf16_dot_form_within_the_gate(zero):
     assert not torch.equal(ssm, ieee_ssm)
 
 
+SPLIT_FORMS = [D.split_variant(32, 4, 32, 4, "ieee"), D.split_variant(16, 4, 16, 4, "ieee")]  # norm fused / pass
+
+
+@pytest.mark.parametrize("t", [1, 70, 130])
+@pytest.mark.parametrize("v", SPLIT_FORMS, ids=lambda v: v.name)
+def test_split_prefill_equals_reference(v, t):
+    check(D.gdn_prefill, v, t, torch.float32, seed=t)
+
+
+@pytest.mark.parametrize("prec,dtype", [("ieee", torch.float32), ("bf16", torch.bfloat16)])
+def test_split_form_is_the_scan_forms_arithmetic(prec, dtype):
+    """The split form stores what the scan keeps in registers (16-bit only what feeds nothing but a
+    dot, which the dot would round to anyway), so it computes the scan's numbers bit for bit."""
+    inp, st = case(150, dtype, seed=21)
+    got_c, got_s, want_c, want_s = st.conv.clone(), st.ssm.clone(), st.conv.clone(), st.ssm.clone()
+    got = kiln(D.gdn_prefill, inp, got_c, got_s, D.split_variant(16, 4, 32, 4, prec))
+    want = kiln(D.gdn_prefill, inp, want_c, want_s, D.chunk_variant(16, 4, prec))
+    assert torch.equal(got, want) and torch.equal(got_s, want_s) and torch.equal(got_c, want_c)
+
+
 def test_prefill_from_zero_state_and_bf16():
     check(D.gdn_prefill, CHUNK_FORMS[0], 130, torch.float32, zero=True, seed=3)
     check(D.gdn_prefill, CHUNK_FORMS[0], 130, torch.bfloat16, seed=4)

@@ -65,8 +65,8 @@ def rne_flag(dtype: torch.dtype) -> bool:
 @triton.jit
 def round_to(x, dtype: tl.constexpr, RNE: tl.constexpr):
     """x (f32) rounded to `dtype`. The GPU cast rounds to nearest even; under the interpreter
-    (RNE) the bits are rounded first so that its truncating cast is exact."""
-    if RNE:
+    (RNE) the bits are rounded first so that its truncating cast is exact (f32 to bf16 only)."""
+    if RNE and dtype == tl.bfloat16 and x.dtype == tl.float32:
         bits = x.to(tl.uint32, bitcast=True)
         x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
     return x.to(dtype)

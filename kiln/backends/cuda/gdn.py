@@ -17,6 +17,9 @@ Kernels:
                     on tensor cores, w = (I + A)^-1 (k_beta * exp(cum)), u = (I + A)^-1 (v * beta).
   scan_kernel       per (value head, dv block): the chunks in order with the state tile in registers;
                     gated norm fused when BV == dv.
+  state_kernel      the split form (fla's layout): per (value head, dv block) the chunks in order, storing
+  output_kernel     the state before each chunk and v_new; then every (chunk, head, dv block) output at
+                    once. The serial part is two small dots a chunk instead of five plus the norm.
 
 Dot precision of prep/scan (PREC of a chunk variant): "ieee" / "tf32x3" / "tf32" multiply f32 operands;
 "bf16" rounds both operands of every dot to the activation dtype (when it is 16-bit; with f32
@@ -316,11 +319,13 @@ def unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def prep_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, T, HK: tl.constexpr,
+def prep_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, kd_ptr, T, HK: tl.constexpr,
                 HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
-                DOT16: tl.constexpr, UPCAST: tl.constexpr, RNE: tl.constexpr):
-    """Program (value head h, chunk n): w, u [BT, dk | dv] and cum [BT] (f32, rows padded to whole
-    chunks; padded tokens have g = beta = 0, k = v = 0, as the reference pads)."""
+                DOT16: tl.constexpr, UPCAST: tl.constexpr, RNE: tl.constexpr, KD: tl.constexpr):
+    """Program (value head h, chunk n): w, u [BT, dk | dv] and cum [BT] (rows padded to whole chunks;
+    padded tokens have g = beta = 0, k = v = 0, as the reference pads). u and cum are f32; w (and with
+    KD, kd = k exp(g_last - cum) for the split form's state kernel) in w_ptr's dtype: the dot operand
+    dtype (a 16-bit w is what mm() would round it to)."""
     h, n = tl.program_id(0), tl.program_id(1)
     kh = h // (HV // HK)
     C: tl.constexpr = 2 * HK * DK + HV * DV
@@ -347,9 +352,13 @@ def prep_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, 
     u = mm(inv, v * beta[:, None], PREC, DOT16, UPCAST, dtype, RNE)
     w = mm(inv, kb * tl.exp(cum)[:, None], PREC, DOT16, UPCAST, dtype, RNE)
     hrow = h.to(tl.int64) * (tl.cdiv(T, BT) * BT) + t                       # row in the padded buffers
+    wdt = w_ptr.dtype.element_ty
     tl.store(u_ptr + hrow[:, None] * DV + dv[None, :], u)
-    tl.store(w_ptr + hrow[:, None] * DK + dk[None, :], w)
+    tl.store(w_ptr + hrow[:, None] * DK + dk[None, :], round_to(w, wdt, RNE))
     tl.store(cum_ptr + hrow, cum)
+    if KD:
+        glast = tl.sum(tl.where(i == BT - 1, cum, 0.0), axis=0)
+        tl.store(kd_ptr + hrow[:, None] * DK + dk[None, :], round_to(k * tl.exp(glast - cum)[:, None], wdt, RNE))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -400,6 +409,78 @@ def scan_kernel(xc_ptr, z_ptr, nw_ptr, w_ptr, u_ptr, cum_ptr, ssm_ptr, y_ptr, o_
     tl.store(sp, s)
 
 
+@triton.jit(do_not_specialize=["T"])
+def state_kernel(w_ptr, u_ptr, kd_ptr, cum_ptr, ssm_ptr, h_ptr, vn_ptr, T, HV: tl.constexpr, DK: tl.constexpr,
+                 DV: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DOT16: tl.constexpr,
+                 UPCAST: tl.constexpr, RNE: tl.constexpr):
+    """The split form's serial part. Program (value head h, dv block vb): for each chunk n in order,
+    h[n] = S (the state before it), v_new = u - w S, S = S exp(g_last) + kd^T v_new; the scan_kernel's
+    arithmetic without the outputs, whose chunks then run in parallel (output_kernel). h and v_new are
+    stored in h_ptr's / vn_ptr's dtype: 16-bit only where they feed nothing but dots (DOT16)."""
+    h, vb = tl.program_id(0), tl.program_id(1)
+    dtype = h_ptr.dtype.element_ty
+    nch = tl.cdiv(T, BT)
+    npad = nch * BT
+    i = tl.arange(0, BT)
+    dk = tl.arange(0, DK)
+    cols = vb * BV + tl.arange(0, BV)
+    sp = ssm_ptr + h.to(tl.int64) * DK * DV + dk[:, None] * DV + cols[None, :]
+    s = tl.load(sp)
+    for n in range(0, nch):
+        hrow = h.to(tl.int64) * npad + n * BT + i
+        hp = h_ptr + (h.to(tl.int64) * nch + n) * DK * DV + dk[:, None] * DV + cols[None, :]
+        tl.store(hp, round_to(s, dtype, RNE))
+        w = tl.load(w_ptr + hrow[:, None] * DK + dk[None, :])        # 16-bit under DOT16: mm's operand as is
+        kd = tl.load(kd_ptr + hrow[:, None] * DK + dk[None, :])
+        u = tl.load(u_ptr + hrow[:, None] * DV + cols[None, :])
+        glast = tl.load(cum_ptr + h.to(tl.int64) * npad + n * BT + BT - 1)
+        v_new = u - mm(w, s, PREC, DOT16, UPCAST, dtype, RNE)
+        tl.store(vn_ptr + hrow[:, None] * DV + cols[None, :], round_to(v_new, vn_ptr.dtype.element_ty, RNE))
+        s = s * tl.exp(glast) + mm(tl.trans(kd), v_new, PREC, DOT16, UPCAST, dtype, RNE)
+    tl.store(sp, s)
+
+
+@triton.jit(do_not_specialize=["T"])
+def output_kernel(xc_ptr, z_ptr, nw_ptr, cum_ptr, h_ptr, vn_ptr, y_ptr, o_ptr, T, eps, scale, HK: tl.constexpr,
+                  HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                  PREC: tl.constexpr, DOT16: tl.constexpr, UPCAST: tl.constexpr, ROUND_WN: tl.constexpr,
+                  RNE: tl.constexpr):
+    """The split form's parallel part. Program (chunk n, value head h, dv block vb):
+    o = (q exp(cum)) h[n] + (causal q k^T * decay) v_new, as scan_kernel computes it; gated norm fused
+    when BV == dv."""
+    n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kh = h // (HV // HK)
+    C: tl.constexpr = 2 * HK * DK + HV * DV
+    dtype = y_ptr.dtype.element_ty
+    nch = tl.cdiv(T, BT)
+    npad = nch * BT
+    i = tl.arange(0, BT)
+    dk = tl.arange(0, DK)
+    cols = vb * BV + tl.arange(0, BV)
+    t = n * BT + i
+    tm = (t < T)[:, None]
+    rows = xc_ptr + t.to(tl.int64)[:, None] * C
+    q = l2norm_rows(tl.load(rows + kh * DK + dk[None, :], mask=tm, other=0.0).to(tl.float32)) * scale
+    k = l2norm_rows(tl.load(rows + HK * DK + kh * DK + dk[None, :], mask=tm, other=0.0).to(tl.float32))
+    hrow = h.to(tl.int64) * npad + t
+    cum = tl.load(cum_ptr + hrow)
+    s = tl.load(h_ptr + (h.to(tl.int64) * nch + n) * DK * DV + dk[:, None] * DV + cols[None, :])   # dot operands
+    v_new = tl.load(vn_ptr + hrow[:, None] * DV + cols[None, :])
+    causal = i[:, None] >= i[None, :]
+    decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0))
+    intra = tl.where(causal, mm(q, tl.trans(k), PREC, DOT16, UPCAST, dtype, RNE) * decay, 0.0)
+    o = mm(q * tl.exp(cum)[:, None], s, PREC, DOT16, UPCAST, dtype, RNE)
+    o = o + mm(intra, v_new, PREC, DOT16, UPCAST, dtype, RNE)
+    o = round_to(o, dtype, RNE).to(tl.float32)
+    out = t.to(tl.int64)[:, None] * (HV * DV) + h * DV + cols[None, :]
+    if BV == DV:
+        zf = tl.load(z_ptr + out, mask=tm, other=0.0).to(tl.float32)
+        wf = tl.load(nw_ptr + cols).to(tl.float32)
+        tl.store(y_ptr + out, gated_norm(o, zf, wf, eps, DV, ROUND_WN, dtype, RNE), mask=tm)
+    else:
+        tl.store(o_ptr + out, o.to(dtype), mask=tm)
+
+
 # -- launching -------------------------------------------------------------------------------------------
 
 def round_wn(qkv: torch.Tensor, norm_w: torch.Tensor) -> bool:
@@ -433,15 +514,49 @@ def chunked(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, p: dict) -> None:
     t, bv, rne = xc.shape[0], p["bv"], rne_flag(xc.dtype)
     npad = cdiv(t, CHUNK) * CHUNK
     prec, dot16, upcast = dot_precision(p["prec"], xc.dtype)
-    w = torch.empty((hv, npad, dk), dtype=torch.float32, device=xc.device)
-    u = torch.empty((hv, npad, dv), dtype=torch.float32, device=xc.device)
-    cum = torch.empty((hv, npad), dtype=torch.float32, device=xc.device)
-    prep_kernel[(hv, npad // CHUNK)](xc, b, a, A_log, dt_bias, w, u, cum, t, HK=hk, HV=hv, DK=dk, DV=dv, BT=CHUNK,
-                                     PREC=prec, DOT16=dot16, UPCAST=upcast, RNE=rne, num_warps=p["pw"])
+    w, u, cum = prep(xc, b, a, A_log, dt_bias, dims, p["pw"], prec, dot16, upcast, rne, None)
     o = y if bv == dv else torch.empty_like(y)
     scan_kernel[(hv, dv // bv)](xc, z, norm_w, w, u, cum, ssm, y, o, t, eps, dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv,
                                 BV=bv, BT=CHUNK, PREC=prec, DOT16=dot16, UPCAST=upcast, ROUND_WN=round_wn(xc, norm_w), RNE=rne,
                                 num_warps=p["w"])
+    if bv != dv:
+        gated_norm_pass(o, z, norm_w, y, eps, dv)
+
+
+def prep(xc, b, a, A_log, dt_bias, dims, warps, prec, dot16, upcast, rne, kd_dtype):
+    """w, u, cum (and kd when kd_dtype is given: w and kd in that dtype) of every chunk: prep_kernel."""
+    hk, hv, dk, dv, _ = dims
+    npad = cdiv(xc.shape[0], CHUNK) * CHUNK
+    wdt = kd_dtype or torch.float32
+    w = torch.empty((hv, npad, dk), dtype=wdt, device=xc.device)
+    u = torch.empty((hv, npad, dv), dtype=torch.float32, device=xc.device)
+    cum = torch.empty((hv, npad), dtype=torch.float32, device=xc.device)
+    kd = torch.empty_like(w) if kd_dtype is not None else w
+    prep_kernel[(hv, npad // CHUNK)](xc, b, a, A_log, dt_bias, w, u, cum, kd, xc.shape[0], HK=hk, HV=hv, DK=dk, DV=dv,
+                                     BT=CHUNK, PREC=prec, DOT16=dot16, UPCAST=upcast, RNE=rne, KD=kd_dtype is not None,
+                                     num_warps=warps)
+    return (w, u, cum, kd) if kd_dtype is not None else (w, u, cum)
+
+
+def split(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, p: dict) -> None:
+    """The chunked rule as fla lays it out: prep (parallel), the state before every chunk (serial over
+    chunks, parallel over heads and dv blocks), then every chunk's output at once. Same arithmetic as
+    chunked(); under DOT16 the buffers that only feed dots (w, kd, h, v_new) are 16-bit."""
+    hk, hv, dk, dv, eps = dims
+    t, rne = xc.shape[0], rne_flag(xc.dtype)
+    nch = cdiv(t, CHUNK)
+    prec, dot16, upcast = dot_precision(p["prec"], xc.dtype)
+    buf = xc.dtype if dot16 else torch.float32
+    w, u, cum, kd = prep(xc, b, a, A_log, dt_bias, dims, p["pw"], prec, dot16, upcast, rne, buf)
+    hs = torch.empty((hv, nch, dk, dv), dtype=buf, device=xc.device)
+    vn = torch.empty((hv, nch * CHUNK, dv), dtype=buf, device=xc.device)
+    state_kernel[(hv, dv // p["hbv"])](w, u, kd, cum, ssm, hs, vn, t, HV=hv, DK=dk, DV=dv, BV=p["hbv"], BT=CHUNK,
+                                       PREC=prec, DOT16=dot16, UPCAST=upcast, RNE=rne, num_warps=p["hw"])
+    bv = p["obv"]
+    o = y if bv == dv else torch.empty_like(y)
+    output_kernel[(nch, hv, dv // bv)](xc, z, norm_w, cum, hs, vn, y, o, t, eps, dk ** -0.5, HK=hk, HV=hv, DK=dk,
+                                       DV=dv, BV=bv, BT=CHUNK, PREC=prec, DOT16=dot16, UPCAST=upcast,
+                                       ROUND_WN=round_wn(xc, norm_w), RNE=rne, num_warps=p["ow"])
     if bv != dv:
         gated_norm_pass(o, z, norm_w, y, eps, dv)
 
@@ -471,6 +586,8 @@ def prefill_into(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, 
         torch_chunked(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y)
     elif v.p["form"] == "recurrent":
         recurrent(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, v.p["w"])
+    elif v.p["form"] == "split":
+        split(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, v.p)
     else:
         chunked(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, v.p)
 
@@ -555,6 +672,11 @@ def chunk_variant(bv: int, w: int, prec: str, pw: int | None = None) -> Variant:
     return variant(f"chunk_bv{bv}_w{w}_pw{pw}_{prec}", form="chunk", bv=bv, w=w, pw=pw, prec=prec)
 
 
+def split_variant(hbv: int, hw: int, obv: int, ow: int, prec: str, pw: int = 4) -> Variant:
+    return variant(f"split_h{hbv}w{hw}_o{obv}w{ow}_pw{pw}_{prec}", form="split", hbv=hbv, hw=hw, obv=obv, ow=ow,
+                   pw=pw, prec=prec)
+
+
 def fused_variant(bv: int, w: int) -> Variant:
     return variant(f"fused_bv{bv}_w{w}", form="fused", bv=bv, w=w)
 
@@ -570,6 +692,16 @@ def bf16_forms(dv: int) -> list[Variant]:
     Triton 3.9 at dk = dv = 128, BT = 64: scan 124-198 KB, prep 32 KB); 8 warps spill 3-5x less
     than 4 (scan bv 32: ~1.3 KB against ~5 KB; the ieee scan it replaces: ~22 KB)."""
     return [chunk_variant(bv, 8, "bf16", 8) for bv in (32, 64, 128) if bv <= dv]
+
+
+def split_forms(dv: int) -> list[Variant]:
+    """The split (fla-layout) forms: state kernel dv blocks of 16-64 (more programs against shorter
+    dots), output kernel over the whole dv (gated norm fused) or halves; one f32-dot form. Cross-compiled
+    for sm_90 (Triton 3.9, dk = dv = 128) these spill at most 88 bytes a thread (4 warps at 32 or
+    64 columns spill more)."""
+    forms = [split_variant(hbv, hw, dv, 8, "bf16") for hbv, hw in ((16, 4), (32, 8), (64, 8)) if hbv <= dv]
+    half, hbv = max(16, dv // 2), min(32, dv)
+    return forms + [split_variant(hbv, 8, half, 8, "bf16"), split_variant(hbv, 8, half, 8, "ieee")]
 
 
 def gdn_inputs(s: GdnShape, dtype, device, gen) -> dict:
@@ -639,11 +771,13 @@ class GdnPrefillOp(GdnOp):
     def catalogue(self, s: GdnShape, dev) -> list[Variant]:
         bvs = [bv for bv in (16, 32, 64, 128) if bv <= s.dv]
         if dev.capability is None:
-            return [RECURRENT, TORCH, chunk_variant(s.dv, 4, "ieee")] + ([chunk_variant(16, 4, "ieee")] if s.dv > 16 else [])
+            small = [chunk_variant(16, 4, "ieee"), split_variant(16, 4, 16, 4, "ieee")] if s.dv > 16 else []
+            return [RECURRENT, TORCH, chunk_variant(s.dv, 4, "ieee"), split_variant(s.dv, 4, s.dv, 4, "ieee")] + small
         forms = [RECURRENT, TORCH] + [chunk_variant(bv, w, prec) for prec in GPU_PREC + ("tf32",) for bv in bvs[1:]
                                for w in (4, 8)]
         forms += [chunk_variant(bv, w, "bf16", 8) for bv in bvs[1:] for w in (4, 8)]
-        return forms + [chunk_variant(bv, 4, prec, 8) for prec in GPU_PREC for bv in bvs[1:]]
+        forms += [chunk_variant(bv, 4, prec, 8) for prec in GPU_PREC for bv in bvs[1:]]
+        return forms + split_forms(s.dv)
 
     def candidates(self, s: GdnShape, dev) -> list[Variant]:
         """A few forms only: every form compiles for seconds, and a cold load compiles them all."""
@@ -653,7 +787,7 @@ class GdnPrefillOp(GdnOp):
         # On the H200 (Triton 3.6) only the ieee scans at bv 32 compiled within 232 KB of shared memory
         # (tf32x3 needs 247-395 KB cross-compiled for sm_90), and 8 warps won by 2-3x: keep that one,
         # and the 16-bit-operand forms that fit (bf16_forms).
-        keep = [RECURRENT, TORCH, chunk_variant(32, 8, "ieee", 8)] + bf16_forms(s.dv)
+        keep = [RECURRENT, TORCH, chunk_variant(32, 8, "ieee", 8)] + bf16_forms(s.dv) + split_forms(s.dv)
         return [v for v in forms if v in keep]
 
     def trusted(self, s, dev) -> Variant:
@@ -662,13 +796,15 @@ class GdnPrefillOp(GdnOp):
     def default(self, s: GdnShape, dev) -> Variant:
         if dev.capability is None:
             return chunk_variant(s.dv, 4, "ieee")
-        return chunk_variant(min(32, s.dv), 8, "bf16", 8)     # least spilling bf16 form, most programs
+        return split_variant(min(32, s.dv), 8, s.dv, 8, "bf16")   # fla's layout: the serial part is small
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p["form"] == "recurrent":
             return [conv_kernel, recurrent_kernel]
         if v.p["form"] == "torch":
             return [conv_kernel]
+        if v.p["form"] == "split":
+            return [conv_kernel, prep_kernel, unit_lower_inverse, state_kernel, output_kernel, norm_kernel]
         return [conv_kernel, prep_kernel, unit_lower_inverse, scan_kernel] + [norm_kernel]
 
 

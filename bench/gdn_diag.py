@@ -1,0 +1,158 @@
+"""Every Gated DeltaNet prefill form on the GPU, each in its own process (an illegal memory access
+poisons the CUDA context, so one crashing form must not take the others down).
+
+    PYTHONPATH=. python3 bench/gdn_diag.py OUT.json
+
+Per form: a check run at T = 8192, 16 heads, with CUDA_LAUNCH_BLOCKING=1 (a crash names the kernel
+launch that faulted; then compute-sanitizer at T = 200 names the kernel and address), its error
+against the ieee chunk form (y and final state), then a timing run over SHAPES (kiln.tune.timing,
+CUDA-graph replays).
+flash-linear-attention 0.6.0's chunk_gated_delta_rule (q/k l2norm in its kernel, gated norm after)
+is timed on the same inputs for comparison.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HK, DK, DV, K = 16, 128, 128, 4
+SHAPES = [(8192, 16), (8192, 32), (32768, 16)]
+
+
+def forms() -> list[str]:
+    from kiln.backends.cuda import gdn as D
+    names = [D.chunk_variant(32, 8, "ieee", 8), D.chunk_variant(32, 8, "bf16", 8), D.chunk_variant(32, 4, "bf16", 4)]
+    return [v.name for v in names + D.split_forms(DV)] + ["torch_chunked", "fla"]
+
+
+def variant(name: str):
+    from kiln.backends.cuda import gdn as D
+    by_name = {v.name: v for v in D.PREFILL.catalogue(D.GdnShape(1, HK, 16, DK, DV, K), _dev())}
+    by_name.update({v.name: v for v in [D.chunk_variant(32, 4, "bf16", 4)] + D.split_forms(DV)})
+    return by_name[name]
+
+
+def _dev():
+    import torch
+
+    from kiln.backends.cuda.common import device_info
+    return device_info(torch.device("cuda"))
+
+
+def child(mode: str, name: str) -> dict:
+    if mode == "check":
+        return one("check", name, *SHAPES[0])
+    return {f"T{t}_hv{hv}": one("time", name, t, hv) for t, hv in SHAPES}
+
+
+def one(mode: str, name: str, t: int, hv: int) -> dict:
+    import torch
+
+    from kiln.backends.cuda import gdn as D
+    from kiln.backends.reference import ReferenceOps
+    from kiln.tune.timing import time_ms
+
+    dev = torch.device("cuda")
+    inp = D.gdn_inputs(D.GdnShape(t, HK, hv, DK, DV, K), torch.bfloat16, dev, torch.Generator(device=dev).manual_seed(t + hv))
+    dims = inp["dims"]
+    xc = D.conv(inp["qkv"], inp["conv_w"], inp["conv_state"].clone())
+    args = [inp[n] for n in ("z", "b", "a", "A_log", "dt_bias", "norm_w")]
+    if name == "fla":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
+        rep = hv // HK
+        q, k, v = xc.split([HK * DK, HK * DK, hv * DV], dim=-1)
+        q, k = (x.view(1, t, HK, DK).repeat_interleave(rep, dim=2).contiguous() for x in (q, k))
+        v = v.reshape(1, t, hv, DV).contiguous()
+        g = (-inp["A_log"].float().exp() * torch.nn.functional.softplus(inp["a"].float() + inp["dt_bias"].float()))[None]
+        beta = torch.sigmoid(inp["b"])[None].contiguous()
+        s0 = inp["ssm"].clone()[None]
+
+        def run():
+            o, _ = fla(q, k, v, g, beta, scale=DK ** -0.5, initial_state=s0, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True)
+            return ReferenceOps(dev).gated_rmsnorm(o[0].to(torch.bfloat16), inp["z"].view(t, hv, DV), inp["norm_w"], 1e-6)
+        run()
+        return {"ms": time_ms([run], dev)}
+    v = D.TORCH if name == "torch_chunked" else variant(name)
+    y, s = torch.empty((t, hv * DV), dtype=torch.bfloat16, device=dev), inp["ssm"].clone()
+
+    def run():
+        s.copy_(inp["ssm"])
+        if v.p["form"] == "torch":
+            D.torch_chunked(xc, *args, s, dims, y)
+        elif v.p["form"] == "split":
+            D.split(xc, *args, s, dims, y, v.p)
+        else:
+            D.chunked(xc, *args, s, dims, y, v.p)
+    run()
+    torch.cuda.synchronize()
+    if mode == "time":
+        return {"ms": time_ms([run], dev)}
+    ry, rs = torch.empty_like(y), inp["ssm"].clone()
+    D.chunked(xc, *args, rs, dims, ry, D.chunk_variant(32, 8, "ieee", 8).p)
+    rel = lambda a, b: (a.float() - b.float()).abs().max().item() / b.float().abs().max().item()  # noqa: E731
+    return {"y_rel_err_vs_ieee": rel(y, ry), "ssm_rel_err_vs_ieee": rel(s, rs), "nan": bool(torch.isnan(y).any())}
+
+
+def spawn(mode: str, name: str, timeout: int, prefix=()) -> dict:
+    env = dict(os.environ)
+    if mode != "time":
+        env["CUDA_LAUNCH_BLOCKING"] = "1"
+    cmd = [*prefix, sys.executable, __file__, "--child", mode, name]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout {timeout} s"}
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = [x for x in (r.stderr + r.stdout).splitlines() if x.strip()]
+    keep = [x for x in tail if "File \"" in x and "kiln" in x] + tail[-6:]
+    return {"error": "\n".join(keep)[-2500:], "rc": r.returncode}
+
+
+def sanitize(name: str) -> str:
+    exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not os.path.exists(exe):
+        return "compute-sanitizer not found"
+    r = spawn("small", name, 150, prefix=(exe, "--tool", "memcheck", "--print-limit", "4"))
+    return r.get("error", json.dumps(r))
+
+
+def main(out: str) -> None:
+    import torch
+    import triton
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "triton": triton.__version__, "kiln_commit": os.environ.get("KILN_COMMIT"),
+           "command": " ".join(sys.argv), "hk": HK, "dk": DK, "dv": DV, "cases": []}
+    t0 = time.time()
+    for name in forms():
+        row = {"form": name}
+        if name != "fla":
+            row["check"] = spawn("check", name, 120)
+            if "error" in row["check"]:
+                row["sanitizer"] = sanitize(name)
+        if "sanitizer" not in row:
+            row["time_ms"] = spawn("time", name, 150)
+        res["cases"].append(row)
+        print(json.dumps(row)[:700], flush=True)
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+    res["wall_s"] = round(time.time() - t0, 1)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--child":
+        mode, name = sys.argv[2], sys.argv[3]
+        out = one("check", name, 200, 16) if mode == "small" else child(mode, name)
+        print("RESULT " + json.dumps(out), flush=True)
+    else:
+        main(sys.argv[1])
