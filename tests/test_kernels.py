@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from kiln.backends.cuda import CudaOps  # noqa: E402
+from kiln.backends.cuda import elementwise as E  # noqa: E402
 from kiln.backends.cuda import gemm as G  # noqa: E402
 from kiln.backends.cuda import rmsnorm as R  # noqa: E402
 from kiln.backends.cuda import rmsnorm_gemm as RG  # noqa: E402
@@ -85,6 +86,39 @@ def test_rmsnorm_reads_strided_heads():
     w = rand(40, dtype=torch.bfloat16, seed=2, scale=0.2)
     assert not q.is_contiguous()
     assert_rounding_close(R.rmsnorm(q, w, 1e-6, "offset", R.norm_variant(4, 4)), REF.rmsnorm(q, w, 1e-6, "offset"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("shape", [(1, 96), (37, 200)])
+def test_add_rmsnorm_equals_reference(shape, style, dtype):
+    """The residual sum is rounded then normalised: s bit-equal to torch's add, y as rmsnorm of it."""
+    x, r = rand(*shape, dtype=dtype, scale=3.0), rand(*shape, dtype=dtype, seed=3)
+    w = rand(shape[-1], dtype=dtype, seed=1, scale=0.2, shift=0.0 if style == "offset" else 1.0)
+    want_s, want_y = REF.add_rmsnorm(x, r, w, 1e-6, style)
+    for v in (R.TRUSTED, R.norm_variant(4, 2)):
+        s = torch.full_like(x, float("nan"))
+        y = R.rmsnorm(x, w, 1e-6, style, v, add=r, s=s)
+        assert torch.equal(s, want_s)
+        assert_rounding_close(y, want_y)
+    s, y = CudaOps(DEVICE).add_rmsnorm(x, r, w, 1e-6, style)
+    assert torch.equal(s, want_s) and not torch.isnan(y).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["silu", "sigmoid"])
+def test_act_mul_equals_reference_on_strided_views(act, dtype):
+    """act(g) * u over the halves of a concatenated projection (row-strided views), ragged widths,
+    and over Qwen3.5's per-head interleaved gate [T, H, D] (stride 2D per head)."""
+    gu = rand(7, 2 * 1100, dtype=dtype, scale=3.0)
+    g, u = gu.split(1100, dim=-1)
+    assert_rounding_close(E.act_mul(g, u, act), REF.act_mul(g, u, act), exact_fraction=0.99)
+    qg = rand(5, 3, 2 * 40, dtype=dtype, seed=4, scale=3.0)
+    q, gate = qg.chunk(2, dim=-1)
+    o = rand(5, 3, 40, dtype=dtype, seed=5)
+    got = CudaOps(DEVICE).act_mul(gate, o, act)
+    assert got.shape == o.shape and got.is_contiguous()
+    assert_rounding_close(got, REF.act_mul(gate, o, act), exact_fraction=0.99)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -16,6 +16,7 @@ _ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
+    "sigmoid": torch.sigmoid,      # Qwen3.5's attention output gate
 }
 
 
@@ -46,6 +47,15 @@ class ReferenceOps:
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, w, b)
 
+    def add_rmsnorm(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float, style: str = "llama"):
+        """The residual add and the next norm: (x + r, rmsnorm(x + r)) (one pass on GPU)."""
+        s = x + r
+        return s, self.rmsnorm(s, w, eps, style)
+
+    def act_mul(self, g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
+        """act(g) * u, each rounded to the activation dtype as torch does (one pass on GPU)."""
+        return _ACTIVATIONS[act](g) * u
+
     def linear_split(self, x: torch.Tensor, ws: list) -> list:
         """Several projections of the same input (one GEMM on GPU where their weights are concatenated)."""
         return [self.linear(x, w) for w in ws]
@@ -56,7 +66,7 @@ class ReferenceOps:
 
     def gated_mlp(self, x, gate_w, up_w, down_w, act: str) -> torch.Tensor:
         """down(act(gate(x)) * up(x)): SwiGLU / GeGLU."""
-        return self.linear(_ACTIVATIONS[act](self.linear(x, gate_w)) * self.linear(x, up_w), down_w)
+        return self.linear(self.act_mul(self.linear(x, gate_w), self.linear(x, up_w), act), down_w)
 
     def moe_experts(self, x, idx, weights, gate_up, down, act: str) -> torch.Tensor:
         """Routed experts: x [T, H]; idx/weights [T, k]; gate_up [E, 2I, H] (gate rows first);

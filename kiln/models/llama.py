@@ -58,25 +58,29 @@ class Llama(Model):
 
     def attention(self, i: int, x, positions, cache, rope):
         c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.self_attn."
-        q = ops.linear(x, w[p + "q_proj.weight"]).view(-1, c.num_attention_heads, c.head_dim)
-        k = ops.linear(x, w[p + "k_proj.weight"]).view(-1, c.num_key_value_heads, c.head_dim)
-        v = ops.linear(x, w[p + "v_proj.weight"]).view(-1, c.num_key_value_heads, c.head_dim)
-        q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
-        o = ops.attention(q, k, v, cache, positions, default_scale(c.head_dim))
+        q, k, v = ops.linear_split(x, [w[p + f"{n}_proj.weight"] for n in "qkv"])
+        q = q.reshape(-1, c.num_attention_heads, c.head_dim)
+        k = k.reshape(-1, c.num_key_value_heads, c.head_dim)
+        v = v.reshape(-1, c.num_key_value_heads, c.head_dim)
+        o = ops.qk_norm_rope_attention(q, k, v, None, None, c.rms_norm_eps, self.norm_style, rope, cache, positions,
+                                       default_scale(c.head_dim))
         return ops.linear(o.reshape(x.shape[0], -1), w[p + "o_proj.weight"])
 
     def forward(self, ids, positions, state, last_only=True):
         c, w, ops = self.cfg, self.w, self.ops
         x = ops.embed(ids, w["model.embed_tokens.weight"])                    # [T, H]
         rope = ops.rope_tables(positions, self.inv_freq, x.dtype)
-        for i in range(c.num_hidden_layers):
+        eps, style, n = c.rms_norm_eps, self.norm_style, c.num_hidden_layers
+        h = ops.rmsnorm(x, w["model.layers.0.input_layernorm.weight"], eps, style)
+        for i in range(n):
             p = f"model.layers.{i}."
-            h = ops.rmsnorm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps, self.norm_style)
-            x = x + self.attention(i, h, positions, state[i], rope)
-            h = ops.rmsnorm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps, self.norm_style)
-            x = x + ops.gated_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
-                                  w[p + "mlp.down_proj.weight"], c.hidden_act)
+            a = self.attention(i, h, positions, state[i], rope)
+            # each residual add fused into the norm that follows it (bit-equal: the sum is rounded first)
+            x, h = ops.add_rmsnorm(x, a, w[p + "post_attention_layernorm.weight"], eps, style)
+            m = ops.gated_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                              w[p + "mlp.down_proj.weight"], c.hidden_act)
+            if i + 1 < n:
+                x, h = ops.add_rmsnorm(x, m, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, style)
         if last_only:
-            x = x[-1:]  # the LM head only for the rows whose logits are needed
-        x = ops.rmsnorm(x, w["model.norm.weight"], c.rms_norm_eps, self.norm_style)
-        return ops.logits(x, self.lm_head)
+            x, m = x[-1:], m[-1:]  # the LM head only for the rows whose logits are needed
+        return ops.logits(ops.add_rmsnorm(x, m, w["model.norm.weight"], eps, style)[1], self.lm_head)

@@ -34,8 +34,7 @@ class Qwen3(Llama):
     def attention(self, i, x, positions, cache, rope):
         c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.self_attn."
         t, d, eps = x.shape[0], c.head_dim, c.rms_norm_eps
-        q = ops.rmsnorm(ops.linear(x, w[p + "q_proj.weight"]).view(t, -1, d), w[p + "q_norm.weight"], eps)
-        k = ops.rmsnorm(ops.linear(x, w[p + "k_proj.weight"]).view(t, -1, d), w[p + "k_norm.weight"], eps)
-        v = ops.linear(x, w[p + "v_proj.weight"]).view(t, -1, d)
-        o = ops.attention(ops.apply_rope(q, *rope), ops.apply_rope(k, *rope), v, cache, positions, default_scale(d))
+        q, k, v = (y.reshape(t, -1, d) for y in ops.linear_split(x, [w[p + f"{n}_proj.weight"] for n in "qkv"]))
+        o = ops.qk_norm_rope_attention(q, k, v, w[p + "q_norm.weight"], w[p + "k_norm.weight"], eps, "llama", rope,
+                                       cache, positions, default_scale(d))
         return ops.linear(o.reshape(t, -1), w[p + "o_proj.weight"])

@@ -147,7 +147,7 @@ class Qwen35(Model):
         k, v = k.view(t, -1, d), v.view(t, -1, d)
         o = ops.qk_norm_rope_attention(q, k, v, w[p + "q_norm.weight"], w[p + "k_norm.weight"], eps, "offset", rope,
                                        cache, positions, default_scale(d)).reshape(t, -1)
-        return ops.linear(o * gate.reshape(t, -1).sigmoid(), w[p + "o_proj.weight"])
+        return ops.linear(ops.act_mul(gate, o.view(gate.shape), "sigmoid").reshape(t, -1), w[p + "o_proj.weight"])
 
     def mlp(self, i, x):
         w, p = self.w, f"model.layers.{i}.mlp."
@@ -158,14 +158,18 @@ class Qwen35(Model):
         c, w, ops, eps = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps
         x = ops.embed(ids, w["model.embed_tokens.weight"])
         rope = ops.rope_tables(positions, self.inv_freq, x.dtype)
+        h = ops.rmsnorm(x, w["model.layers.0.input_layernorm.weight"], eps, "offset")
         for i, kind in enumerate(c.layer_types):
             p = f"model.layers.{i}."
-            h = ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps, "offset")
             if kind == "linear_attention":
-                x = x + self.linear_attention(i, h, state[i])
+                a = self.linear_attention(i, h, state[i])
             else:
-                x = x + self.full_attention(i, h, positions, state[i], rope)
-            x = x + self.mlp(i, ops.rmsnorm(x, w[p + "post_attention_layernorm.weight"], eps, "offset"))
+                a = self.full_attention(i, h, positions, state[i], rope)
+            # each residual add fused into the norm that follows it (bit-equal: the sum is rounded first)
+            x, h = ops.add_rmsnorm(x, a, w[p + "post_attention_layernorm.weight"], eps, "offset")
+            m = self.mlp(i, h)
+            if i + 1 < len(c.layer_types):
+                x, h = ops.add_rmsnorm(x, m, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, "offset")
         if last_only:
-            x = x[-1:]
-        return ops.logits(ops.rmsnorm(x, w["model.norm.weight"], eps, "offset"), self.lm_head)
+            x, m = x[-1:], m[-1:]
+        return ops.logits(ops.add_rmsnorm(x, m, w["model.norm.weight"], eps, "offset")[1], self.lm_head)

@@ -69,6 +69,9 @@ def mixer_workloads(cfg, shapes: dict, m_values) -> list[Workload]:
             out += [Workload(rope.OP, rope.RopeShape(m, h, kv, d, r, "offset")) for m in m_values]
     if attn is not None and _plain_attention(cfg) and _pow2(cfg.head_dim):
         h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if rope is not None and not hasattr(cfg, "linear_num_key_heads"):     # Llama / Qwen3: full rotary
+            style = "llama" if any(n.endswith("self_attn.q_norm.weight") for n in shapes) else None
+            out += [Workload(rope.OP, rope.RopeShape(m, h, kv, d, d, style)) for m in m_values]
         for m in m_values:
             if m == 1:
                 out += [Workload(attn.DECODE_OP, attn.DecodeShape(n, h, kv, d, None, None)) for n in contexts]

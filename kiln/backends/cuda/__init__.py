@@ -16,6 +16,7 @@ import torch
 from ...cache import GDNState, KVCache
 from ...errors import KilnError
 from ..reference import ReferenceOps
+from . import elementwise as E
 from . import gemm as G
 from . import rmsnorm as R
 from . import rmsnorm_gemm as RG
@@ -106,9 +107,13 @@ class CudaOps(ReferenceOps):
     def gated_mlp(self, x, gate_w, up_w, down_w, act):
         if (gate_w.data_ptr(), up_w.data_ptr()) not in self.fused:
             return super().gated_mlp(x, gate_w, up_w, down_w, act)
-        from ..reference import _ACTIVATIONS
         gate, up = self.linear_split(x, [gate_w, up_w])
-        return self.linear(_ACTIVATIONS[act](gate) * up, down_w)
+        return self.linear(self.act_mul(gate, up, act), down_w)
+
+    def act_mul(self, g, u, act):
+        if not self._runs_here(g) or not E.supports(g, u, act):
+            return super().act_mul(g, u, act)
+        return E.act_mul(g, u, act)
 
     def rmsnorm(self, x, w, eps, style="llama"):
         if not self._runs_here(x) or not R.OP.supports(x, w, style):
@@ -117,6 +122,14 @@ class CudaOps(ReferenceOps):
         v = self._choose(R.OP, R.NormShape(x.numel() // x.shape[-1], x.shape[-1], style))
         R.OP.run(v, {"x": x, "norm_w": w, "eps": eps, "style": style}, {"y": y}, self.plan)
         return y
+
+    def add_rmsnorm(self, x, r, w, eps, style="llama"):
+        if not self._runs_here(x) or not R.OP.supports(x, w, style) or r.shape != x.shape or r.dtype != x.dtype:
+            return super().add_rmsnorm(x, r, w, eps, style)
+        s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        v = self._choose(R.OP, R.NormShape(x.numel() // x.shape[-1], x.shape[-1], style))
+        y = R.rmsnorm(x, w, eps, style, v, add=r, s=s)
+        return s, y
 
     def rmsnorm_linear(self, x, norm_w, eps, style, w):
         if not self._runs_here(x) or not RG.OP.supports(x, norm_w, w, style):

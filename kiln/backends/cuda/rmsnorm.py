@@ -36,13 +36,20 @@ def scale_normed(xf, rstd, wf, STYLE: tl.constexpr, dtype: tl.constexpr, RNE: tl
 
 @triton.jit(do_not_specialize=["rows", "stride"])
 def rmsnorm_kernel(x_ptr, w_ptr, y_ptr, rows, stride, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   ROWS: tl.constexpr, STYLE: tl.constexpr, RNE: tl.constexpr):
-    """x [rows, D] with row stride `stride` (last dim contiguous) -> y [rows, D] contiguous."""
+                   ROWS: tl.constexpr, STYLE: tl.constexpr, RNE: tl.constexpr, r_ptr=None, s_ptr=None,
+                   ADD: tl.constexpr = False):
+    """x [rows, D] with row stride `stride` (last dim contiguous) -> y [rows, D] contiguous. ADD: the
+    residual sum s = x + r (r and s contiguous) is rounded, stored, and normalised instead of x."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     inside = (r < rows)[:, None] & (cols < D)[None, :]
     r64 = r.to(tl.int64)
     xf = tl.load(x_ptr + r64[:, None] * stride + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    if ADD:
+        xf += tl.load(r_ptr + r64[:, None] * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        xs = round_to(xf, s_ptr.dtype.element_ty, RNE)
+        tl.store(s_ptr + r64[:, None] * D + cols[None, :], xs, mask=inside)
+        xf = xs.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
     wf = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     y = scale_normed(xf, rstd, wf, STYLE, y_ptr.dtype.element_ty, RNE)
@@ -57,15 +64,19 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, style: str, v: Variant,
-            y: torch.Tensor | None = None) -> torch.Tensor:
+            y: torch.Tensor | None = None, add: torch.Tensor | None = None, s: torch.Tensor | None = None):
+    """y = rmsnorm(x); with `add` (a residual branch shaped like x): s = x + add (rounded, into `s`)
+    and y = rmsnorm(s), in one pass."""
     x2 = rows_view(x)
     rows, d = x2.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is None else y
     if rows == 0:
         return y
     p = v.p
+    extra = {} if add is None else {"r_ptr": add.contiguous(), "s_ptr": s, "ADD": True}
     rmsnorm_kernel[(cdiv(rows, p["rows"]),)](x2, w, y, rows, x2.stride(0), eps, D=d, BLOCK_D=next_pow2(d),
-                                              ROWS=p["rows"], STYLE=STYLES[style], RNE=rne_flag(x.dtype), num_warps=p["w"])
+                                              ROWS=p["rows"], STYLE=STYLES[style], RNE=rne_flag(x.dtype), num_warps=p["w"],
+                                              **extra)
     return y
 
 
