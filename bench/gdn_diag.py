@@ -2,6 +2,7 @@
 poisons the CUDA context, so one crashing form must not take the others down).
 
     PYTHONPATH=. python3 bench/gdn_diag.py OUT.json
+    GDN_DIAG_FORMS=name,... GDN_DIAG_STEPS=check,time,profile   (defaults: every form, every step)
 
 Per form: a check run at T = 8192, 16 heads, with CUDA_LAUNCH_BLOCKING=1 (a crash names the kernel
 launch that faulted; then compute-sanitizer at T = 200 names the kernel and address), its error
@@ -25,16 +26,20 @@ HK, DK, DV, K = 16, 128, 128, 4
 SHAPES = [(8192, 16), (8192, 32), (32768, 16)]
 
 
+PROFILED = ("split_h16w4_o128w8_pw4_bf16", "split_h16w4_o128w8_pw4_bf16_inv-tf32x3", "fla")
+
+
 def forms() -> list[str]:
+    """The candidates (the ieee scan, torch_chunked and the 16-bit scans were measured on 2026-11-30:
+    43 ms, 7.7 ms, illegal address) and fla."""
     from kiln.backends.cuda import gdn as D
-    names = [D.chunk_variant(32, 8, "ieee", 8), D.chunk_variant(32, 8, "bf16", 8), D.chunk_variant(32, 4, "bf16", 4)]
-    return [v.name for v in names + D.split_forms(DV)] + ["torch_chunked", "fla"]
+    return [v.name for v in D.split_forms(DV)] + ["fla"]
 
 
 def variant(name: str):
     from kiln.backends.cuda import gdn as D
     by_name = {v.name: v for v in D.PREFILL.catalogue(D.GdnShape(1, HK, 16, DK, DV, K), _dev())}
-    by_name.update({v.name: v for v in [D.chunk_variant(32, 4, "bf16", 4)] + D.split_forms(DV)})
+    by_name.update({v.name: v for v in D.split_forms(DV)})
     return by_name[name]
 
 
@@ -46,8 +51,8 @@ def _dev():
 
 
 def child(mode: str, name: str) -> dict:
-    if mode == "check":
-        return one("check", name, *SHAPES[0])
+    if mode in ("check", "profile"):
+        return one(mode, name, *SHAPES[0])
     return {f"T{t}_hv{hv}": one("time", name, t, hv) for t, hv in SHAPES}
 
 
@@ -78,26 +83,42 @@ def one(mode: str, name: str, t: int, hv: int) -> dict:
                        use_qk_l2norm_in_kernel=True)
             return ReferenceOps(dev).gated_rmsnorm(o[0].to(torch.bfloat16), inp["z"].view(t, hv, DV), inp["norm_w"], 1e-6)
         run()
-        return {"ms": time_ms([run], dev)}
+        return kernels(run) if mode == "profile" else {"ms": time_ms([run], dev)}
     v = D.TORCH if name == "torch_chunked" else variant(name)
     y, s = torch.empty((t, hv * DV), dtype=torch.bfloat16, device=dev), inp["ssm"].clone()
 
     def run():
         s.copy_(inp["ssm"])
-        if v.p["form"] == "torch":
-            D.torch_chunked(xc, *args, s, dims, y)
-        elif v.p["form"] == "split":
-            D.split(xc, *args, s, dims, y, v.p)
-        else:
-            D.chunked(xc, *args, s, dims, y, v.p)
+        D.mix(xc, *args, s, dims, v, y)
     run()
     torch.cuda.synchronize()
+    if mode == "profile":
+        return kernels(run)
     if mode == "time":
         return {"ms": time_ms([run], dev)}
     ry, rs = torch.empty_like(y), inp["ssm"].clone()
     D.chunked(xc, *args, rs, dims, ry, D.chunk_variant(32, 8, "ieee", 8).p)
     rel = lambda a, b: (a.float() - b.float()).abs().max().item() / b.float().abs().max().item()  # noqa: E731
     return {"y_rel_err_vs_ieee": rel(y, ry), "ssm_rel_err_vs_ieee": rel(s, rs), "nan": bool(torch.isnan(y).any())}
+
+
+def kernels(run, reps: int = 10) -> dict:
+    """GPU time per kernel name (us per call of run), from torch.profiler over `reps` calls."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us:
+            out[e.key[:80]] = round(us / reps, 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:12])
 
 
 def spawn(mode: str, name: str, timeout: int, prefix=()) -> dict:
@@ -132,14 +153,18 @@ def main(out: str) -> None:
            "torch": torch.__version__, "triton": triton.__version__, "kiln_commit": os.environ.get("KILN_COMMIT"),
            "command": " ".join(sys.argv), "hk": HK, "dk": DK, "dv": DV, "cases": []}
     t0 = time.time()
-    for name in forms():
+    only = [f for f in os.environ.get("GDN_DIAG_FORMS", "").split(",") if f]
+    steps = os.environ.get("GDN_DIAG_STEPS", "check,time,profile").split(",")
+    for name in only or forms():
         row = {"form": name}
-        if name != "fla":
+        if name != "fla" and "check" in steps:
             row["check"] = spawn("check", name, 120)
             if "error" in row["check"]:
                 row["sanitizer"] = sanitize(name)
-        if "sanitizer" not in row:
+        if "sanitizer" not in row and "time" in steps:
             row["time_ms"] = spawn("time", name, 150)
+        if "profile" in steps and (name in PROFILED or only):
+            row["kernels_us_T8192_hv16"] = spawn("profile", name, 120)
         res["cases"].append(row)
         print(json.dumps(row)[:700], flush=True)
         with open(out, "w") as f:

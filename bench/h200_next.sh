@@ -2,7 +2,7 @@
 # The measurements the cuda backend still owes (issues 4, 6, 7), in priority order, for one device
 # session: each step writes JSON under $OUT and is cut by its own timeout so later steps still run.
 # Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
-#   steps: gdndiag bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
+#   steps: gdndiag gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 set -u
@@ -33,11 +33,13 @@ for step in "$@"; do
     gdn) timeout 200 python3 bench/gdn_gpu.py "$OUT/h200_gdn_ops.json" 2>&1 | tail -20 ;;
     attn) timeout 200 python3 bench/attention_gpu.py "$OUT/h200_attention_ops.json" 2>&1 | tail -20 ;;
     moe) timeout 200 python3 bench/moe_gpu.py "$OUT/h200_moe_ops.json" 2>&1 | tail -20 ;;
+    gdnprof) GDN_DIAG_STEPS=profile GDN_DIAG_FORMS=split_h16w4_o128w8_pw4_bf16,split_h16w4_o128w8_pw4_bf16_inv-tf32x3,fla \
+        timeout 200 python3 bench/gdn_diag.py "$OUT/h200_gdn_kernels.json" 2>&1 | cut -c1-900 | tail -8 ;;
     gdndiag) timeout 560 python3 bench/gdn_diag.py "$OUT/h200_gdn_forms.json" 2>&1 | cut -c1-700 | tail -30 ;;
     gputests)  # one process a file: an illegal memory access poisons the CUDA context for the rest
       for f in tests/test_cuda_backend.py tests/test_kernels_gdn.py tests/test_kernels_attention.py \
           tests/test_kernels_moe.py tests/test_kernels_rope.py tests/test_kernels.py; do
-        timeout 150 python3 -m pytest -q -m gpu -rf --tb=line -p no:cacheprovider "$f" 2>&1 | grep -v "^\s*$" | tail -8
+        timeout 100 python3 -m pytest -q -m gpu -rf --tb=line -p no:cacheprovider "$f" 2>&1 | grep -v "^\s*$" | tail -6
       done ;;
     *) echo "unknown step $step" ;;
   esac
