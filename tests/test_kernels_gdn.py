@@ -208,7 +208,18 @@ def test_gpu_prefill_variants_equal_reference(model, t):
     s = D.GdnShape(t, **dims)
     forms = D.PREFILL.candidates(s, device_info(DEVICE))
     for v in forms:
-        check(D.gdn_prefill, v, t, torch.bfloat16, seed=t, **dims)
+        if v.p.get("prec") != "bf16":
+            check(D.gdn_prefill, v, t, torch.bfloat16, seed=t, **dims)
+            continue
+        # 16-bit dot operands: within the tuner's gate (see test_bf16_dot_form_within_the_gate)
+        inp, st = case(t, torch.bfloat16, seed=t, **dims)
+        conv, ssm = st.conv.clone(), st.ssm.clone()
+        y = kiln(D.gdn_prefill, inp, conv, ssm, v)
+        want = reference(inp, st)
+        for got, ref, what in ((y, want, "y"), (ssm, st.ssm, "ssm")):
+            err, scale = (got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item()
+            assert not torch.isnan(got).any() and err <= scale * gate.TOLERANCE, f"{v.name} {what}: {err:.2e} of {scale:.2e}"
+        assert torch.equal(conv, st.conv), v.name
 
 
 @pytest.mark.gpu

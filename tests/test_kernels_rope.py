@@ -32,7 +32,7 @@ def case(t, dtype, style, h=4, kv=2, d=32, r=8, seed=0, start=START):
     qg = (torch.randn(t, h, 2 * d, generator=g).to(DEVICE) * scale).to(dtype)          # q | gate per head
     shift = 0.0 if style == "offset" else 1.0
     positions = torch.arange(start, start + t, device=DEVICE)
-    cos, sin = REF.rope_tables(positions + 1000, inv_freq(r, 10000.0), dtype)          # angles far from 0
+    cos, sin = REF.rope_tables(positions + 1000, inv_freq(r, 10000.0).to(DEVICE), dtype)          # angles far from 0
     cap = start + t + 7
     return {"q": qg[..., :d], "k": rnd(t, kv, d, scale=2.0), "v": rnd(t, kv, d),
             "q_norm_w": None if style is None else (rnd(d, scale=0.2) + shift).to(dtype),

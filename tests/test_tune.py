@@ -261,3 +261,16 @@ def test_workloads_of_qwen35_08b_are_its_projections():
     assert {(512, 1024, "offset"), (512 * 8, 256, "offset"), (512 * 2, 256, "offset"), (1, 1024, "offset")} <= norms
     fused = [w.shape for w in work if w.op.name == "rmsnorm_gemm"]
     assert [(s.rows, s.n, s.k, s.style) for s in fused] == [(1, 248320, 1024, "offset")]
+
+
+def test_tune_skip_keeps_a_named_variant_from_running(monkeypatch):
+    """KILN_TUNE_SKIP=op=variant: a variant that faults on some GPU never compiles or runs."""
+    from kiln.backends.cuda import rmsnorm as R
+    from kiln.backends.cuda.common import device_info
+    from kiln.tune.registry import candidates
+
+    shape, dev = R.NormShape(8, 64, "llama"), device_info("cpu")
+    names = [v.name for v in candidates(R.OP, shape, dev)]
+    monkeypatch.setenv("KILN_TUNE_SKIP", f"rmsnorm={names[1]}, gemm={names[0]}")
+    left = [v.name for v in candidates(R.OP, shape, dev)]
+    assert left == [n for n in names if n != names[1]]

@@ -9,6 +9,7 @@ one that must be rejected).
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -118,7 +119,11 @@ def _load_families() -> None:
 
 
 def candidates(op: Op, shape, dev) -> list[Variant]:
-    return op.candidates(shape, dev) + _EXTRA.get(op.name, [])
+    """The op's candidates and any added ones, less those KILN_TUNE_SKIP names ("op=variant,..."):
+    a variant that faults on some GPU or toolchain kills the process (an illegal address cannot be
+    caught), so it must be kept from running at all."""
+    skip = {x.strip() for x in os.environ.get("KILN_TUNE_SKIP", "").split(",") if x.strip()}
+    return [v for v in op.candidates(shape, dev) + _EXTRA.get(op.name, []) if f"{op.name}={v.name}" not in skip]
 
 
 def catalogue(op: Op, shape, dev) -> list[Variant]:

@@ -186,7 +186,9 @@ class Tuner:
             if k in failed:
                 continue
             try:
+                self.trace(op.name, v, "compile")
                 op.compile(v, shape, self.dtype, self.device)
+                self.trace(op.name, v, "compiled", sync=True)
             except Exception as e:  # noqa: BLE001  (a variant that cannot build is rejected, not fatal)
                 failed[k] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
         return failed
@@ -219,7 +221,9 @@ class Tuner:
         survivors = []
         for v in forms:
             why = failed.get((op.name, shape.key, v.name))
+            self.trace(op.name, v, f"gate {label}")
             verdict = gate.Verdict(False, math.nan, 0.0, why) if why else gate.check(op, v, cases, plan)
+            self.trace(op.name, v, "gated", sync=True)
             if verdict.ok:
                 survivors.append(v)
             elif verdict.reason:
@@ -256,6 +260,16 @@ class Tuner:
             runs = [lambda i=i, o=o, v=v: op.run(v, i, o, plan) for i, o in sets]
             times[v] = timing.time_ms(runs, self.device, self.reps)
         return times
+
+    def trace(self, op: str, v: Variant, stage: str, sync: bool = False) -> None:
+        """KILN_TUNE_TRACE=1: a line before and after each variant's compile and gate, synchronised,
+        so that a variant that faults (and kills the process) is the last one named: skip it with
+        KILN_TUNE_SKIP=op=variant."""
+        if os.environ.get("KILN_TUNE_TRACE", "0") in ("", "0"):
+            return
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        print(f"[autotune] trace {stage}: {op}={v.name}", file=sys.stderr, flush=True)
 
     def use_pinned(self, w: Workload, v: Variant, plan: Plan) -> None:
         """A pinned variant is not measured, but it is still gated: a wrong one is never run."""
