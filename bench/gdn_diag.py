@@ -26,20 +26,20 @@ HK, DK, DV, K = 16, 128, 128, 4
 SHAPES = [(8192, 16), (8192, 32), (32768, 16)]
 
 
-PROFILED = ("split_h16w4_o128w8_pw4_bf16", "split_h16w4_o128w8_pw4_bf16_inv-tf32x3", "fla")
+PROFILED = ("split_h16w4_o128w8_pw4_bf16", "split_h16w4_o128w8_pw8_bf16_inv-tf32_dots_p2", "fla")
 
 
 def forms() -> list[str]:
     """The candidates (the ieee scan, torch_chunked and the 16-bit scans were measured on 2026-11-30:
     43 ms, 7.7 ms, illegal address) and fla."""
     from kiln.backends.cuda import gdn as D
-    return [v.name for v in D.split_forms(DV)] + ["fla"]
+    return [v.name for v in D.split_next_forms(DV) + D.split_forms(DV)] + ["fla"]
 
 
 def variant(name: str):
     from kiln.backends.cuda import gdn as D
     by_name = {v.name: v for v in D.PREFILL.catalogue(D.GdnShape(1, HK, 16, DK, DV, K), _dev())}
-    by_name.update({v.name: v for v in D.split_forms(DV)})
+    by_name.update({v.name: v for v in D.split_forms(DV) + D.split_next_forms(DV)})
     return by_name[name]
 
 

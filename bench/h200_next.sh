@@ -39,7 +39,8 @@ for step in "$@"; do
         timeout 200 python3 -m kiln.cli tune synth:qwen3.5-0.8b --dtype bf16 >/tmp/tune.out 2>/tmp/tune.err; rc=$?
         grep -v "trace\|load:\|^\[autotune\] gemm\|^\[autotune\] rmsnorm" /tmp/tune.err | tail -14 | cut -c1-300
         [ $rc = 0 ] && break
-        bad=$(grep "\[autotune\] trace" /tmp/tune.err | tail -1 | sed 's/.*: //')
+        bad=$(grep -o "KILN_TUNE_SKIP=[^ ]*" /tmp/tune.err | tail -1 | sed 's/KILN_TUNE_SKIP=//')
+        [ -n "$bad" ] || bad=$(grep "\[autotune\] trace" /tmp/tune.err | tail -1 | sed 's/.*: //')
         echo "try $try: rc $rc, last traced: $bad"
         export KILN_TUNE_SKIP=${KILN_TUNE_SKIP:+$KILN_TUNE_SKIP,}$bad
       done

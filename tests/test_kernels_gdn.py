@@ -118,7 +118,8 @@ def test_bf16_dot_form_within_the_gate(zero):
     assert not torch.equal(ssm, ieee_ssm)
 
 
-SPLIT_FORMS = [D.split_variant(32, 4, 32, 4, "ieee"), D.split_variant(16, 4, 16, 4, "ieee")]  # norm fused / pass
+SPLIT_FORMS = [D.split_variant(32, 4, 32, 4, "ieee"), D.split_variant(16, 4, 16, 4, "ieee"),   # norm fused / pass
+               D.split_variant(32, 4, 32, 4, "ieee", solve="dots"), D.split_variant(16, 4, 32, 4, "ieee", prep2=True)]
 
 
 @pytest.mark.parametrize("t", [1, 70, 130])
@@ -132,10 +133,12 @@ def test_split_form_is_the_scan_forms_arithmetic(prec, dtype):
     """The split form stores what the scan keeps in registers (16-bit only what feeds nothing but a
     dot, which the dot would round to anyway), so it computes the scan's numbers bit for bit."""
     inp, st = case(150, dtype, seed=21)
-    got_c, got_s, want_c, want_s = st.conv.clone(), st.ssm.clone(), st.conv.clone(), st.ssm.clone()
-    got = kiln(D.gdn_prefill, inp, got_c, got_s, D.split_variant(16, 4, 32, 4, prec))
+    want_c, want_s = st.conv.clone(), st.ssm.clone()
     want = kiln(D.gdn_prefill, inp, want_c, want_s, D.chunk_variant(16, 4, prec))
-    assert torch.equal(got, want) and torch.equal(got_s, want_s) and torch.equal(got_c, want_c)
+    for v in (D.split_variant(16, 4, 32, 4, prec), D.split_variant(16, 4, 32, 4, prec, prep2=True)):
+        got_c, got_s = st.conv.clone(), st.ssm.clone()
+        got = kiln(D.gdn_prefill, inp, got_c, got_s, v)
+        assert torch.equal(got, want) and torch.equal(got_s, want_s) and torch.equal(got_c, want_c), v.name
 
 
 def test_prefill_from_zero_state_and_bf16():

@@ -75,7 +75,8 @@ def assert_match(got, want, exact: bool = True):
         elif exact:
             assert torch.equal(g, w), f"{name}: {(g != w).sum().item()} of {w.numel()} differ"
         else:
-            assert err <= scale / 128 and (g == w).float().mean().item() >= 0.99, f"{name}: {err:.2e} of {scale:.2e}"
+            same = (g == w).float().mean().item()
+            assert err <= scale / 128 and same >= 0.99, f"{name}: {err:.2e} of {scale:.2e}, {same:.4f} bit-equal"
 
 
 @pytest.mark.parametrize("style", ["offset", "llama", None])

@@ -274,3 +274,31 @@ def test_tune_skip_keeps_a_named_variant_from_running(monkeypatch):
     monkeypatch.setenv("KILN_TUNE_SKIP", f"rmsnorm={names[1]}, gemm={names[0]}")
     left = [v.name for v in candidates(R.OP, shape, dev)]
     assert left == [n for n in names if n != names[1]]
+
+
+def test_a_variant_that_faults_the_device_stops_the_tune_and_names_the_skip(tmp_path, monkeypatch):
+    """An illegal address poisons the CUDA context: the tune stops with one line that names the variant
+    and the KILN_TUNE_SKIP setting, instead of failing later somewhere unrelated."""
+    from kiln.errors import KilnError
+
+    victim = Tuner(DEVICE, DTYPE).candidates(WORK)[1]
+    real = G.OP.compile
+
+    def compile(v, *a, **k):
+        if v == victim:
+            raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+        return real(v, *a, **k)
+    monkeypatch.setattr(G.OP, "compile", compile)
+    with pytest.raises(KilnError, match=f"KILN_TUNE_SKIP=gemm={victim.name}"):
+        tune(tmp_path)
+
+
+def test_a_variant_that_faults_in_the_gate_stops_the_tune(tmp_path):
+    def faulting(inputs, outputs, plan):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    from kiln.errors import KilnError
+    from kiln.tune.registry import extra_variant
+
+    with extra_variant("gemm", variant("faulting", run=faulting)):
+        with pytest.raises(KilnError, match="KILN_TUNE_SKIP=gemm=faulting"):
+            tune(tmp_path)

@@ -69,6 +69,9 @@ def check(op: Op, v: Variant, cases: list[Case], plan=None) -> Verdict:
             op.run(v, case.inputs, out, plan)
             sync(next(iter(out.values())).device)
         except Exception as e:  # out of resources, a launch error: this variant cannot run here
+            from .tuner import fault_error
+            if (err := fault_error(e, op.name, v.name)) is not None:
+                raise err from e        # a device fault: the context is lost, nothing else can run
             first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
             return Verdict(False, math.nan, 0.0, f"{type(e).__name__}: {first}".rstrip(": "))
         for name, ref in case.expected.items():

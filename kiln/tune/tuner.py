@@ -190,6 +190,8 @@ class Tuner:
                 op.compile(v, shape, self.dtype, self.device)
                 self.trace(op.name, v, "compiled", sync=True)
             except Exception as e:  # noqa: BLE001  (a variant that cannot build is rejected, not fatal)
+                if (err := fault_error(e, op.name, v.name)) is not None:
+                    raise err from e
                 failed[k] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
         return failed
 
@@ -258,7 +260,9 @@ class Tuner:
         times = {}
         for v in forms:
             runs = [lambda i=i, o=o, v=v: op.run(v, i, o, plan) for i, o in sets]
+            self.trace(op.name, v, f"time {w.label}")
             times[v] = timing.time_ms(runs, self.device, self.reps)
+            self.trace(op.name, v, "timed", sync=True)
         return times
 
     def trace(self, op: str, v: Variant, stage: str, sync: bool = False) -> None:
@@ -283,6 +287,16 @@ class Tuner:
             v = trusted
         self.log(f"[autotune] {w.label}: pinned -> {v.name}")
         plan.set(w, v)
+
+
+def fault_error(e: Exception, op: str, variant: str) -> KilnError | None:
+    """The error to stop with when e is a device fault (illegal address, misaligned access, ...):
+    unlike a build error it poisons the CUDA context, so nothing after it can run in this process."""
+    text = str(e).lower()
+    if not (type(e).__name__ == "AcceleratorError" or "illegal memory access" in text or "misaligned address" in text):
+        return None
+    return KilnError(f"{op}={variant} faulted on this GPU ({str(e).strip().splitlines()[0][:80]}); the CUDA context "
+                     f"is lost: run again with KILN_TUNE_SKIP={op}={variant}")
 
 
 def compile_job(op_name: str, shape, variant_name: str, dtype: str, device: str) -> str | None:

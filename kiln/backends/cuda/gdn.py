@@ -292,6 +292,30 @@ def mm(a, b, PREC: tl.constexpr, DOT16: tl.constexpr, UPCAST: tl.constexpr, dtyp
 
 
 @triton.jit
+def unit_lower_inverse_dots(A, BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 as unit_lower_inverse, with the 16x16 diagonal blocks inverted by forward
+    substitution written as dots (no 3-D tiles): X [BT, 16] holds every block's inverse as a strip;
+    step i sets row i of each block to e_i - (blockdiag(A) @ X) (rows not yet solved hold e_j, which
+    meet zero coefficients), 15 [BT, BT] x [BT, 16] dots; then X is spread to the block diagonal by an
+    exact 0/1 dot and the blocks below it are folded in as in unit_lower_inverse."""
+    r = tl.arange(0, BT)
+    c = tl.arange(0, 16)
+    same = (r[:, None] // 16) == (r[None, :] // 16)
+    ad = tl.where(same, A, 0.0)
+    eye = tl.where((r % 16)[:, None] == c[None, :], 1.0, 0.0)                     # [BT, 16]
+    x = eye
+    for i in tl.static_range(1, 16):
+        p = tl.dot(ad, x, input_precision=PREC)
+        x = tl.where((r % 16 == i)[:, None], eye - p, x)
+    spread = tl.where(c[:, None] == (r % 16)[None, :], 1.0, 0.0)                  # [16, BT]
+    d = tl.where(same, tl.dot(x, spread, input_precision="ieee"), 0.0)
+    m = tl.dot(d, tl.where(same, 0.0, A), input_precision=PREC)
+    m2 = tl.dot(m, m, input_precision=PREC)
+    pp = d + tl.dot(m2, d, input_precision=PREC)
+    return pp - tl.dot(m, pp, input_precision=PREC)
+
+
+@triton.jit
 def unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
     """(I + A)^-1 for A [BT, BT] strictly lower, BT <= 64. The 16x16 diagonal blocks are inverted by
     forward substitution (all blocks at once, row by row); with D their inverse and N the blocks below
@@ -321,7 +345,8 @@ def unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
 @triton.jit(do_not_specialize=["T"])
 def prep_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, kd_ptr, T, HK: tl.constexpr,
                 HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
-                DOT16: tl.constexpr, UPCAST: tl.constexpr, RNE: tl.constexpr, KD: tl.constexpr, INV: tl.constexpr):
+                DOT16: tl.constexpr, UPCAST: tl.constexpr, RNE: tl.constexpr, KD: tl.constexpr, INV: tl.constexpr,
+                SOLVE_DOTS: tl.constexpr = False):
     """Program (value head h, chunk n): w, u [BT, dk | dv] and cum [BT] (rows padded to whole chunks;
     padded tokens have g = beta = 0, k = v = 0, as the reference pads). u and cum are f32; w (and with
     KD, kd = k exp(g_last - cum) for the split form's state kernel) in w_ptr's dtype: the dot operand
@@ -348,7 +373,10 @@ def prep_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, 
     lower = i[:, None] > i[None, :]
     decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
     A = tl.where(lower, mm(kb, tl.trans(k), PREC, DOT16, UPCAST, dtype, RNE) * decay, 0.0)
-    inv = unit_lower_inverse(A, BT, INV)           # f32 (INV) even under DOT16: see the module doc
+    if SOLVE_DOTS:                                  # f32 (INV) even under DOT16: see the module doc
+        inv = unit_lower_inverse_dots(A, BT, INV)
+    else:
+        inv = unit_lower_inverse(A, BT, INV)
     u = mm(inv, v * beta[:, None], PREC, DOT16, UPCAST, dtype, RNE)
     w = mm(inv, kb * tl.exp(cum)[:, None], PREC, DOT16, UPCAST, dtype, RNE)
     hrow = h.to(tl.int64) * (tl.cdiv(T, BT) * BT) + t                       # row in the padded buffers
@@ -359,6 +387,74 @@ def prep_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, 
     if KD:
         glast = tl.sum(tl.where(i == BT - 1, cum, 0.0), axis=0)
         tl.store(kd_ptr + hrow[:, None] * DK + dk[None, :], round_to(k * tl.exp(glast - cum)[:, None], wdt, RNE))
+
+
+@triton.jit(do_not_specialize=["T"])
+def solve_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, inv_ptr, cum_ptr, T, HK: tl.constexpr, HV: tl.constexpr,
+                 DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DOT16: tl.constexpr,
+                 UPCAST: tl.constexpr, RNE: tl.constexpr, INV: tl.constexpr, SOLVE_DOTS: tl.constexpr):
+    """prep_kernel's first half, for fewer live tiles a program: (I + A)^-1 [BT, BT] (stored in
+    inv_ptr's dtype: 16-bit where it only feeds 16-bit dots) and cum."""
+    h, n = tl.program_id(0), tl.program_id(1)
+    kh = h // (HV // HK)
+    C: tl.constexpr = 2 * HK * DK + HV * DV
+    dtype = xc_ptr.dtype.element_ty
+    i = tl.arange(0, BT)
+    t = n * BT + i
+    tm = t < T
+    dk = tl.arange(0, DK)
+    rows = xc_ptr + t.to(tl.int64)[:, None] * C
+    k = l2norm_rows(tl.load(rows + HK * DK + kh * DK + dk[None, :], mask=tm[:, None], other=0.0).to(tl.float32))
+    a = tl.load(a_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
+    g, beta = decay_beta(a, b, tl.load(alog_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32), dtype, RNE)
+    g = tl.where(tm, g, 0.0)
+    beta = tl.where(tm, beta, 0.0)
+    cum = tl.cumsum(g, axis=0)
+    lower = i[:, None] > i[None, :]
+    decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
+    A = tl.where(lower, mm(k * beta[:, None], tl.trans(k), PREC, DOT16, UPCAST, dtype, RNE) * decay, 0.0)
+    if SOLVE_DOTS:
+        inv = unit_lower_inverse_dots(A, BT, INV)
+    else:
+        inv = unit_lower_inverse(A, BT, INV)
+    hrow = h.to(tl.int64) * (tl.cdiv(T, BT) * BT) + t
+    tl.store(inv_ptr + hrow[:, None] * BT + i[None, :], round_to(inv, inv_ptr.dtype.element_ty, RNE))
+    tl.store(cum_ptr + hrow, cum)
+
+
+@triton.jit(do_not_specialize=["T"])
+def wu_kernel(xc_ptr, b_ptr, inv_ptr, cum_ptr, w_ptr, u_ptr, kd_ptr, T, HK: tl.constexpr, HV: tl.constexpr,
+              DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DOT16: tl.constexpr,
+              UPCAST: tl.constexpr, RNE: tl.constexpr):
+    """prep_kernel's second half. Program (value head h, chunk n, part): part 0 writes w and kd,
+    part 1 writes u (half the live tiles of one program doing both)."""
+    h, n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kh = h // (HV // HK)
+    C: tl.constexpr = 2 * HK * DK + HV * DV
+    dtype = xc_ptr.dtype.element_ty
+    i = tl.arange(0, BT)
+    t = n * BT + i
+    tm = t < T
+    rows = xc_ptr + t.to(tl.int64)[:, None] * C
+    hrow = h.to(tl.int64) * (tl.cdiv(T, BT) * BT) + t
+    b = tl.load(b_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
+    beta = tl.where(tm, round_to(tl.sigmoid(b), dtype, RNE).to(tl.float32), 0.0)     # as decay_beta
+    inv = tl.load(inv_ptr + hrow[:, None] * BT + i[None, :])
+    wdt = w_ptr.dtype.element_ty
+    if part == 0:
+        dk = tl.arange(0, DK)
+        k = l2norm_rows(tl.load(rows + HK * DK + kh * DK + dk[None, :], mask=tm[:, None], other=0.0).to(tl.float32))
+        cum = tl.load(cum_ptr + hrow)
+        w = mm(inv, k * beta[:, None] * tl.exp(cum)[:, None], PREC, DOT16, UPCAST, dtype, RNE)
+        tl.store(w_ptr + hrow[:, None] * DK + dk[None, :], round_to(w, wdt, RNE))
+        glast = tl.sum(tl.where(i == BT - 1, cum, 0.0), axis=0)
+        tl.store(kd_ptr + hrow[:, None] * DK + dk[None, :], round_to(k * tl.exp(glast - cum)[:, None], wdt, RNE))
+    else:
+        dv = tl.arange(0, DV)
+        v = tl.load(rows + 2 * HK * DK + h * DV + dv[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+        u = mm(inv, v * beta[:, None], PREC, DOT16, UPCAST, dtype, RNE)
+        tl.store(u_ptr + hrow[:, None] * DV + dv[None, :], u)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -522,7 +618,7 @@ def chunked(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, p: dict) -> None:
         gated_norm_pass(o, z, norm_w, y, eps, dv)
 
 
-def prep(xc, b, a, A_log, dt_bias, dims, warps, prec, dot16, upcast, rne, kd_dtype, inv=None):
+def prep(xc, b, a, A_log, dt_bias, dims, warps, prec, dot16, upcast, rne, kd_dtype, inv=None, solve_dots=False):
     """w, u, cum (and kd when kd_dtype is given: w and kd in that dtype) of every chunk: prep_kernel."""
     hk, hv, dk, dv, _ = dims
     npad = cdiv(xc.shape[0], CHUNK) * CHUNK
@@ -533,8 +629,25 @@ def prep(xc, b, a, A_log, dt_bias, dims, warps, prec, dot16, upcast, rne, kd_dty
     kd = torch.empty_like(w) if kd_dtype is not None else w
     prep_kernel[(hv, npad // CHUNK)](xc, b, a, A_log, dt_bias, w, u, cum, kd, xc.shape[0], HK=hk, HV=hv, DK=dk, DV=dv,
                                      BT=CHUNK, PREC=prec, DOT16=dot16, UPCAST=upcast, RNE=rne, KD=kd_dtype is not None,
-                                     INV=inv or prec, num_warps=warps)
+                                     INV=inv or prec, SOLVE_DOTS=solve_dots, num_warps=warps)
     return (w, u, cum, kd) if kd_dtype is not None else (w, u, cum)
+
+
+def prep_in_two(xc, b, a, A_log, dt_bias, dims, warps, prec, dot16, upcast, rne, buf, inv, solve_dots):
+    """prep() as two kernels (solve_kernel, then wu_kernel over two parts): w, u, cum, kd."""
+    hk, hv, dk, dv, _ = dims
+    t = xc.shape[0]
+    npad = cdiv(t, CHUNK) * CHUNK
+    flags = dict(HK=hk, HV=hv, DK=dk, DV=dv, BT=CHUNK, PREC=prec, DOT16=dot16, UPCAST=upcast, RNE=rne, num_warps=warps)
+    ainv = torch.empty((hv, npad, CHUNK), dtype=buf, device=xc.device)
+    cum = torch.empty((hv, npad), dtype=torch.float32, device=xc.device)
+    solve_kernel[(hv, npad // CHUNK)](xc, b, a, A_log, dt_bias, ainv, cum, t, INV=inv or prec, SOLVE_DOTS=solve_dots,
+                                      **flags)
+    w = torch.empty((hv, npad, dk), dtype=buf, device=xc.device)
+    kd = torch.empty_like(w)
+    u = torch.empty((hv, npad, dv), dtype=torch.float32, device=xc.device)
+    wu_kernel[(hv, npad // CHUNK, 2)](xc, b, ainv, cum, w, u, kd, t, **flags)
+    return w, u, cum, kd
 
 
 def split(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, p: dict) -> None:
@@ -547,7 +660,12 @@ def split(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, p: dict) -> None:
     prec, dot16, upcast = dot_precision(p["prec"], xc.dtype)
     buf = xc.dtype if dot16 else torch.float32
     inv = p.get("inv") if xc.dtype != torch.float32 else None      # f32 activations stay exact (tests)
-    w, u, cum, kd = prep(xc, b, a, A_log, dt_bias, dims, p["pw"], prec, dot16, upcast, rne, buf, inv)
+    if p.get("prep2"):
+        w, u, cum, kd = prep_in_two(xc, b, a, A_log, dt_bias, dims, p["pw"], prec, dot16, upcast, rne, buf, inv,
+                                    p.get("solve") == "dots")
+    else:
+        w, u, cum, kd = prep(xc, b, a, A_log, dt_bias, dims, p["pw"], prec, dot16, upcast, rne, buf, inv,
+                             p.get("solve") == "dots")
     hs = torch.empty((hv, nch, dk, dv), dtype=buf, device=xc.device)
     vn = torch.empty((hv, nch * CHUNK, dv), dtype=buf, device=xc.device)
     state_kernel[(hv, dv // p["hbv"])](w, u, kd, cum, ssm, hs, vn, t, HV=hv, DK=dk, DV=dv, BV=p["hbv"], BT=CHUNK,
@@ -678,12 +796,14 @@ def chunk_variant(bv: int, w: int, prec: str, pw: int | None = None) -> Variant:
 
 
 def split_variant(hbv: int, hw: int, obv: int, ow: int, prec: str, pw: int = 4, inv: str | None = None,
-                  hs: int | None = None) -> Variant:
+                  hs: int | None = None, solve: str | None = None, prep2: bool = False) -> Variant:
     """inv: the (I + A)^-1 solve's f32 dot precision with 16-bit activations (default ieee); hs: the
-    state kernel's pipeline stages (default Triton's)."""
-    extra = (f"_inv-{inv}" if inv else "") + (f"_s{hs}" if hs else "")
+    state kernel's pipeline stages (default Triton's); solve "dots": unit_lower_inverse_dots; prep2:
+    the prep as two kernels (solve_kernel, wu_kernel) with fewer live tiles each."""
+    extra = (f"_inv-{inv}" if inv else "") + (f"_s{hs}" if hs else "") + (f"_{solve}" if solve else "")
+    extra += "_p2" if prep2 else ""
     return variant(f"split_h{hbv}w{hw}_o{obv}w{ow}_pw{pw}_{prec}{extra}", form="split", hbv=hbv, hw=hw, obv=obv,
-                   ow=ow, pw=pw, prec=prec, inv=inv, hs=hs)
+                   ow=ow, pw=pw, prec=prec, inv=inv, hs=hs, solve=solve, prep2=prep2)
 
 
 def fused_variant(bv: int, w: int) -> Variant:
@@ -711,8 +831,19 @@ def split_forms(dv: int) -> list[Variant]:
     form 33 ms (not a candidate)."""
     forms = [split_variant(hbv, hw, dv, 8, "bf16") for hbv, hw in ((16, 4), (32, 8)) if hbv <= dv]
     hbv = min(16, dv)
-    return forms + [split_variant(hbv, 4, dv, 8, "bf16", inv="tf32x3"), split_variant(hbv, 4, dv, 8, "bf16", hs=1),
-                    split_variant(hbv, 4, dv, 8, "bf16", hs=2), split_variant(hbv, 4, dv, 8, "bf16", inv="tf32x3", hs=2)]
+    # state kernel with num_stages=1 faulted (illegal address) on the H200, Triton 3.6: not offered
+    return forms + [split_variant(hbv, 4, dv, 8, "bf16", inv="tf32x3")]
+
+
+def split_next_forms(dv: int) -> list[Variant]:
+    """Split forms not yet run on a GPU (catalogue only, never tuned until measured: an untried
+    kernel that faults kills the process): the prep in two kernels, its solve on tensor cores (tf32x3,
+    or tf32: the inverse then carries ~2^-11 relative error before its bf16 rounding at 2^-9) or as
+    dots. Cross-compiled for sm_90 the one-kernel prep spills 7-10 KB a thread (the 0.99 ms of its
+    1.29 ms measured); the two-kernel forms 0-1.2 KB (tf32: none)."""
+    hbv = min(16, dv)
+    return [split_variant(hbv, 4, dv, 8, "bf16", pw=8, inv=inv, solve=solve, prep2=True)
+            for inv in ("tf32", "tf32x3", None) for solve in ("dots", None)]
 
 
 def gdn_inputs(s: GdnShape, dtype, device, gen) -> dict:
@@ -788,7 +919,7 @@ class GdnPrefillOp(GdnOp):
                                for w in (4, 8)]
         forms += [chunk_variant(bv, w, "bf16", 8) for bv in bvs[1:] for w in (4, 8)]
         forms += [chunk_variant(bv, 4, prec, 8) for prec in GPU_PREC for bv in bvs[1:]]
-        return forms + split_forms(s.dv)
+        return forms + split_forms(s.dv) + split_next_forms(s.dv)
 
     def candidates(self, s: GdnShape, dev) -> list[Variant]:
         """A few forms only: every form compiles for seconds, and a cold load compiles them all."""
@@ -815,7 +946,8 @@ class GdnPrefillOp(GdnOp):
         if v.p["form"] == "torch":
             return [conv_kernel]
         if v.p["form"] == "split":
-            return [conv_kernel, prep_kernel, unit_lower_inverse, state_kernel, output_kernel, norm_kernel]
+            return [conv_kernel, prep_kernel, solve_kernel, wu_kernel, unit_lower_inverse, unit_lower_inverse_dots,
+                    state_kernel, output_kernel, norm_kernel]
         return [conv_kernel, prep_kernel, unit_lower_inverse, scan_kernel] + [norm_kernel]
 
 
