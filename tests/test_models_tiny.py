@@ -199,6 +199,32 @@ def test_strict_loading_names_the_tensor(tiny, tmp_path, damage):
     assert ("extra" if damage == "unexpected" else name) in str(e.value)
 
 
+def test_safetensors_tensors_are_views_of_the_file_and_loaded_weights_are_owned(tmp_path):
+    """The HF reader hands out views of the file's memory map (no host copy before the GPU copy),
+    every dtype and an empty tensor equal to safetensors' own reader; load_strict copies such a view
+    when it would otherwise keep it (same device and dtype): weights are owned, the file untouched."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln.models.base import load_strict
+    from kiln.weights import open_checkpoint
+
+    tensors = {"a.weight": torch.randn(3, 5).to(torch.bfloat16), "b.weight": torch.randn(7),
+               "c.weight": torch.arange(3, dtype=torch.int64), "d.weight": torch.randn(2, 3).half(),
+               "e.weight": torch.randn(0, 4)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    ckpt = open_checkpoint(tmp_path)
+    want = load_file(tmp_path / "model.safetensors")
+    for name, t in want.items():
+        got = ckpt.load(name)
+        assert got.dtype == t.dtype and torch.equal(got, t), name
+    assert ckpt.load("b.weight").data_ptr() == ckpt.load("b.weight").data_ptr()     # a view, not a copy
+    w = load_strict(ckpt, {n: tuple(t.shape) for n, t in want.items()}, None, "cpu")
+    w["a.weight"].add_(1)
+    assert torch.equal(w["a.weight"], want["a.weight"] + 1) and torch.equal(ckpt.load("a.weight"), want["a.weight"])
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["a.weight"], want["a.weight"])
+
+
 def test_no_pickle_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")

@@ -41,7 +41,11 @@ def load_strict(ckpt, expected: dict[str, tuple[int, ...]], dtype, device, tied:
             raise KilnError(f"missing tensor in checkpoint: {name}")
         if tuple(ckpt.shapes[name]) != tuple(shape):
             raise KilnError(f"tensor {name} has shape {tuple(ckpt.shapes[name])}, expected {tuple(shape)}")
-        weights[name] = ckpt.load(name).to(device=device, dtype=dtype)
+        stored = ckpt.load(name)
+        w = stored.to(device=device, dtype=dtype)    # to the GPU straight from the file's pages
+        if w.data_ptr() == stored.data_ptr() and w.device.type == "cpu":
+            w = w.clone()        # a read-only view of the file (same device and dtype): own a copy
+        weights[name] = w
     return weights
 
 

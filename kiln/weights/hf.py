@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import mmap
+import struct
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
 from ..errors import KilnError
@@ -60,6 +63,36 @@ def _shard_files(d: Path) -> list[Path]:
     return files
 
 
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class MappedSafetensors:
+    """Tensors of a .safetensors file as views of its (copy-on-write) memory map: no host copy, so moving
+    one to the GPU reads the page cache once (safetensors' get_tensor first copies into a new host
+    tensor). Falls back to get_tensor for a tensor whose offset does not suit its dtype."""
+
+    def __init__(self, path: Path, handle):
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            self.header = json.loads(f.read(n))
+            # copy-on-write: pages are read from the page cache as they are touched; a write (kiln
+            # never writes a view, load_strict copies first) would change a private page, not the file
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.base, self.handle = 8 + n, handle
+
+    def get(self, name: str) -> torch.Tensor:
+        info = self.header[name]
+        dtype = _DTYPES.get(info["dtype"])
+        start, end = info["data_offsets"]
+        size = torch.empty((), dtype=dtype).element_size() if dtype is not None else 0
+        if dtype is None or (self.base + start) % size or end == start:
+            return self.handle.get_tensor(name)
+        raw = torch.frombuffer(self.mm, dtype=torch.uint8, count=end - start, offset=self.base + start)
+        return raw.view(dtype).view(info["shape"])
+
+
 def open_hf_dir(d: Path) -> Checkpoint:
     if not (d / "config.json").exists():
         raise KilnError(f"{d} has no config.json")
@@ -70,16 +103,21 @@ def open_hf_dir(d: Path) -> Checkpoint:
             h = safe_open(str(f), framework="pt")
         except Exception as e:  # safetensors raises its own error types
             raise KilnError(f"cannot read {f}: {e}") from None
+        try:
+            mapped = MappedSafetensors(f, h)
+        except (OSError, ValueError, struct.error):     # unusual file: safetensors' own reader
+            mapped = None
         handles.append(h)
         for name in h.keys():
             canon = canonical_name(name, wrapped)
             if canon is not None:
-                where[canon] = (h, name)
+                where[canon] = (h, mapped, name)
                 shapes[canon] = tuple(h.get_slice(name).get_shape())
 
     def load(canon: str):
-        h, name = where[canon]
-        return h.get_tensor(name)
+        """A view of the file's memory map where it can be one (see load_strict)."""
+        h, mapped, name = where[canon]
+        return mapped.get(name) if mapped is not None else h.get_tensor(name)
 
     gen_path = d / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.exists() else {}
