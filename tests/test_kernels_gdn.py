@@ -119,7 +119,8 @@ def test_bf16_dot_form_within_the_gate(zero):
 
 
 SPLIT_FORMS = [D.split_variant(32, 4, 32, 4, "ieee"), D.split_variant(16, 4, 16, 4, "ieee"),   # norm fused / pass
-               D.split_variant(32, 4, 32, 4, "ieee", solve="dots"), D.split_variant(16, 4, 32, 4, "ieee", prep2=True)]
+               D.split_variant(32, 4, 32, 4, "ieee", solve="dots"), D.split_variant(16, 4, 32, 4, "ieee", prep2=True),
+               D.split_variant(16, 4, 16, 4, "tf32x3", prep2=True)]
 
 
 @pytest.mark.parametrize("t", [1, 70, 130])

@@ -842,8 +842,15 @@ def split_next_forms(dv: int) -> list[Variant]:
     dots. Cross-compiled for sm_90 the one-kernel prep spills 7-10 KB a thread (the 0.99 ms of its
     1.29 ms measured); the two-kernel forms 0-1.2 KB (tf32: none)."""
     hbv = min(16, dv)
-    return [split_variant(hbv, 4, dv, 8, "bf16", pw=8, inv=inv, solve=solve, prep2=True)
-            for inv in ("tf32", "tf32x3", None) for solve in ("dots", None)]
+    forms = [split_variant(hbv, 4, dv, 8, "bf16", pw=8, inv=inv, solve=solve, prep2=True)
+             for inv in ("tf32", "tf32x3", None) for solve in ("dots", None)]
+    # Every dot in tf32x3 (~f32: the reference's chunked rule rounds nowhere to 16 bits), buffers f32:
+    # the numeric contract's form. Cross-compiled for sm_90: state 156 KB of shared memory, output
+    # 131 KB (64 columns) or 197 KB (128), 0.5-1.5 KB of spills a thread.
+    half = max(16, dv // 2)
+    return forms + [split_variant(hbv, 4, half, 8, "tf32x3", pw=8, prep2=True),
+                    split_variant(hbv, 4, half, 8, "tf32x3", pw=8, solve="dots", prep2=True),
+                    split_variant(hbv, 4, dv, 8, "tf32x3", pw=8, prep2=True)]
 
 
 def gdn_inputs(s: GdnShape, dtype, device, gen) -> dict:
