@@ -1,0 +1,85 @@
+"""Where a decode token's GPU time goes: kernels of the captured decode graph, by name.
+
+    PYTHONPATH=. python3 bench/decode_kernels.py MODEL PROMPT_TOKENS OUT.json
+
+Loads MODEL on the cuda backend (bf16), prefills a random prompt, decodes a few tokens so that the
+step is captured as a CUDA graph, then records REPS more steps under torch.profiler and sums each
+kernel's GPU time per token. Also: the wall time per token over those steps (with the profiler's own
+overhead) and without the profiler, and the weight bytes a token reads (the bandwidth floor).
+Kernel names are Triton's function names (gemm_kernel, ...) with their launch grids folded together;
+the JSON lists the top kernels and the total.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+import kiln
+
+REPS = 50
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        sync()
+
+
+def decode(eng, state, tok: int, pos: int, n: int) -> tuple[int, int]:
+    for _ in range(n):
+        tok = int(torch.argmax(eng.decode_step(tok, pos, state)))
+        pos += 1
+    return tok, pos
+
+
+def main(model: str, prompt: int, out: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = kiln.load(model, dtype="bf16")
+    eng = llm.engine
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, llm.model.cfg.vocab_size, (prompt,), generator=gen).tolist()
+    state = eng.new_state(prompt + 3 * REPS + 8)
+    tok, pos = int(torch.argmax(eng.prefill(ids, state))), prompt
+    tok, pos = decode(eng, state, tok, pos, 4)                     # eager step, capture, replays
+    sync()
+    t0 = time.perf_counter()
+    tok, pos = decode(eng, state, tok, pos, REPS)
+    sync()
+    plain_ms = (time.perf_counter() - t0) * 1e3 / REPS
+    acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        tok, pos = decode(eng, state, tok, pos, REPS)
+        sync()
+        prof_ms = (time.perf_counter() - t0) * 1e3 / REPS
+    kernels = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us:
+            kernels[e.key[:90]] = {"us_per_token": round(us / REPS, 2), "calls_per_token": round(e.count / REPS, 2)}
+    ranked = dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us_per_token"]))
+    weight_bytes = sum(w.numel() * w.element_size() for w in llm.model.w.values())
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "torch": torch.__version__, "triton": triton.__version__, "kiln_commit": os.environ.get("KILN_COMMIT"),
+           "command": " ".join(sys.argv), "model": model, "prompt_tokens": prompt, "reps": REPS,
+           "launches_per_token": eng.launches_per_token, "ms_per_token": round(plain_ms, 4),
+           "ms_per_token_profiled": round(prof_ms, 4),
+           "kernel_us_per_token": round(sum(k["us_per_token"] for k in kernels.values()), 1),
+           "weight_bytes": weight_bytes, "floor_ms_at_4.27TBps": round(weight_bytes / 4.27e9, 4),
+           "kernels": dict(list(ranked.items())[:40])}
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps({k: v for k, v in res.items() if k != "kernels"}, indent=1))
+    for name, k in list(ranked.items())[:15]:
+        print(f"{k['us_per_token']:9.1f} us  {k['calls_per_token']:6.1f}x  {name}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
