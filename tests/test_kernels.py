@@ -18,6 +18,7 @@ triton = pytest.importorskip("triton")
 from kiln.backends.cuda import CudaOps  # noqa: E402
 from kiln.backends.cuda import elementwise as E  # noqa: E402
 from kiln.backends.cuda import gemm as G  # noqa: E402
+from kiln.backends.cuda import gemm_act as GA  # noqa: E402
 from kiln.backends.cuda import rmsnorm as R  # noqa: E402
 from kiln.backends.cuda import rmsnorm_gemm as RG  # noqa: E402
 from kiln.backends.cuda.common import device_info  # noqa: E402
@@ -103,6 +104,26 @@ def test_add_rmsnorm_equals_reference(shape, style, dtype):
         assert_rounding_close(y, want_y)
     s, y = CudaOps(DEVICE).add_rmsnorm(x, r, w, 1e-6, style)
     assert torch.equal(s, want_s) and not torch.isnan(y).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["silu", "sigmoid"])
+@pytest.mark.parametrize("m,n,k", [(1, 80, 96), (37, 72, 40), (130, 16, 200)])
+def test_gemm_act_equals_reference(m, n, k, act, dtype):
+    """gate|up in one pass with act(gate) * up in the epilogue (and split-K's last-arrival sum): the
+    unfused ops' roundings, up to the GEMM's summation order."""
+    x = rand(m, k, dtype=dtype, scale=2.0)
+    w = rand(2 * n, k, dtype=dtype, seed=1, scale=2 * k ** -0.5)
+    gate, up = w.split(n)
+    want = REF.act_mul(REF.linear(x, gate), REF.linear(x, up), act)
+    shape = GA.GemmActShape(m, n, k, act)
+    forms = GA.OP.candidates(shape, device_info(DEVICE))
+    assert GA.UNFUSED in forms and any(v.run is None for v in forms)
+    assert n < 64 or any(v.run is None and v.p["sk"] > 1 for v in forms)      # split-K where its tile fits
+    for v in forms:
+        y = torch.full_like(want, float("nan"))
+        GA.OP.run(v, {"x": x, "w": w, "act": act}, {"y": y})
+        assert_rounding_close(y, want, exact_fraction=0.95)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

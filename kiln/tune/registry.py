@@ -118,6 +118,12 @@ def _load_families() -> None:
     from ..backends import cuda  # noqa: F401  (kernel families register themselves)
 
 
+def try_unmeasured() -> bool:
+    """KILN_TRY_UNMEASURED=1: offer the forms kept out of the GPU candidates until they have been run
+    on a GPU (catalogue-only), to measure them (with --retune: cached choices are not re-measured)."""
+    return os.environ.get("KILN_TRY_UNMEASURED", "0") not in ("", "0")
+
+
 def candidates(op: Op, shape, dev) -> list[Variant]:
     """The op's candidates and any added ones, less those KILN_TUNE_SKIP names ("op=variant,..."):
     a variant that faults on some GPU or toolchain kills the process (an illegal address cannot be

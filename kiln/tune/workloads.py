@@ -19,7 +19,7 @@ DECODE_CONTEXTS = (2048, 32768)   # decode attention is measured at these contex
 NORM_STYLE = {"llama": "llama", "qwen3": "llama", "gemma3_text": "offset", "gemma4_text": "plain",
               "qwen3_5_text": "offset", "qwen3_5_moe_text": "offset", "qwen3_next": "offset"}
 OPS = ("gemm", "rmsnorm", "rmsnorm_gemm", "gdn_prefill", "gdn_decode", "moe", "attention", "attention_decode",
-       "qk_rope")
+       "qk_rope", "gemm_act")
 
 
 def config_workloads(config: dict, m_values=(PREFILL_CHUNK, DECODE_ROWS), ops=OPS) -> list[Workload]:
@@ -47,6 +47,7 @@ def model_workloads(cls, cfg, model_type: str, m_values=(PREFILL_CHUNK, DECODE_R
             per_row = next((h for part, h in heads.items() if f".{part}." in name), 1)
             out += [Workload(R.OP, R.NormShape(m * per_row, shape[0], style)) for m in m_values]
     out += fused_gemm_workloads(shapes, m_values)
+    out += gemm_act_workloads(cfg, shapes, m_values)
     out += mixer_workloads(cfg, shapes, m_values)
     if "lm_head.weight" in shapes and "model.norm.weight" in shapes:
         vocab, hidden = shapes["lm_head.weight"]
@@ -101,6 +102,23 @@ def _plain_attention(cfg) -> bool:
     """Every attention layer global, one head shape, no softcap (Llama, Qwen3, Qwen3.5): Gemma's sliding
     layers run on ring caches and its global layers differ per layer; they take the defaults."""
     return not hasattr(cfg, "sliding_window") and hasattr(cfg, "num_key_value_heads") and bool(cfg.head_dim)
+
+
+def gemm_act_workloads(cfg, shapes: dict, m_values) -> list[Workload]:
+    """Each MLP's gate|up with its activation (kiln/backends/cuda/gemm_act.py), fused or not."""
+    from ..backends.cuda import elementwise as E
+    from ..backends.cuda import gemm_act as GA
+    from ..backends.cuda.fuse import projection_groups
+
+    act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
+    if act not in E.ACTS:
+        return []
+    out = []
+    for names in projection_groups(shapes):
+        if names[0].endswith("gate_proj.weight") and len(names) == 2:
+            n, k = shapes[names[0]]
+            out += [Workload(GA.OP, GA.GemmActShape(m, n, k, act)) for m in m_values]
+    return out
 
 
 def fused_gemm_workloads(shapes: dict, m_values) -> list[Workload]:

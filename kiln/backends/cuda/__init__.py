@@ -18,6 +18,7 @@ from ...errors import KilnError
 from ..reference import ReferenceOps
 from . import elementwise as E
 from . import gemm as G
+from . import gemm_act as GA
 from . import rmsnorm as R
 from . import rmsnorm_gemm as RG
 from .common import device_info, interpreting
@@ -105,10 +106,17 @@ class CudaOps(ReferenceOps):
         return list(self.linear(x, cat).split([w.shape[0] for w in ws], dim=-1))
 
     def gated_mlp(self, x, gate_w, up_w, down_w, act):
-        if (gate_w.data_ptr(), up_w.data_ptr()) not in self.fused:
+        cat = self.fused.get((gate_w.data_ptr(), up_w.data_ptr()))
+        if cat is None:
             return super().gated_mlp(x, gate_w, up_w, down_w, act)
-        gate, up = self.linear_split(x, [gate_w, up_w])
-        return self.linear(self.act_mul(gate, up, act), down_w)
+        if not self._runs_here(x) or not GA.OP.supports(x, cat, act):
+            gate, up = self.linear_split(x, [gate_w, up_w])
+            return self.linear(self.act_mul(gate, up, act), down_w)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        h = torch.empty((x2.shape[0], gate_w.shape[0]), dtype=x.dtype, device=x.device)
+        v = self._choose(GA.OP, GA.GemmActShape(x2.shape[0], gate_w.shape[0], x2.shape[1], act))
+        GA.OP.run(v, {"x": x2, "w": cat, "act": act}, {"y": h}, self.plan)
+        return self.linear(h.view(*x.shape[:-1], -1), down_w)
 
     def act_mul(self, g, u, act):
         if not self._runs_here(g) or not E.supports(g, u, act):

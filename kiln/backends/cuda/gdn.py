@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...tune.registry import Op, Variant, register, variant
+from ...tune.registry import Op, Variant, register, try_unmeasured, variant
 from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, rne_flag, round_to
 
 CHUNK = 64          # the reference's chunk (and the unit of the WY/UT solve)
@@ -937,6 +937,8 @@ class GdnPrefillOp(GdnOp):
         # (tf32x3 needs 247-395 KB cross-compiled for sm_90), and 8 warps won by 2-3x: keep that one.
         # The 16-bit-operand scans (bf16_forms) fault with an illegal address there: never run them.
         keep = [RECURRENT, TORCH, chunk_variant(32, 8, "ieee", 8)] + split_forms(s.dv)
+        if try_unmeasured():
+            keep += split_next_forms(s.dv)
         return [v for v in forms if v in keep]
 
     def trusted(self, s, dev) -> Variant:

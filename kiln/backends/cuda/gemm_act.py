@@ -1,0 +1,212 @@
+"""An MLP's gate|up projection with its activation in the epilogue: y[M, I] = act(x @ Wg^T) * (x @ Wu^T),
+W = [Wg; Wu] the concatenated [2I, K] weight (kiln/backends/cuda/fuse.py).
+
+Each program accumulates the gate and the up tile of the same columns (two f32 accumulators over
+one pass of x), then rounds as the unfused ops do: gate and up to the activation dtype (the GEMM's
+output), act(gate) rounded, the product rounded (ReferenceOps.act_mul). For few rows, split-K: each
+split writes f32 partials and the last to arrive adds them in split order and applies the epilogue.
+The unfused form (the plan's GEMM on W, then the act_mul kernel) is a variant too: the tuner keeps
+whichever measures faster. SiLU and sigmoid only (torch's tanh GELU has no bit-exact Triton twin).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...tune.registry import Op, Variant, register, try_unmeasured, variant
+from . import elementwise as E
+from . import gemm as G
+from .common import SUPPORTED, device_info, dot_flags, interpreting, rne_flag, round_to
+
+
+@triton.jit
+def act_mul_epilogue(acc_g, acc_u, dtype: tl.constexpr, ACT: tl.constexpr, RNE: tl.constexpr):
+    g = round_to(acc_g, dtype, RNE).to(tl.float32)
+    u = round_to(acc_u, dtype, RNE).to(tl.float32)
+    a = round_to(E.act_f32(g, ACT), dtype, RNE).to(tl.float32)
+    return round_to(a * u, dtype, RNE)
+
+
+@triton.jit(do_not_specialize=["M"])
+def gemm_act_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                    ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr):
+    """Program (tile, split): the BM x BN tile of y at columns rn reads w rows rn (gate) and N + rn (up).
+    With SPLIT_K > 1: partials to ws [SPLIT_K, 2, M, N]; the last arrival (per-tile counter) sums them."""
+    pid_m, pid_n = G.tile_of(tl.program_id(0), M, BM, N, BN, GROUP_M)
+    split = tl.program_id(1)
+    SPAN: tl.constexpr = (K + SPLIT_K * BK - 1) // (SPLIT_K * BK) * BK
+    EVEN: tl.constexpr = SPAN * SPLIT_K == K
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = split * SPAN + tl.arange(0, BK)
+    xs = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * K + rk[None, :]
+    wg = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[None, :] * K + rk[:, None]
+    wu = wg + N * K
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, SPAN, BK):
+        if EVEN:
+            a = tl.load(xs)
+            bg = tl.load(wg)
+            bu = tl.load(wu)
+        else:
+            inside = rk + k < K
+            a = tl.load(xs, mask=inside[None, :], other=0.0)
+            bg = tl.load(wg, mask=inside[:, None], other=0.0)
+            bu = tl.load(wu, mask=inside[:, None], other=0.0)
+        acc_g = G.mma(acc_g, a, bg, UPCAST, IEEE)
+        acc_u = G.mma(acc_u, a, bu, UPCAST, IEEE)
+        xs += BK
+        wg += BK
+        wu += BK
+    keep = (rm < M)[:, None] & (rn < N)[None, :]
+    dtype = y_ptr.dtype.element_ty
+    out = y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, act_mul_epilogue(acc_g, acc_u, dtype, ACT, RNE), mask=keep)
+    else:
+        part = (rm.to(tl.int64)[:, None] * N + rn[None, :])
+        tl.store(ws_ptr + (2 * split) * M * N + part, acc_g, mask=keep)
+        tl.store(ws_ptr + (2 * split + 1) * M * N + part, acc_u, mask=keep)
+        tl.debug_barrier()        # every thread's partials written before the arrival (see gemm_kernel)
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tg = tl.zeros((BM, BN), dtype=tl.float32)
+            tu = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):          # split order: the same sum whoever is last
+                tg += tl.load(ws_ptr + (2 * s) * M * N + part, mask=keep, other=0.0, cache_modifier=".cg")
+                tu += tl.load(ws_ptr + (2 * s + 1) * M * N + part, mask=keep, other=0.0, cache_modifier=".cg")
+            tl.store(out, act_mul_epilogue(tg, tu, dtype, ACT, RNE), mask=keep)
+            tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
+
+
+def gemm_act(x: torch.Tensor, w: torch.Tensor, act: str, v: Variant, y: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused kernel; x [M, K] contiguous, w [2I, K] contiguous (gate rows first)."""
+    (m, k), n = x.shape, w.shape[0] // 2
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if y is None else y
+    if m == 0:
+        return y
+    p = v.p
+    sk = p.get("sk", 1)
+    ws = y if sk == 1 else torch.empty((sk, 2, m, n), dtype=torch.float32, device=x.device)
+    counts = G.arrival_counters(x.device, G.tiles(m, n, p)) if sk > 1 else y
+    gemm_act_kernel[(G.tiles(m, n, p), sk)](x, w, y, ws, counts, m, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
+                                            GROUP_M=G.GROUP_M, SPLIT_K=sk, ACT=E.ACTS[act], RNE=rne_flag(x.dtype),
+                                            **dot_flags(x.dtype), num_warps=p["w"], num_stages=p["s"])
+    return y
+
+
+@dataclass(frozen=True)
+class GemmActShape:
+    rows: int     # M, tokens (runtime)
+    n: int        # I: output features (the weight has 2I rows)
+    k: int
+    act: str
+
+    @property
+    def key(self) -> tuple:
+        return (self.n, self.k, self.act)
+
+    def gemm(self) -> G.GemmShape:
+        return G.GemmShape(self.rows, 2 * self.n, self.k)
+
+
+def fused_variant(bm, bn, bk, w, s, sk=1) -> Variant:
+    return variant(f"fused_bm{bm}_bn{bn}_bk{bk}_w{w}_s{s}" + (f"_sk{sk}" if sk > 1 else ""),
+                   bm=bm, bn=bn, bk=bk, w=w, s=s, sk=sk)
+
+
+def unfused(inputs: dict, outputs: dict, plan, trusted: bool = False) -> None:
+    """The GEMM on the concatenated weight (the plan's choice, or the trusted one), then act_mul."""
+    x, w, act = inputs["x"], inputs["w"], inputs["act"]
+    shape = GemmActShape(x.shape[0], w.shape[0] // 2, x.shape[1], act).gemm()
+    dev = plan.dev if plan is not None else device_info(x.device)
+    gv = G.OP.trusted(shape, dev) if trusted else (plan.choose(G.OP, shape) if plan is not None else
+                                                    G.OP.default(shape, dev))
+    h = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    if gv.p.get("tma") and not G.tma_ok(x, w, h):
+        gv = G.OP.default(shape, dev)
+    G.OP.run(gv, {"x": x, "w": w}, {"y": h}, plan)
+    g, u = h.split(w.shape[0] // 2, dim=-1)
+    outputs["y"].copy_(E.act_mul(g, u, act))
+
+
+UNFUSED = variant("unfused", run=unfused)
+UNFUSED_TRUSTED = variant("unfused_trusted", run=lambda i, o, plan: unfused(i, o, plan, trusted=True))
+GPU_TILES = [(128, 128, 64, 8, 3), (128, 64, 64, 8, 3), (64, 64, 64, 4, 4), (16, 64, 128, 4, 4), (16, 32, 256, 4, 3)]
+GPU_SPLITS = [((16, 64, 128, 4, 4), sk) for sk in (2, 4, 8)] + [((16, 32, 256, 4, 3), sk) for sk in (4, 8)]
+CPU_TILES = [(128, 128, 32, 4, 1), (16, 64, 64, 4, 1), (32, 16, 64, 4, 1)]
+CPU_SPLITS = [((16, 64, 32, 4, 1), 3)]
+
+
+class GemmActOp(Op):
+    """Fused forms are offered on a GPU only with KILN_TRY_UNMEASURED=1 until measured there (a
+    kernel never run on the device could fault and take the process with it)."""
+    name = "gemm_act"
+    sources = (__file__, G.__file__, E.__file__)
+
+    def shape_str(self, s: GemmActShape) -> str:
+        return f"{s.rows}x{s.n}x{s.k}_{s.act}"
+
+    def with_rows(self, s: GemmActShape, rows: int) -> GemmActShape:
+        return GemmActShape(rows, s.n, s.k, s.act)
+
+    def catalogue(self, s, dev) -> list[Variant]:
+        tiles, splits = (CPU_TILES, CPU_SPLITS) if dev.capability is None else (GPU_TILES, GPU_SPLITS)
+        return ([UNFUSED_TRUSTED, UNFUSED] + [fused_variant(*t) for t in tiles]
+                + [fused_variant(*t, sk=k) for t, k in splits])
+
+    def candidates(self, s, dev) -> list[Variant]:
+        forms = [v for v in self.catalogue(s, dev) if v.run is not None or G.fits(s, v.p)]
+        if dev.capability is None:
+            return forms
+        if not try_unmeasured():
+            return [UNFUSED_TRUSTED, UNFUSED]
+        return [v for v in forms if v.run is not None or v.p["sk"] > 1 or G.worth_measuring(s, v.p, dev.sms)]
+
+    def trusted(self, s, dev) -> Variant:
+        return UNFUSED_TRUSTED
+
+    def default(self, s, dev) -> Variant:
+        return UNFUSED
+
+    def inputs(self, s: GemmActShape, dtype, device, gen) -> dict:
+        x = torch.randn(s.rows, s.k, generator=gen, device=device)
+        w = torch.randn(2 * s.n, s.k, generator=gen, device=device) * s.k ** -0.5 * 2.0   # gates across act's bend
+        return {"x": x.to(dtype), "w": w.to(dtype), "act": s.act}
+
+    def outputs(self, s, inputs: dict) -> dict:
+        x = inputs["x"]
+        return {"y": torch.empty((x.shape[0], inputs["w"].shape[0] // 2), dtype=x.dtype, device=x.device)}
+
+    def launch(self, v: Variant, inputs: dict, outputs: dict, plan=None) -> None:
+        gemm_act(inputs["x"], inputs["w"], inputs["act"], v, outputs["y"])
+
+    def compile(self, v: Variant, s: GemmActShape, dtype, device) -> list:
+        if interpreting() or v.run is not None:
+            return []
+        x = torch.empty((1, s.k), dtype=dtype, device=device)
+        w = torch.empty((2 * s.n, s.k), dtype=dtype, device=device)
+        y = torch.empty((1, s.n), dtype=dtype, device=device)
+        p, sk = v.p, v.p["sk"]
+        ws = y if sk == 1 else torch.empty((sk, 2, 1, s.n), dtype=torch.float32, device=device)
+        counts = torch.zeros(1, dtype=torch.int32, device=device) if sk > 1 else y
+        return [gemm_act_kernel.warmup(x, w, y, ws, counts, 1, N=s.n, K=s.k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
+                                       GROUP_M=G.GROUP_M, SPLIT_K=sk, ACT=E.ACTS[s.act], RNE=False,
+                                       **dot_flags(dtype), num_warps=p["w"], num_stages=p["s"], grid=(1,))]
+
+    def kernel_sources(self, v: Variant) -> list:
+        if v.run is not None:
+            return []
+        return [gemm_act_kernel, act_mul_epilogue, E.act_f32, G.tile_of, G.mma, round_to]
+
+    def supports(self, x, w, act) -> bool:
+        return x.dtype in SUPPORTED and w.dtype == x.dtype and act in E.ACTS and w.shape[0] % 2 == 0
+
+
+OP = register(GemmActOp())
