@@ -50,11 +50,11 @@ def supports(g: torch.Tensor, u: torch.Tensor, act: str) -> bool:
     return act in ACTS and g.dtype in SUPPORTED and g.dtype == u.dtype and g.shape == u.shape
 
 
-def act_mul(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
-    """act(g) * u in one pass; y contiguous, shaped like g."""
+def act_mul(g: torch.Tensor, u: torch.Tensor, act: str, y: torch.Tensor | None = None) -> torch.Tensor:
+    """act(g) * u in one pass; y (given: contiguous) shaped like g."""
     g2, u2 = rows2d(g), rows2d(u)
     rows, n = g2.shape
-    y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    y = torch.empty(g.shape, dtype=g.dtype, device=g.device) if y is None else y
     if rows == 0:
         return y
     bn = min(BLOCK, next_pow2(n))
