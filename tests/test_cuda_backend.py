@@ -103,3 +103,20 @@ def test_gemma3_on_the_cuda_backend_keeps_plain_caches_and_the_reference_tokens(
     assert all(isinstance(s, KVCache) for s in llm.model.make_state(torch.float32, "cpu"))
     want = ref.generate(prompt, max_new_tokens=6, temperature=0).token_ids
     assert llm.generate(prompt, max_new_tokens=6, temperature=0).token_ids == want
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma4", "tiny-gemma4-moe"])
+def test_gemma4_on_the_cuda_backend_keeps_plain_caches_and_the_reference_tokens(monkeypatch, name):
+    """As Gemma 3: plain KV buffers for the sliding layers (so Gemma 4's decode step can be a graph),
+    the reference's tokens past the window."""
+    import kiln
+    from kiln.cache import KVCache, RingKVCache
+
+    monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")
+    prompt = [(5 * i + 2) % 300 for i in range(13)]       # longer than the windows (7, 9)
+    ref = kiln.load(f"synth:{name}", device="cpu", dtype="f32")
+    assert any(isinstance(s, RingKVCache) for s in ref.model.make_state(torch.float32, "cpu"))
+    llm = kiln.load(f"synth:{name}", device="cpu", dtype="f32", backend="cuda")
+    assert all(isinstance(s, KVCache) for s in llm.model.make_state(torch.float32, "cpu"))
+    want = ref.generate(prompt, max_new_tokens=6, temperature=0).token_ids
+    assert llm.generate(prompt, max_new_tokens=6, temperature=0).token_ids == want

@@ -215,14 +215,17 @@ class Gemma4(Model):
         return dataclasses.replace(ckpt, shapes={n: s for n, s in ckpt.shapes.items() if n not in unused})
 
     def make_state(self, dtype, device):
+        """Sliding layers keep a ring of the window, or, on a backend that masks the window itself over a
+        fixed buffer (`ops.static_windows`: the cuda backend, for CUDA graphs), a plain cache."""
         c, state = self.cfg, []
+        ring = not getattr(self.ops, "static_windows", False)
         producers = set(c.kv_source) - {None}
         for i, kind in enumerate(c.layer_types):
             if c.kv_source[i] is not None:
                 state.append(KVShared(state[c.kv_source[i]]))
                 continue
             kv, d = c.kv_heads[i], c.head_dims[i]
-            cache = (KVCache(kv, d, dtype, device) if c.full(i)
+            cache = (KVCache(kv, d, dtype, device) if c.full(i) or not ring
                      else RingKVCache(kv, d, c.sliding_window, dtype, device))
             state.append(KVProducer(cache) if i in producers else cache)
         return state
