@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...tune.registry import Op, Variant, register, variant
+from ...tune.registry import Op, Variant, register, try_unmeasured, variant
 from .common import SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, rne_flag, round_to
 
 GROUP_M = 8
@@ -134,6 +134,37 @@ def gemm_tma_kernel(x_desc, w_desc, y_desc, M, N: tl.constexpr, K: tl.constexpr,
             tma_tile(x_desc, w_desc, y_desc, t, M, N, K, BM, BN, BK, GROUP_M, UPCAST, RNE)
 
 
+@triton.jit(do_not_specialize=["M"])
+def gemm_tma_sk_kernel(x_desc, w_desc, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                       SPLIT_K: tl.constexpr, UPCAST: tl.constexpr, RNE: tl.constexpr):
+    """TMA tiles with split-K (few tiles, long K: M=512 x N=1024 fills 32 of 132 SMs with 128x128
+    tiles): program (tile, split) runs its K range through the copy engine (zero-filled past K) and
+    writes f32 partials; the last arrival adds them in split order, as gemm_kernel's SERIAL form."""
+    pid_m, pid_n = tile_of(tl.program_id(0), M, BM, N, BN, GROUP_M)
+    split = tl.program_id(1)
+    SPAN: tl.constexpr = (K + SPLIT_K * BK - 1) // (SPLIT_K * BK) * BK
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(split * SPAN, split * SPAN + SPAN, BK):
+        a = x_desc.load([pid_m * BM, k])
+        b = w_desc.load([pid_n * BN, k])
+        acc = mma(acc, a, b.T, UPCAST, False)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    keep = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(ws_ptr + (split * M + rm).to(tl.int64)[:, None] * N + rn[None, :], acc, mask=keep)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            part = ws_ptr + (s * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
+            total += tl.load(part, mask=keep, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], round_to(total, y_ptr.dtype.element_ty, RNE),
+                 mask=keep)
+        tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
+
+
 # -- launching -------------------------------------------------------------------------------------
 
 def tiles(m: int, n: int, p: dict) -> int:
@@ -154,6 +185,13 @@ def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = 
 
         xd = TensorDescriptor(x, [m, k], [k, 1], [p["bm"], p["bk"]])
         wd = TensorDescriptor(w, [n, k], [k, 1], [p["bn"], p["bk"]])
+        if p.get("sk", 1) > 1:
+            sk = p["sk"]
+            ws = torch.empty((sk, m, n), dtype=torch.float32, device=x.device)
+            gemm_tma_sk_kernel[(tiles(m, n, p), sk)](xd, wd, y, ws, arrival_counters(x.device, tiles(m, n, p)), m, N=n,
+                                                     K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=GROUP_M,
+                                                     SPLIT_K=sk, UPCAST=flags["UPCAST"], RNE=rne, **opts)
+            return y
         yd = TensorDescriptor(y, [m, n], [n, 1], [p["bm"], p["bn"]])
         programs = min(sms, tiles(m, n, p)) if p.get("persistent") else tiles(m, n, p)
         gemm_tma_kernel[(programs,)](xd, wd, yd, m, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=GROUP_M,
@@ -206,6 +244,8 @@ def tile_variant(bm, bn, bk, w, s, sk=1, tma=False, persistent=False, sum_kernel
     prefix = ("tma_pers_" if persistent else "tma_") if tma else ""
     name = f"{prefix}bm{bm}_bn{bn}_bk{bk}_w{w}_s{s}" + (f"_sk{sk}" if sk > 1 else "")
     extra = dict(tma=True, persistent=persistent) if tma else dict(sk=sk)
+    if tma and sk > 1:                  # gemm_tma_sk_kernel (never persistent)
+        extra["sk"] = sk
     if sk > 1 and sum_kernel:
         name, extra["sum"] = name + "_sum", True
     return variant(name, bm=bm, bn=bn, bk=bk, w=w, s=s, **extra)
@@ -224,6 +264,7 @@ SPLIT_TILES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (
                (16, 128, 128, 4, 3), (16, 16, 256, 4, 3)]
 TMA_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5),
              (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4)]
+TMA_SPLIT_TILES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
 # Under the interpreter, whose cost is per program: few, large tiles that still take every code
 # path (ragged tiles, K not a multiple of BK, split-K).
 CPU_TILES = [(256, 256, 64, 4, 1), (64, 128, 32, 4, 1), (16, 128, 64, 4, 1)]
@@ -271,6 +312,8 @@ class GemmOp(Op):
                       for sum_kernel in (False, True)]
             if dev.tma and s.n % 8 == 0 and s.k % 8 == 0:
                 forms += [tile_variant(*t, tma=True, persistent=pers) for pers in (False, True) for t in TMA_TILES]
+                if try_unmeasured():      # not yet run on a GPU: offered only on request
+                    forms += [tile_variant(*t, sk=k, tma=True) for t in TMA_SPLIT_TILES for k in (2, 4)]
         return forms
 
     def candidates(self, s: GemmShape, dev) -> list[Variant]:
@@ -315,6 +358,12 @@ class GemmOp(Op):
             from triton.tools.tensor_descriptor import TensorDescriptor
             d = [TensorDescriptor(t, list(t.shape), [t.shape[1], 1], blk)
                  for t, blk in ((x, [p["bm"], p["bk"]]), (w, [p["bn"], p["bk"]]), (y, [p["bm"], p["bn"]]))]
+            if p.get("sk", 1) > 1:
+                ws = torch.empty((p["sk"], 1, s.n), dtype=torch.float32, device=device)
+                counts = torch.zeros(1, dtype=torch.int32, device=device)
+                return [gemm_tma_sk_kernel.warmup(d[0], d[1], y, ws, counts, 1, N=s.n, K=s.k, BM=p["bm"], BN=p["bn"],
+                                                  BK=p["bk"], GROUP_M=GROUP_M, SPLIT_K=p["sk"], UPCAST=False, RNE=False,
+                                                  **opts)]
             return [gemm_tma_kernel.warmup(*d, 1, N=s.n, K=s.k, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=GROUP_M,
                                            PROGRAMS=sms if p.get("persistent") else 0, UPCAST=False, RNE=False, **opts)]
         sk, serial = p.get("sk", 1), not p.get("sum", False)
@@ -329,7 +378,8 @@ class GemmOp(Op):
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("tma"):
-            return [gemm_tma_kernel, tma_tile, tile_of, mma]
+            return [gemm_tma_sk_kernel, tile_of, mma, round_to] if v.p.get("sk", 1) > 1 else [gemm_tma_kernel, tma_tile,
+                                                                                            tile_of, mma]
         return [gemm_kernel, tile_of, mma, round_to] + ([splitk_sum_kernel] if v.p.get("sum") else [])
 
     def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
