@@ -2,7 +2,9 @@
 # The measurements the cuda backend still owes (issues 4, 6, 7), in priority order, for one device
 # session: each step writes JSON under $OUT and is cut by its own timeout so later steps still run.
 # Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
-#   steps: safetune load9 dec08 dec9 gdndiag gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
+# With KILN_TRY_UNMEASURED=1 the tune steps also offer the catalogue-only forms (docs/compiler.md), and
+# safetune retunes; a variant that faults is named (KILN_TUNE_SKIP=...) and skipped on the next try.
+#   steps: safetune load9 dec08 dec9 gemm gdndiag gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 set -u
@@ -36,7 +38,8 @@ for step in "$@"; do
     safetune)  # tune 0.8b; a variant that faults is the last one traced: skip it and try again
       export KILN_TUNE_TRACE=1
       for try in 1 2 3; do
-        timeout 200 python3 -m kiln.cli tune synth:qwen3.5-0.8b --dtype bf16 >/tmp/tune.out 2>/tmp/tune.err; rc=$?
+        timeout 200 python3 -m kiln.cli tune ${TUNE_MODEL:-synth:qwen3.5-0.8b} --dtype bf16 ${KILN_TRY_UNMEASURED:+--retune} \
+          >/tmp/tune.out 2>/tmp/tune.err; rc=$?
         grep -v "trace\|load:\|^\[autotune\] gemm\|^\[autotune\] rmsnorm" /tmp/tune.err | tail -14 | cut -c1-300
         [ $rc = 0 ] && break
         bad=$(grep -o "KILN_TUNE_SKIP=[^ ]*" /tmp/tune.err | tail -1 | sed 's/KILN_TUNE_SKIP=//')
@@ -54,6 +57,8 @@ for step in "$@"; do
           --json "$OUT/h200_load_qwen3.5-9b_run$run.json" 2>&1 | grep "\[bench\] load" ; done ;;
     dec08) timeout 240 python3 bench/decode_kernels.py synth:qwen3.5-0.8b 512 "$OUT/h200_decode_kernels_qwen3.5-0.8b.json" 2>&1 | tail -24 ;;
     dec9) timeout 300 python3 bench/decode_kernels.py synth:qwen3.5-9b 512 "$OUT/h200_decode_kernels_qwen3.5-9b.json" 2>&1 | tail -24 ;;
+    gemm) KILN_TRY_UNMEASURED=1 timeout 500 python3 bench/gemm_vs_cublas.py --out "$OUT/h200_gemm_vs_cublas.json" \
+        --commit "${KILN_COMMIT:-}" 2>&1 | tail -12 ;;
     gdnprof) GDN_DIAG_STEPS=profile GDN_DIAG_FORMS=split_h16w4_o128w8_pw4_bf16,split_h16w4_o128w8_pw4_bf16_inv-tf32x3,fla \
         timeout 200 python3 bench/gdn_diag.py "$OUT/h200_gdn_kernels.json" 2>&1 | cut -c1-900 | tail -8 ;;
     gdndiag) timeout 560 python3 bench/gdn_diag.py "$OUT/h200_gdn_forms.json" 2>&1 | cut -c1-700 | tail -30 ;;
