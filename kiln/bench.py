@@ -33,7 +33,7 @@ from .errors import KilnError
 
 DEFAULT_LENGTHS = (512, 2048, 8192, 32768, 81920)
 FIELDS = ("engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
-          "kiln_commit", "date", "command", "load_s", "tune_s", "tune_cache", "peak_mem_gb",
+          "kiln_commit", "kiln_env", "date", "command", "load_s", "tune_s", "tune_cache", "peak_mem_gb",
           "launches_per_token", "results", "baseline")
 
 

@@ -89,7 +89,13 @@ def environment(device: torch.device) -> dict:
         "triton": _version("triton"),
         "transformers": _version("transformers"),
         "kiln_commit": kiln_commit(),
+        "kiln_env": kiln_env(),
     }
+
+
+def kiln_env() -> dict:
+    """The KILN_* switches in effect (KILN_TUNE_SKIP, KILN_KERNELS_OFF, ...): they change what ran."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("KILN_") and k != "KILN_COMMIT"}
 
 
 def now_iso() -> str:
