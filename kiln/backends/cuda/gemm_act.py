@@ -167,7 +167,9 @@ class GemmActOp(Op):
             return forms
         if not try_unmeasured():
             return [UNFUSED_TRUSTED, UNFUSED]
-        return [v for v in forms if v.run is not None or v.p["sk"] > 1 or G.worth_measuring(s, v.p, dev.sms)]
+        # split-K only where the tiles alone leave SMs idle (worth_measuring): it also keeps the shared
+        # arrival counters from growing after a CUDA graph captured their address
+        return [v for v in forms if v.run is not None or G.worth_measuring(s, v.p, dev.sms)]
 
     def trusted(self, s, dev) -> Variant:
         return UNFUSED_TRUSTED
