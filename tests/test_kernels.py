@@ -94,6 +94,20 @@ def test_tma_split_k_gemm_equals_reference(m, n, k, dtype):
         assert_rounding_close(G.gemm(x, w, v, y), want, exact_fraction=0.95)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k", [(1, 80, 96), (1, 37, 200), (3, 48, 72)])
+def test_gemv_equals_reference(m, n, k, dtype):
+    """Decode's GEMV form (no tensor cores; split-K with a last-arrival sum), ragged N and K, and
+    correct for a few rows too (the gate runs it on a full block of rows)."""
+    x, w = rand(m, k, dtype=dtype, scale=2.0), rand(n, k, dtype=dtype, seed=1, scale=k ** -0.5)
+    want = REF.linear(x, w)
+    forms = [G.gemv_variant(*g) for g in G.CPU_GEMV]
+    assert m > 1 or set(forms) <= set(G.OP.candidates(G.GemmShape(m, n, k), device_info(DEVICE)))
+    for v in forms:
+        y = torch.full_like(want, float("nan"))
+        assert_rounding_close(G.gemm(x, w, v, y), want, exact_fraction=0.95)
+
+
 def test_rmsnorm_reads_strided_heads():
     """q after Qwen3.5's per-head split is a strided view [T, H, D]: normed per head, in place of a copy."""
     qg = rand(5, 3, 2 * 40, dtype=torch.bfloat16, scale=2.0)

@@ -165,6 +165,55 @@ def gemm_tma_sk_kernel(x_desc, w_desc, y_ptr, ws_ptr, count_ptr, M, N: tl.conste
         tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
 
 
+@triton.jit(do_not_specialize=["M"])
+def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, SPLIT_K: tl.constexpr, RNE: tl.constexpr):
+    """Decode's projections without tensor cores: program (column block, split) streams a [BN, SPAN]
+    slab of w with wide loads (K is contiguous) and multiplies it by x's row in f32, for each of the
+    M rows in turn (M is 1 where this form is chosen; more rows only re-read the slab). With
+    SPLIT_K > 1 the last arrival adds the f32 partials in split order, as gemm_kernel's SERIAL form."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    SPAN: tl.constexpr = (K + SPLIT_K * BK - 1) // (SPLIT_K * BK) * BK
+    EVEN: tl.constexpr = SPAN * SPLIT_K == K
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    rk = split * SPAN + tl.arange(0, BK)
+    # Rows past N read row N-1 (never stored) and whole-K spans need no mask: unmasked, contiguous
+    # loads along K that the compiler can widen to 16 bytes.
+    wrow = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K + rk[None, :]
+    for m in range(0, M):
+        acc = tl.zeros((BN, BK), dtype=tl.float32)
+        ws_ = wrow
+        xs = x_ptr + m * K + rk
+        for k in range(0, SPAN, BK):
+            if EVEN:
+                xv = tl.load(xs).to(tl.float32)
+                wv = tl.load(ws_).to(tl.float32)
+            else:
+                inside = rk + k < K
+                xv = tl.load(xs, mask=inside, other=0.0).to(tl.float32)
+                wv = tl.load(ws_, mask=inside[None, :], other=0.0).to(tl.float32)
+            acc += wv * xv[None, :]
+            xs += BK
+            ws_ += BK
+        total = tl.sum(acc, axis=1)
+        if SPLIT_K == 1:
+            tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=nmask)
+        else:
+            tl.store(ws_ptr + (split * M + m).to(tl.int64) * N + rn, total, mask=nmask)
+    if SPLIT_K > 1:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            for m in range(0, M):
+                total = tl.zeros((BN,), dtype=tl.float32)
+                for sp in tl.static_range(SPLIT_K):
+                    total += tl.load(ws_ptr + (sp * M + m).to(tl.int64) * N + rn, mask=nmask, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=nmask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
 # -- launching -------------------------------------------------------------------------------------
 
 def tiles(m: int, n: int, p: dict) -> int:
@@ -180,6 +229,12 @@ def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = 
     p = v.p
     flags, rne = dot_flags(x.dtype), rne_flag(x.dtype)
     opts = dict(num_warps=p["w"], num_stages=p["s"])
+    if p.get("gemv"):
+        sk, blocks = p["sk"], cdiv(n, p["bn"])
+        ws = y if sk == 1 else torch.empty((sk, m, n), dtype=torch.float32, device=x.device)
+        counts = arrival_counters(x.device, blocks) if sk > 1 else y
+        gemv_kernel[(blocks, sk)](x, w, y, ws, counts, m, N=n, K=k, BN=p["bn"], BK=p["bk"], SPLIT_K=sk, RNE=rne, **opts)
+        return y
     if p.get("tma"):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -251,6 +306,11 @@ def tile_variant(bm, bn, bk, w, s, sk=1, tma=False, persistent=False, sum_kernel
     return variant(name, bm=bm, bn=bn, bk=bk, w=w, s=s, **extra)
 
 
+def gemv_variant(bn, bk, sk, w, s=2) -> Variant:
+    """gemv_kernel: BN output features a program, BK-wide loads, SPLIT_K ranges of K."""
+    return variant(f"gemv_bn{bn}_bk{bk}_sk{sk}_w{w}_s{s}", gemv=True, bn=bn, bk=bk, sk=sk, w=w, s=s, bm=1)
+
+
 TRUSTED = tile_variant(128, 128, 32, 4, 1)   # plain tiles, no split, no pipelining, no TMA
 # (bm, bn, bk, warps, stages): large tiles for long prompts, narrow ones for few tokens or few columns.
 GPU_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
@@ -265,6 +325,8 @@ SPLIT_TILES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (
 TMA_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5),
              (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4)]
 TMA_SPLIT_TILES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
+GEMV_FORMS = [(bn, bk, sk, 4) for bn in (8, 16, 32) for bk in (256, 512) for sk in (1, 2, 4, 8)]
+CPU_GEMV = [(16, 64, 1, 4), (8, 32, 3, 4)]
 # Under the interpreter, whose cost is per program: few, large tiles that still take every code
 # path (ragged tiles, K not a multiple of BK, split-K).
 CPU_TILES = [(256, 256, 64, 4, 1), (64, 128, 32, 4, 1), (16, 128, 64, 4, 1)]
@@ -293,6 +355,12 @@ def worth_measuring(shape, p: dict, sms: int) -> bool:
     return sk == 1 or (t < sms and shape.k // sk >= 4 * p["bk"])
 
 
+def gemv_worth(shape, p: dict, sms: int) -> bool:
+    """At least one program per SM and at most 32, each with at least one BK step per split."""
+    programs = cdiv(shape.n, p["bn"]) * p["sk"]
+    return sms <= programs <= 32 * sms and shape.k // p["sk"] >= p["bk"]
+
+
 class GemmOp(Op):
     name = "gemm"
     sources = (__file__,)
@@ -306,6 +374,7 @@ class GemmOp(Op):
     def catalogue(self, s: GemmShape, dev) -> list[Variant]:
         if dev.capability is None:
             forms = [TRUSTED] + [tile_variant(*t) for t in CPU_TILES] + [tile_variant(*t, sk=k, sum_kernel=f) for t, k, f in CPU_SPLITS]
+            forms += [gemv_variant(*g) for g in CPU_GEMV] if s.rows == 1 else []
         else:
             forms = [TRUSTED] + [tile_variant(*t) for t in GPU_TILES]
             forms += [tile_variant(*t, sk=k, sum_kernel=sum_kernel) for t in SPLIT_TILES for k in (2, 4, 8)
@@ -314,13 +383,16 @@ class GemmOp(Op):
                 forms += [tile_variant(*t, tma=True, persistent=pers) for pers in (False, True) for t in TMA_TILES]
                 if try_unmeasured():      # not yet run on a GPU: offered only on request
                     forms += [tile_variant(*t, sk=k, tma=True) for t in TMA_SPLIT_TILES for k in (2, 4)]
+            if try_unmeasured() and s.rows == 1:
+                forms += [gemv_variant(*g) for g in GEMV_FORMS]
         return forms
 
     def candidates(self, s: GemmShape, dev) -> list[Variant]:
         forms = [v for v in self.catalogue(s, dev) if fits(s, v.p)]
         if dev.capability is None:
             return forms
-        return [v for v in forms if v == TRUSTED or worth_measuring(s, v.p, dev.sms)]
+        return [v for v in forms if v == TRUSTED or (gemv_worth(s, v.p, dev.sms) if v.p.get("gemv")
+                                                      else worth_measuring(s, v.p, dev.sms))]
 
     def trusted(self, s, dev) -> Variant:
         return TRUSTED
@@ -354,6 +426,11 @@ class GemmOp(Op):
         w = torch.empty((s.n, s.k), dtype=dtype, device=device)
         y = torch.empty((1, s.n), dtype=dtype, device=device)
         p, opts = v.p, dict(num_warps=v.p["w"], num_stages=v.p["s"], grid=(1,))
+        if p.get("gemv"):
+            ws = y if p["sk"] == 1 else torch.empty((p["sk"], 1, s.n), dtype=torch.float32, device=device)
+            counts = torch.zeros(1, dtype=torch.int32, device=device) if p["sk"] > 1 else y
+            return [gemv_kernel.warmup(x, w, y, ws, counts, 1, N=s.n, K=s.k, BN=p["bn"], BK=p["bk"], SPLIT_K=p["sk"],
+                                       RNE=False, **opts)]
         if p.get("tma"):
             from triton.tools.tensor_descriptor import TensorDescriptor
             d = [TensorDescriptor(t, list(t.shape), [t.shape[1], 1], blk)
@@ -377,6 +454,8 @@ class GemmOp(Op):
         return kernels
 
     def kernel_sources(self, v: Variant) -> list:
+        if v.p.get("gemv"):
+            return [gemv_kernel, round_to]
         if v.p.get("tma"):
             return [gemm_tma_sk_kernel, tile_of, mma, round_to] if v.p.get("sk", 1) > 1 else [gemm_tma_kernel, tma_tile,
                                                                                             tile_of, mma]
