@@ -9,6 +9,7 @@
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KILN_CACHE_DIR=$PWD/.kiln-cache KILN_DEBUG=1
+TAG=${KILN_COMMIT:-run}   # in every result name: copying results home must never overwrite an older one
 trap 'mkdir -p "$OUT/kiln-cache" && cp -rT "$KILN_CACHE_DIR" "$OUT/kiln-cache" 2>/dev/null' EXIT
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -18,23 +19,23 @@ quiet() { grep -v "load:\|^\[autotune\] gemm\|^\[autotune\] rmsnorm" | cut -c1-4
 bench() {  # MODEL LENGTHS GEN TIMEOUT
   n=$(echo "$1" | sed 's/synth://; s/[:=]/_/g')
   timeout "$4" python3 -m kiln.cli bench "$1" --dtype bf16 --prompt-lengths "$2" --gen "$3" --runs 1 \
-    --baseline transformers --baseline-attn eager --json "$OUT/h200_bench_${n}_cuda.json" 2>&1 | quiet | tail -16
+    --baseline transformers --baseline-attn eager --json "$OUT/h200_bench_${n}_cuda_${TAG}.json" 2>&1 | quiet | tail -16
 }
 for step in "$@"; do
   echo "=== $step"
   case $step in
     bench08) bench synth:qwen3.5-0.8b 512,8192 64 300 ;;
-    bench08long) n=h200_bench_qwen3.5-0.8b_long_cuda.json; timeout 300 python3 -m kiln.cli bench synth:qwen3.5-0.8b \
+    bench08long) n=h200_bench_qwen3.5-0.8b_long_cuda_${TAG}.json; timeout 300 python3 -m kiln.cli bench synth:qwen3.5-0.8b \
         --dtype bf16 --prompt-lengths 81920 --gen 64 --runs 1 --json "$OUT/$n" 2>&1 | quiet | tail -12 ;;
     bench9) bench synth:qwen3.5-9b 512,8192 32 420 ;;
     bench35) bench synth:qwen3.5-35b-a3b 512,8192 32 500 ;;
     compare08) timeout 300 python3 -m kiln.cli compare synth:qwen3.5-0.8b --dtype bf16 --random-prompt 512 \
-        --random-prompt 600 --random-prompt 8192 --tokens 48 --json "$OUT/h200_compare_qwen3.5-0.8b_cuda.json" 2>&1 | quiet | tail -10 ;;
+        --random-prompt 600 --random-prompt 8192 --tokens 48 --json "$OUT/h200_compare_qwen3.5-0.8b_cuda_${TAG}.json" 2>&1 | quiet | tail -10 ;;
     profile08) timeout 240 python3 -m kiln.cli profile synth:qwen3.5-0.8b --dtype bf16 --prompt-length 4096 \
-        --repeats 2 --json "$OUT/h200_profile_qwen3.5-0.8b_cuda.json" 2>&1 | quiet | tail -16 ;;
-    gdn) timeout 200 python3 bench/gdn_gpu.py "$OUT/h200_gdn_ops.json" 2>&1 | tail -20 ;;
-    attn) timeout 200 python3 bench/attention_gpu.py "$OUT/h200_attention_ops.json" 2>&1 | tail -20 ;;
-    moe) timeout 200 python3 bench/moe_gpu.py "$OUT/h200_moe_ops.json" 2>&1 | tail -20 ;;
+        --repeats 2 --json "$OUT/h200_profile_qwen3.5-0.8b_cuda_${TAG}.json" 2>&1 | quiet | tail -16 ;;
+    gdn) timeout 200 python3 bench/gdn_gpu.py "$OUT/h200_gdn_ops_${TAG}.json" 2>&1 | tail -20 ;;
+    attn) timeout 200 python3 bench/attention_gpu.py "$OUT/h200_attention_ops_${TAG}.json" 2>&1 | tail -20 ;;
+    moe) timeout 200 python3 bench/moe_gpu.py "$OUT/h200_moe_ops_${TAG}.json" 2>&1 | tail -20 ;;
     safetune)  # tune 0.8b; a variant that faults is the last one traced: skip it and try again
       export KILN_TUNE_TRACE=1
       for try in 1 2 3; do
@@ -54,14 +55,14 @@ for step in "$@"; do
       cat $d/*.safetensors > /dev/null
       for run in 1 2; do   # the first fills the tune cache; the second is the measurement
         timeout 240 python3 -m kiln.cli bench $d --dtype bf16 --prompt-lengths 512 --gen 16 --runs 1 \
-          --json "$OUT/h200_load_qwen3.5-9b_run$run.json" 2>&1 | grep "\[bench\] load" ; done ;;
-    dec08) timeout 240 python3 bench/decode_kernels.py synth:qwen3.5-0.8b 512 "$OUT/h200_decode_kernels_qwen3.5-0.8b.json" 2>&1 | tail -24 ;;
-    dec9) timeout 300 python3 bench/decode_kernels.py synth:qwen3.5-9b 512 "$OUT/h200_decode_kernels_qwen3.5-9b.json" 2>&1 | tail -24 ;;
-    gemm) KILN_TRY_UNMEASURED=1 timeout 500 python3 bench/gemm_vs_cublas.py --out "$OUT/h200_gemm_vs_cublas.json" \
+          --json "$OUT/h200_load_qwen3.5-9b_run${run}_${TAG}.json" 2>&1 | grep "\[bench\] load" ; done ;;
+    dec08) timeout 240 python3 bench/decode_kernels.py synth:qwen3.5-0.8b 512 "$OUT/h200_decode_kernels_qwen3.5-0.8b_${TAG}.json" 2>&1 | tail -24 ;;
+    dec9) timeout 300 python3 bench/decode_kernels.py synth:qwen3.5-9b 512 "$OUT/h200_decode_kernels_qwen3.5-9b_${TAG}.json" 2>&1 | tail -24 ;;
+    gemm) KILN_TRY_UNMEASURED=1 timeout 500 python3 bench/gemm_vs_cublas.py --out "$OUT/h200_gemm_vs_cublas_${TAG}.json" \
         --commit "${KILN_COMMIT:-}" 2>&1 | tail -12 ;;
     gdnprof) GDN_DIAG_STEPS=profile GDN_DIAG_FORMS=split_h16w4_o128w8_pw4_bf16,split_h16w4_o128w8_pw4_bf16_inv-tf32x3,fla \
-        timeout 200 python3 bench/gdn_diag.py "$OUT/h200_gdn_kernels.json" 2>&1 | cut -c1-900 | tail -8 ;;
-    gdndiag) timeout 560 python3 bench/gdn_diag.py "$OUT/h200_gdn_forms.json" 2>&1 | cut -c1-700 | tail -30 ;;
+        timeout 200 python3 bench/gdn_diag.py "$OUT/h200_gdn_kernels_${TAG}.json" 2>&1 | cut -c1-900 | tail -8 ;;
+    gdndiag) timeout 560 python3 bench/gdn_diag.py "$OUT/h200_gdn_forms_${TAG}.json" 2>&1 | cut -c1-700 | tail -30 ;;
     gputests)  # one process a file: an illegal memory access poisons the CUDA context for the rest
       for f in ${GPU_TEST_FILES:-tests/test_cuda_backend.py tests/test_kernels_gdn.py tests/test_kernels_attention.py \
           tests/test_kernels_moe.py tests/test_kernels_rope.py tests/test_kernels.py}; do
