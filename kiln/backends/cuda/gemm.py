@@ -82,19 +82,36 @@ def gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: t
     if SPLIT_K == 1:
         tl.store(out, round_to(acc, y_ptr.dtype.element_ty, RNE), mask=keep)
     else:
-        tl.store(ws_ptr + (split * M + rm).to(tl.int64)[:, None] * N + rn[None, :], acc, mask=keep)
         if SERIAL:
-            # NOTE: every thread's partial must be visible before the arrival: barrier, then a
-            # release at GPU scope; the acquire on the same counter makes all partials visible.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                total = tl.zeros((BM, BN), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):     # split order: the same sum whoever is last
-                    part = ws_ptr + (s * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
-                    total += tl.load(part, mask=keep, other=0.0, cache_modifier=".cg")
-                tl.store(out, round_to(total, y_ptr.dtype.element_ty, RNE), mask=keep)
-                tl.atomic_xchg(count_ptr + tl.program_id(0), 0)    # ready for the next launch
+            splitk_finish(acc, ws_ptr, y_ptr, count_ptr, tl.program_id(0), split, M, rm, rn, keep, N, SPLIT_K, RNE)
+        else:
+            tl.store(ws_ptr + (split * M + rm).to(tl.int64)[:, None] * N + rn[None, :], acc, mask=keep)
+
+
+@triton.jit
+def last_arrival(count_ptr, idx, SPLIT_K: tl.constexpr):
+    """Whether this program is the last of SPLIT_K to arrive at counter idx (serial split-K).
+    NOTE: every thread's partials must be visible before the arrival: a barrier, then a release at
+    GPU scope; the acquire on the same counter makes all the splits' partials visible to the last."""
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr + idx, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+
+
+@triton.jit
+def splitk_finish(acc, ws_ptr, y_ptr, count_ptr, idx, split, M, rm, rn, keep, N: tl.constexpr,
+                  SPLIT_K: tl.constexpr, RNE: tl.constexpr):
+    """A tile's serial split-K finish: this split's f32 partial to ws [SPLIT_K, M, N]; the last to
+    arrive adds the partials in split order (the same sum whoever is last), rounds once, stores y and
+    resets the counter for the next launch."""
+    tl.store(ws_ptr + (split * M + rm).to(tl.int64)[:, None] * N + rn[None, :], acc, mask=keep)
+    if last_arrival(count_ptr, idx, SPLIT_K):
+        total = tl.zeros_like(acc)
+        for s in tl.static_range(SPLIT_K):
+            part = ws_ptr + (s * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
+            total += tl.load(part, mask=keep, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], round_to(total, y_ptr.dtype.element_ty, RNE),
+                 mask=keep)
+        tl.atomic_xchg(count_ptr + idx, 0)
 
 
 @triton.jit(do_not_specialize=["MN"])
@@ -152,17 +169,7 @@ def gemm_tma_sk_kernel(x_desc, w_desc, y_ptr, ws_ptr, count_ptr, M, N: tl.conste
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     keep = (rm < M)[:, None] & (rn < N)[None, :]
-    tl.store(ws_ptr + (split * M + rm).to(tl.int64)[:, None] * N + rn[None, :], acc, mask=keep)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLIT_K - 1:
-        total = tl.zeros((BM, BN), dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            part = ws_ptr + (s * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
-            total += tl.load(part, mask=keep, other=0.0, cache_modifier=".cg")
-        tl.store(y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], round_to(total, y_ptr.dtype.element_ty, RNE),
-                 mask=keep)
-        tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
+    splitk_finish(acc, ws_ptr, y_ptr, count_ptr, tl.program_id(0), split, M, rm, rn, keep, N, SPLIT_K, RNE)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -202,9 +209,7 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: t
         else:
             tl.store(ws_ptr + (split * M + m).to(tl.int64) * N + rn, total, mask=nmask)
     if SPLIT_K > 1:
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+        if last_arrival(count_ptr, pid_n, SPLIT_K):
             for m in range(0, M):
                 total = tl.zeros((BN,), dtype=tl.float32)
                 for sp in tl.static_range(SPLIT_K):
@@ -455,11 +460,12 @@ class GemmOp(Op):
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("gemv"):
-            return [gemv_kernel, round_to]
+            return [gemv_kernel, round_to, last_arrival]
         if v.p.get("tma"):
-            return [gemm_tma_sk_kernel, tile_of, mma, round_to] if v.p.get("sk", 1) > 1 else [gemm_tma_kernel, tma_tile,
-                                                                                            tile_of, mma]
-        return [gemm_kernel, tile_of, mma, round_to] + ([splitk_sum_kernel] if v.p.get("sum") else [])
+            return ([gemm_tma_sk_kernel, tile_of, mma, round_to, splitk_finish, last_arrival] if v.p.get("sk", 1) > 1
+                    else [gemm_tma_kernel, tma_tile, tile_of, mma])
+        return [gemm_kernel, tile_of, mma, round_to, splitk_finish, last_arrival] + (
+            [splitk_sum_kernel] if v.p.get("sum") else [])
 
     def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         return x.dtype in SUPPORTED and w.dtype == x.dtype

@@ -73,9 +73,7 @@ def gemm_act_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, 
         part = (rm.to(tl.int64)[:, None] * N + rn[None, :])
         tl.store(ws_ptr + (2 * split) * M * N + part, acc_g, mask=keep)
         tl.store(ws_ptr + (2 * split + 1) * M * N + part, acc_u, mask=keep)
-        tl.debug_barrier()        # every thread's partials written before the arrival (see gemm_kernel)
-        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+        if G.last_arrival(count_ptr, tl.program_id(0), SPLIT_K):
             tg = tl.zeros((BM, BN), dtype=tl.float32)
             tu = tl.zeros((BM, BN), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):          # split order: the same sum whoever is last
@@ -205,7 +203,7 @@ class GemmActOp(Op):
     def kernel_sources(self, v: Variant) -> list:
         if v.run is not None:
             return []
-        return [gemm_act_kernel, act_mul_epilogue, E.act_f32, G.tile_of, G.mma, round_to]
+        return [gemm_act_kernel, act_mul_epilogue, E.act_f32, G.tile_of, G.mma, G.last_arrival, round_to]
 
     def supports(self, x, w, act) -> bool:
         return x.dtype in SUPPORTED and w.dtype == x.dtype and act in E.ACTS and w.shape[0] % 2 == 0
