@@ -101,9 +101,7 @@ def test_gemv_equals_reference(m, n, k, dtype):
     correct for a few rows too (the gate runs it on a full block of rows)."""
     x, w = rand(m, k, dtype=dtype, scale=2.0), rand(n, k, dtype=dtype, seed=1, scale=k ** -0.5)
     want = REF.linear(x, w)
-    forms = [G.gemv_variant(*g) for g in G.CPU_GEMV]
-    assert m > 1 or set(forms) <= set(G.OP.candidates(G.GemmShape(m, n, k), device_info(DEVICE)))
-    for v in forms:
+    for v in [G.gemv_variant(*g) for g in G.CPU_GEMV]:
         y = torch.full_like(want, float("nan"))
         assert_rounding_close(G.gemm(x, w, v, y), want, exact_fraction=0.95)
 

@@ -331,7 +331,7 @@ TMA_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (
              (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4)]
 TMA_SPLIT_TILES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
 GEMV_FORMS = [(bn, bk, sk, 4) for bn in (8, 16, 32) for bk in (256, 512) for sk in (1, 2, 4, 8)]
-CPU_GEMV = [(16, 64, 1, 4), (8, 32, 3, 4)]
+CPU_GEMV = [(16, 64, 1, 4), (8, 32, 3, 4)]   # tests only: the interpreter's cost is per program (and per row)
 # Under the interpreter, whose cost is per program: few, large tiles that still take every code
 # path (ragged tiles, K not a multiple of BK, split-K).
 CPU_TILES = [(256, 256, 64, 4, 1), (64, 128, 32, 4, 1), (16, 128, 64, 4, 1)]
@@ -379,7 +379,6 @@ class GemmOp(Op):
     def catalogue(self, s: GemmShape, dev) -> list[Variant]:
         if dev.capability is None:
             forms = [TRUSTED] + [tile_variant(*t) for t in CPU_TILES] + [tile_variant(*t, sk=k, sum_kernel=f) for t, k, f in CPU_SPLITS]
-            forms += [gemv_variant(*g) for g in CPU_GEMV] if s.rows == 1 else []
         else:
             forms = [TRUSTED] + [tile_variant(*t) for t in GPU_TILES]
             forms += [tile_variant(*t, sk=k, sum_kernel=sum_kernel) for t in SPLIT_TILES for k in (2, 4, 8)
