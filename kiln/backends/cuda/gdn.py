@@ -342,6 +342,17 @@ def unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
     return p - tl.dot(m, p, input_precision=PREC)
 
 
+@triton.jit
+def chunk_decays(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, t, tm, HV: tl.constexpr, dtype: tl.constexpr,
+                 RNE: tl.constexpr):
+    """beta [BT] and the running sum of the log-decay, cum [BT], of value head h at tokens t (padded
+    tokens, tm false: g = beta = 0, as the reference pads)."""
+    a = tl.load(a_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
+    g, beta = decay_beta(a, b, tl.load(alog_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32), dtype, RNE)
+    return tl.where(tm, beta, 0.0), tl.cumsum(tl.where(tm, g, 0.0), axis=0)
+
+
 @triton.jit(do_not_specialize=["T"])
 def prep_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, kd_ptr, T, HK: tl.constexpr,
                 HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
@@ -363,12 +374,7 @@ def prep_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, 
     rows = xc_ptr + t.to(tl.int64)[:, None] * C
     k = l2norm_rows(tl.load(rows + HK * DK + kh * DK + dk[None, :], mask=tm[:, None], other=0.0).to(tl.float32))
     v = tl.load(rows + 2 * HK * DK + h * DV + dv[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
-    g, beta = decay_beta(a, b, tl.load(alog_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32), dtype, RNE)
-    g = tl.where(tm, g, 0.0)
-    beta = tl.where(tm, beta, 0.0)
-    cum = tl.cumsum(g, axis=0)
+    beta, cum = chunk_decays(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, t, tm, HV, dtype, RNE)
     kb = k * beta[:, None]
     lower = i[:, None] > i[None, :]
     decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
@@ -405,12 +411,7 @@ def solve_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, inv_ptr, cum_ptr, T, H
     dk = tl.arange(0, DK)
     rows = xc_ptr + t.to(tl.int64)[:, None] * C
     k = l2norm_rows(tl.load(rows + HK * DK + kh * DK + dk[None, :], mask=tm[:, None], other=0.0).to(tl.float32))
-    a = tl.load(a_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
-    g, beta = decay_beta(a, b, tl.load(alog_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32), dtype, RNE)
-    g = tl.where(tm, g, 0.0)
-    beta = tl.where(tm, beta, 0.0)
-    cum = tl.cumsum(g, axis=0)
+    beta, cum = chunk_decays(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, t, tm, HV, dtype, RNE)
     lower = i[:, None] > i[None, :]
     decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
     A = tl.where(lower, mm(k * beta[:, None], tl.trans(k), PREC, DOT16, UPCAST, dtype, RNE) * decay, 0.0)
@@ -955,9 +956,9 @@ class GdnPrefillOp(GdnOp):
         if v.p["form"] == "torch":
             return [conv_kernel]
         if v.p["form"] == "split":
-            return [conv_kernel, prep_kernel, solve_kernel, wu_kernel, unit_lower_inverse, unit_lower_inverse_dots,
-                    state_kernel, output_kernel, norm_kernel]
-        return [conv_kernel, prep_kernel, unit_lower_inverse, scan_kernel] + [norm_kernel]
+            return [conv_kernel, prep_kernel, chunk_decays, solve_kernel, wu_kernel, unit_lower_inverse,
+                    unit_lower_inverse_dots, state_kernel, output_kernel, norm_kernel]
+        return [conv_kernel, prep_kernel, chunk_decays, unit_lower_inverse, scan_kernel] + [norm_kernel]
 
 
 class GdnDecodeOp(GdnOp):
