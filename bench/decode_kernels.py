@@ -28,7 +28,7 @@ REPS = 50
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def decode(eng, state, tok: int, pos: int, n: int) -> tuple[int, int]:

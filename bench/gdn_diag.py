@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 HK, DK, DV, K = 16, 128, 128, 4
 SHAPES = [(8192, 16), (8192, 32), (32768, 16)]
@@ -51,10 +52,13 @@ def _dev():
     return device_info(torch.device("cuda"))
 
 
-def child(mode: str, name: str) -> dict:
-    if mode in ("check", "profile"):
-        return one(mode, name, *SHAPES[0])
-    return {f"T{t}_hv{hv}": one("time", name, t, hv) for t, hv in SHAPES}
+def child(mode: str, names: str) -> dict:
+    """One form, or (time, profile: forms that passed their check) several in one process."""
+    if mode == "check":
+        return one(mode, names, *SHAPES[0])
+    if mode == "profile":
+        return {n: one(mode, n, *SHAPES[0]) for n in names.split(",")}
+    return {n: {f"T{t}_hv{hv}": one("time", n, t, hv) for t, hv in SHAPES} for n in names.split(",")}
 
 
 def one(mode: str, name: str, t: int, hv: int) -> dict:
@@ -139,6 +143,16 @@ def spawn(mode: str, name: str, timeout: int, prefix=()) -> dict:
     return {"error": "\n".join(keep)[-2500:], "rc": r.returncode}
 
 
+def batched(mode: str, names: list[str], per_form_s: int) -> dict:
+    """Run MODE for NAMES in one process; if it dies, one process per form so the rest still report."""
+    if not names:
+        return {}
+    r = spawn(mode, ",".join(names), 60 + per_form_s * len(names))
+    if "error" not in r:
+        return r
+    return {n: spawn(mode, n, 60 + per_form_s).get(n, r) for n in names}
+
+
 def sanitize(name: str) -> str:
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not os.path.exists(exe):
@@ -156,23 +170,37 @@ def main(out: str) -> None:
     t0 = time.time()
     only = [f for f in os.environ.get("GDN_DIAG_FORMS", "").split(",") if f]
     steps = os.environ.get("GDN_DIAG_STEPS", "check,time,profile").split(",")
-    for name in only or forms():
-        row = {"form": name}
-        if name != "fla" and "check" in steps:
-            row["check"] = spawn("check", name, 120)
-            if "error" in row["check"]:
-                row["sanitizer"] = sanitize(name)
-        if "sanitizer" not in row and "time" in steps:
-            row["time_ms"] = spawn("time", name, 150)
-        if "profile" in steps and (name in PROFILED or only):
-            row["kernels_us_T8192_hv16"] = spawn("profile", name, 120)
-        res["cases"].append(row)
-        print(json.dumps(row)[:700], flush=True)
-        with open(out, "w") as f:
-            json.dump(res, f, indent=1)
+    names = only or forms()
+    rows = {n: {"form": n} for n in names}
+    checked = [n for n in names if n != "fla"] if "check" in steps else []
+    # checks in parallel (correctness only; each compiles for tens of seconds), timings one at a time
+    with ThreadPoolExecutor(int(os.environ.get("GDN_DIAG_JOBS", "4"))) as pool:
+        for n, r in zip(checked, pool.map(lambda n: spawn("check", n, 240), checked)):
+            rows[n]["check"] = r
+            if "error" in r:
+                rows[n]["sanitizer"] = sanitize(n)
+            print(n, json.dumps(r)[:300], flush=True)
+    save(out, res, rows, names)
+    ok = [n for n in names if "sanitizer" not in rows[n]]
+    if "time" in steps:
+        for n, r in batched("time", ok, 90).items():
+            rows[n]["time_ms"] = r
+        save(out, res, rows, names)
+    if "profile" in steps:
+        for n, r in batched("profile", [n for n in ok if n in PROFILED or only], 60).items():
+            rows[n]["kernels_us_T8192_hv16"] = r
     res["wall_s"] = round(time.time() - t0, 1)
-    with open(out, "w") as f:
+    save(out, res, rows, names)
+    for row in res["cases"]:
+        print(json.dumps(row)[:700], flush=True)
+
+
+def save(out: str, res: dict, rows: dict, names: list[str]) -> None:
+    """Written after each phase, so a step cut by its timeout still leaves what it measured."""
+    res["cases"] = [rows[n] for n in names]
+    with open(out + ".tmp", "w") as f:
         json.dump(res, f, indent=1)
+    os.replace(out + ".tmp", out)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ for step in "$@"; do
         --commit "${KILN_COMMIT:-}" 2>&1 | tail -12 ;;
     gdnprof) GDN_DIAG_STEPS=profile GDN_DIAG_FORMS=split_h16w4_o128w8_pw4_bf16,split_h16w4_o128w8_pw4_bf16_inv-tf32x3,fla \
         timeout 200 python3 bench/gdn_diag.py "$OUT/h200_gdn_kernels_${TAG}.json" 2>&1 | cut -c1-900 | tail -8 ;;
-    gdndiag) timeout 560 python3 bench/gdn_diag.py "$OUT/h200_gdn_forms_${TAG}.json" 2>&1 | cut -c1-700 | tail -30 ;;
+    gdndiag) timeout ${GDN_DIAG_TIMEOUT:-560} python3 bench/gdn_diag.py "$OUT/h200_gdn_forms_${TAG}.json" 2>&1 | cut -c1-700 | tail -30 ;;
     gputests)  # one process a file: an illegal memory access poisons the CUDA context for the rest
       for f in ${GPU_TEST_FILES:-tests/test_cuda_backend.py tests/test_kernels_gdn.py tests/test_kernels_attention.py \
           tests/test_kernels_moe.py tests/test_kernels_rope.py tests/test_kernels.py}; do
