@@ -31,10 +31,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def decode(eng, state, tok: int, pos: int, n: int) -> tuple[int, int]:
+def decode(eng, state, tok: int, pos: int, n: int, seen: list | None = None) -> tuple[int, int]:
     for _ in range(n):
         tok = int(torch.argmax(eng.decode_step(tok, pos, state)))
         pos += 1
+        if seen is not None:
+            seen.append(tok)
     return tok, pos
 
 
@@ -47,10 +49,11 @@ def main(model: str, prompt: int, out: str) -> None:
     ids = torch.randint(0, llm.model.cfg.vocab_size, (prompt,), generator=gen).tolist()
     state = eng.new_state(prompt + 3 * REPS + 8)
     tok, pos = int(torch.argmax(eng.prefill(ids, state))), prompt
-    tok, pos = decode(eng, state, tok, pos, 4)                     # eager step, capture, replays
+    tokens = [tok]                                                  # the greedy tokens: A/B runs compare them
+    tok, pos = decode(eng, state, tok, pos, 4, tokens)              # eager step, capture, replays
     sync()
     t0 = time.perf_counter()
-    tok, pos = decode(eng, state, tok, pos, REPS)
+    tok, pos = decode(eng, state, tok, pos, REPS, tokens)
     sync()
     plain_ms = (time.perf_counter() - t0) * 1e3 / REPS
     acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
@@ -68,15 +71,16 @@ def main(model: str, prompt: int, out: str) -> None:
     weight_bytes = sum(w.numel() * w.element_size() for w in llm.model.w.values())
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "triton": triton.__version__, "kiln_commit": os.environ.get("KILN_COMMIT"),
-           "command": " ".join(sys.argv), "model": model, "prompt_tokens": prompt, "reps": REPS,
+           "command": " ".join(sys.argv), "kiln_env": {k: v for k, v in os.environ.items() if k.startswith("KILN_")},
+           "model": model, "prompt_tokens": prompt, "reps": REPS,
            "launches_per_token": eng.launches_per_token, "ms_per_token": round(plain_ms, 4),
            "ms_per_token_profiled": round(prof_ms, 4),
            "kernel_us_per_token": round(sum(k["us_per_token"] for k in kernels.values()), 1),
            "weight_bytes": weight_bytes, "floor_ms_at_4.27TBps": round(weight_bytes / 4.27e9, 4),
-           "kernels": dict(list(ranked.items())[:40])}
+           "kernels": dict(list(ranked.items())[:40]), "tokens": tokens}
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
-    print(json.dumps({k: v for k, v in res.items() if k != "kernels"}, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("kernels", "tokens")}, indent=1))
     for name, k in list(ranked.items())[:15]:
         print(f"{k['us_per_token']:9.1f} us  {k['calls_per_token']:6.1f}x  {name}")
 

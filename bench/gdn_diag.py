@@ -27,8 +27,7 @@ HK, DK, DV, K = 16, 128, 128, 4
 SHAPES = [(8192, 16), (8192, 32), (32768, 16)]
 
 
-PROFILED = ("split_h16w4_o128w8_pw4_bf16", "split_h16w4_o128w8_pw8_bf16_inv-tf32_dots_p2", "split_h16w4_o64w8_pw8_tf32x3_p2",
-            "fla")
+PROFILED = ("split_h16w4_o128w8_pw8_bf16_inv-tf32_p2", "split_h16w4_o64w8_pw8_tf32x3_p2", "fla")
 
 
 def forms() -> list[str]:

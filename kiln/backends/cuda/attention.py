@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, variant
-from .common import SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, rne_flag, round_to
+from .common import SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
 
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)
 
@@ -189,11 +189,12 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, q_start, kv_len, stride_t, str
 def decode_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ws, l_ws, acc_ws, stride_h, chunk, splits, scale, softcap,
                         H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
                         SOFTCAP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SCALAR: tl.constexpr,
-                        UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr):
+                        UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
     """Program (split, KV head): keys split*chunk .. +chunk-1 that are <= pos (and in the window),
     for the H // KV query heads of the KV head (ROWS >= that, padded). A split with no such key
     writes the neutral partial m = -inf, l = 0, acc = 0. Partials: [H, splits] (and [H, splits, D])."""
     G: tl.constexpr = H // KV
+    pdl_wait(PDL)
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     r = tl.arange(0, ROWS)
@@ -222,9 +223,10 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ws, l_ws, acc_ws, stride
 
 @triton.jit(do_not_specialize=["chunk", "splits"])
 def decode_combine_kernel(m_ws, l_ws, acc_ws, pos_ptr, o_ptr, chunk, splits, D: tl.constexpr, WINDOW: tl.constexpr,
-                          SPLIT_BLOCK: tl.constexpr, RNE: tl.constexpr):
+                          SPLIT_BLOCK: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
     """Program per query head: o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the splits
     that hold keys <= pos (and in the window), SPLIT_BLOCK splits at a time."""
+    pdl_wait(PDL)
     h = tl.program_id(0)
     d = tl.arange(0, D)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -316,9 +318,10 @@ def run_decode(q, k_buf, v_buf, pos: torch.Tensor, scale: float, window, softcap
     decode_split_kernel[(splits, kv)](q, k_buf, v_buf, pos, m_ws, l_ws, acc_ws, q.stride(1), chunk, splits, scale,
                                       softcap or 1.0, H=h, KV=kv, D=d, WINDOW=window or 0, SOFTCAP=softcap is not None,
                                       ROWS=decode_rows(v, h // kv), BLOCK_N=p["bn"], SCALAR=p.get("scalar", False),
-                                      RNE=rne, **dot_flags(q.dtype), num_warps=p["w"], num_stages=p.get("s", 2))
+                                      RNE=rne, **dot_flags(q.dtype), num_warps=p["w"], num_stages=p.get("s", 2),
+                                      **pdl(q))
     decode_combine_kernel[(h,)](m_ws, l_ws, acc_ws, pos, out, chunk, splits, D=d, WINDOW=window or 0,
-                                SPLIT_BLOCK=combine_block(d), RNE=rne, num_warps=4)
+                                SPLIT_BLOCK=combine_block(d), RNE=rne, num_warps=4, **pdl(q))
     return out
 
 
@@ -574,12 +577,14 @@ class DecodeAttentionOp(Op):
                                            WINDOW=s.window or 0, SOFTCAP=s.softcap is not None,
                                            ROWS=decode_rows(v, s.h // s.kv), BLOCK_N=p["bn"],
                                            SCALAR=p.get("scalar", False), RNE=False, **dot_flags(dtype),
-                                           num_warps=p["w"], num_stages=p.get("s", 2), grid=(1,)),
+                                           num_warps=p["w"], num_stages=p.get("s", 2), grid=(1,), **pdl(q)),
                 decode_combine_kernel.warmup(ws, ws, ws, pos, q, p["bn"], 1, D=s.d, WINDOW=s.window or 0,
-                                             SPLIT_BLOCK=combine_block(s.d), RNE=False, num_warps=4, grid=(1,))]
+                                             SPLIT_BLOCK=combine_block(s.d), RNE=False, num_warps=4, grid=(1,),
+                                             **pdl(q))]
 
     def kernel_sources(self, v: Variant) -> list:
-        return [decode_split_kernel, decode_combine_kernel, attend, scores, matmul_f32, round16, tanh_f32, round_to]
+        return [decode_split_kernel, decode_combine_kernel, attend, scores, matmul_f32, round16, tanh_f32, round_to,
+                pdl_wait]
 
     def supports(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor | None = None) -> bool:
         return supports(q, k_buf, v_buf) and q.shape[0] == 1

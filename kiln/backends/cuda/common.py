@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def interpreting() -> bool:
@@ -70,6 +71,30 @@ def round_to(x, dtype: tl.constexpr, RNE: tl.constexpr):
         bits = x.to(tl.uint32, bitcast=True)
         x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """Launch options for programmatic dependent launch (sm_90 and later; KILN_PDL=0 turns it off):
+    the kernel may start while the one before it finishes, loads what that kernel does not write
+    (weights, its own state), and waits in pdl_wait before touching anything else."""
+    on = (t.is_cuda and not interpreting() and os.environ.get("KILN_PDL", "1") != "0"
+          and _pdl_capable(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait until the kernel before has finished and its writes are visible, then let the next one
+    launch. Every PDL kernel passes here before it writes: so when a kernel starts, every kernel but
+    the one just before it has finished, and only that one's outputs must not be read earlier."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)

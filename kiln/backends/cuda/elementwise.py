@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import SUPPORTED, cdiv, next_pow2, rne_flag, round_to
+from .common import SUPPORTED, cdiv, next_pow2, pdl, pdl_wait, rne_flag, round_to
 
 ACTS = {"silu": 0, "sigmoid": 1}     # torch's formulas in f32 (tanh-based GELU stays in torch)
 BLOCK = 1024
@@ -27,9 +27,10 @@ def act_f32(x, ACT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["g_stride", "u_stride"])
 def act_mul_kernel(g_ptr, u_ptr, y_ptr, g_stride, u_stride, N: tl.constexpr, BLOCK_N: tl.constexpr,
-                   ACT: tl.constexpr, RNE: tl.constexpr):
+                   ACT: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, column block): y[row] = round(round(act(g[row])) * u[row]); g and u have row
     strides (views of a concatenated projection), y is contiguous."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = cols < N
@@ -59,5 +60,5 @@ def act_mul(g: torch.Tensor, u: torch.Tensor, act: str, y: torch.Tensor | None =
         return y
     bn = min(BLOCK, next_pow2(n))
     act_mul_kernel[(rows, cdiv(n, bn))](g2, u2, y, g2.stride(0), u2.stride(0), N=n, BLOCK_N=bn, ACT=ACTS[act],
-                                        RNE=rne_flag(g.dtype), num_warps=4)
+                                        RNE=rne_flag(g.dtype), num_warps=4, **pdl(g2))
     return y

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, try_unmeasured, variant
-from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, rne_flag, round_to
+from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, pdl, pdl_wait, rne_flag, round_to
 
 CHUNK = 64          # the reference's chunk (and the unit of the WY/UT solve)
 CONV_BT = 16        # tokens per conv program; must be >= K - 1 (only the first block reads the state)
@@ -208,11 +208,13 @@ def shift_state(x_ptr, cs_ptr, c, C: tl.constexpr, K: tl.constexpr):
 @triton.jit
 def decode_kernel(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, cs_ptr, ssm_ptr, y_ptr, o_ptr,
                   count_ptr, eps, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                  K: tl.constexpr, BV: tl.constexpr, ROUND_WN: tl.constexpr, RNE: tl.constexpr):
+                  K: tl.constexpr, BV: tl.constexpr, ROUND_WN: tl.constexpr, RNE: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Program (value head h, dv block vb). Conv state: the program owns its v channels and shifts them
     after reading; the q/k channels of key head kh are read by READERS programs, and the last of them
     to arrive (an arrival counter, as in serial split-K) shifts them, so no program reads a shifted row.
-    BV == DV: the gated norm here, else o goes to o_ptr for norm_kernel."""
+    BV == DV: the gated norm here, else o goes to o_ptr for norm_kernel. The state block loads before
+    pdl_wait: only this layer's previous step writes it."""
     h, vb = tl.program_id(0), tl.program_id(1)
     kh = h // (HV // HK)
     C: tl.constexpr = 2 * HK * DK + HV * DV
@@ -220,6 +222,9 @@ def decode_kernel(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
     dtype = y_ptr.dtype.element_ty
     dk = tl.arange(0, DK)
     cols = vb * BV + tl.arange(0, BV)
+    sp = ssm_ptr + h.to(tl.int64) * DK * DV + dk[:, None] * DV + cols[None, :]
+    s = tl.load(sp)                                                           # [DK, BV] f32
+    pdl_wait(PDL)
     qc, kc, vc = kh * DK + dk, HK * DK + kh * DK + dk, 2 * HK * DK + h * DV + cols
     q = decode_conv(x_ptr, cs_ptr, cw_ptr, qc, C, K, dtype, RNE)
     k = decode_conv(x_ptr, cs_ptr, cw_ptr, kc, C, K, dtype, RNE)
@@ -242,8 +247,7 @@ def decode_kernel(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
     a = tl.load(a_ptr + h).to(tl.float32)
     b = tl.load(b_ptr + h).to(tl.float32)
     g, beta = decay_beta(a, b, tl.load(alog_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32), dtype, RNE)
-    sp = ssm_ptr + h.to(tl.int64) * DK * DV + dk[:, None] * DV + cols[None, :]
-    s = tl.load(sp) * tl.exp(g)                                               # [DK, BV] f32
+    s = s * tl.exp(g)
     u = (v - tl.sum(s * k[:, None], axis=0)) * beta
     s = s + k[:, None] * u[None, :]
     o = round_to(tl.sum(s * q[:, None], axis=0), dtype, RNE).to(tl.float32)
@@ -258,8 +262,9 @@ def decode_kernel(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
 
 @triton.jit(do_not_specialize=["R"])
 def norm_kernel(o_ptr, z_ptr, nw_ptr, y_ptr, R, eps, DV: tl.constexpr, ROWS: tl.constexpr, ROUND_WN: tl.constexpr,
-                RNE: tl.constexpr):
+                RNE: tl.constexpr, PDL: tl.constexpr = False):
     """The gated norm as its own pass: o, z, y [R, DV] (R = tokens x value heads)."""
+    pdl_wait(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, DV)
     inside = (r < R)[:, None]
@@ -588,7 +593,7 @@ def round_wn(qkv: torch.Tensor, norm_w: torch.Tensor) -> bool:
 def gated_norm_pass(o, z, norm_w, y, eps, dv: int) -> None:
     rows = o.numel() // dv
     norm_kernel[(cdiv(rows, 4),)](o, z, norm_w, y, rows, eps, DV=dv, ROWS=4, ROUND_WN=round_wn(o, norm_w),
-                                  RNE=rne_flag(o.dtype), num_warps=4)
+                                  RNE=rne_flag(o.dtype), num_warps=4, **pdl(o))
 
 
 def recurrent(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, warps: int = 4) -> None:
@@ -740,7 +745,8 @@ def decode_into(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, d
     counts = arrival_counters(qkv.device, hk)
     decode_kernel[(hv, dv // bv)](qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, y, o, counts, eps,
                                   dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv, K=conv_w.shape[-1], BV=bv,
-                                  ROUND_WN=round_wn(qkv, norm_w), RNE=rne_flag(qkv.dtype), num_warps=p["w"])
+                                  ROUND_WN=round_wn(qkv, norm_w), RNE=rne_flag(qkv.dtype), num_warps=p["w"],
+                                  **pdl(qkv))
     if bv != dv:
         gated_norm_pass(o, z, norm_w, y, eps, dv)
 
@@ -825,33 +831,24 @@ def bf16_forms(dv: int) -> list[Variant]:
 
 
 def split_forms(dv: int) -> list[Variant]:
-    """The split (fla-layout) forms on 16-bit dot operands: state kernel dv blocks of 16 or 32, the
-    output kernel over the whole dv (gated norm fused), the solve in f32 or tf32x3, pipeline stages.
-    On the H200 (dk = dv = 128, bench/results/h200_gdn_forms.json) these ran 1.29-1.38 ms per 8192
-    tokens and 16 heads, wider output blocks and 64-column state blocks no faster; the f32-dot split
-    form 33 ms (not a candidate)."""
-    forms = [split_variant(hbv, hw, dv, 8, "bf16") for hbv, hw in ((16, 4), (32, 8)) if hbv <= dv]
+    """The split (fla-layout) forms on 16-bit dot operands measured clean on the H200
+    (bench/results/h200_gdn_forms_2d09da6.json, dk = dv = 128, 8192 tokens x 16 heads): the prep in two
+    kernels with the (I + A)^-1 solve in tf32 0.67 ms (fla 0.6.0: 0.77), tf32x3 1.13, f32 0.90; the
+    one-kernel prep (spills 7-10 KB a thread) 1.28. tf32 leaves ~2^-11 relative error in the inverse
+    before its bf16 rounding at 2^-9; the outputs matched the other forms' error to the digit."""
     hbv = min(16, dv)
-    # state kernel with num_stages=1 faulted (illegal address) on the H200, Triton 3.6: not offered
-    return forms + [split_variant(hbv, 4, dv, 8, "bf16", inv="tf32x3")]
+    return [split_variant(hbv, 4, dv, 8, "bf16", pw=8, inv=inv, prep2=True) for inv in ("tf32", "tf32x3", None)] + [
+        split_variant(hbv, 4, dv, 8, "bf16")]
 
 
 def split_next_forms(dv: int) -> list[Variant]:
-    """Split forms not yet run on a GPU (catalogue only, never tuned until measured: an untried
-    kernel that faults kills the process): the prep in two kernels, its solve on tensor cores (tf32x3,
-    or tf32: the inverse then carries ~2^-11 relative error before its bf16 rounding at 2^-9) or as
-    dots. Cross-compiled for sm_90 the one-kernel prep spills 7-10 KB a thread (the 0.99 ms of its
-    1.29 ms measured); the two-kernel forms 0-1.2 KB (tf32: none)."""
-    hbv = min(16, dv)
-    forms = [split_variant(hbv, 4, dv, 8, "bf16", pw=8, inv=inv, solve=solve, prep2=True)
-             for inv in ("tf32", "tf32x3", None) for solve in ("dots", None)]
-    # Every dot in tf32x3 (~f32: the reference's chunked rule rounds nowhere to 16 bits), buffers f32:
-    # the numeric contract's form. Cross-compiled for sm_90: state 156 KB of shared memory, output
-    # 131 KB (64 columns) or 197 KB (128), 0.5-1.5 KB of spills a thread.
-    half = max(16, dv // 2)
-    return forms + [split_variant(hbv, 4, half, 8, "tf32x3", pw=8, prep2=True),
-                    split_variant(hbv, 4, half, 8, "tf32x3", pw=8, solve="dots", prep2=True),
-                    split_variant(hbv, 4, dv, 8, "tf32x3", pw=8, prep2=True)]
+    """Split forms offered only with KILN_TRY_UNMEASURED=1. Every dot in tf32x3 (~f32: the reference's
+    chunked rule rounds nowhere to 16 bits), buffers f32: the numeric contract's form, clean on the
+    H200 but 2.4 ms per 8192 tokens x 16 heads (state kernel 742 us, solve 896), 3.6x the bf16 form.
+    The dots-form solve (unit_lower_inverse_dots) faulted there (illegal address, Triton 3.6) in
+    every precision: never offered on a GPU."""
+    hbv, half = min(16, dv), max(16, dv // 2)
+    return [split_variant(hbv, 4, half, 8, "tf32x3", pw=8, prep2=True), split_variant(hbv, 4, dv, 8, "tf32x3", pw=8, prep2=True)]
 
 
 def gdn_inputs(s: GdnShape, dtype, device, gen) -> dict:
@@ -948,7 +945,7 @@ class GdnPrefillOp(GdnOp):
     def default(self, s: GdnShape, dev) -> Variant:
         if dev.capability is None:
             return chunk_variant(s.dv, 4, "ieee")
-        return split_variant(min(16, s.dv), 4, s.dv, 8, "bf16")   # fastest measured on the H200
+        return split_forms(s.dv)[0]   # fastest measured on the H200
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p["form"] == "recurrent":
@@ -984,7 +981,7 @@ class GdnDecodeOp(GdnOp):
     def kernel_sources(self, v: Variant) -> list:
         if v.p["form"] == "unfused":
             return [conv_kernel, recurrent_kernel]
-        return [decode_kernel, decode_conv, shift_state] + [norm_kernel]
+        return [decode_kernel, decode_conv, shift_state, pdl_wait] + [norm_kernel]
 
 
 PREFILL = register(GdnPrefillOp())

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, try_unmeasured, variant
-from .common import SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, rne_flag, round_to
+from .common import SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
 
 GROUP_M = 8
 
@@ -50,7 +50,8 @@ def mma(acc, a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                SERIAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr):
+                SERIAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr,
+                PDL: tl.constexpr = False):
     """One BM x BN tile of y per program (axis 0), one K range per program (axis 1). With SPLIT_K > 1
     each program writes its f32 partial sums to the workspace ws [SPLIT_K, M, N]; with SERIAL the
     last program of a tile to finish (a per-tile arrival counter) adds the partials in split order
@@ -66,6 +67,7 @@ def gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: t
     xs = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * K + rk[None, :]
     ws = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[None, :] * K + rk[:, None]       # [BK, BN] of w^T
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    pdl_wait(PDL)
     for k in range(0, SPAN, BK):
         if EVEN:
             a = tl.load(xs)
@@ -172,9 +174,19 @@ def gemm_tma_sk_kernel(x_desc, w_desc, y_ptr, ws_ptr, count_ptr, M, N: tl.conste
     splitk_finish(acc, ws_ptr, y_ptr, count_ptr, tl.program_id(0), split, M, rm, rn, keep, N, SPLIT_K, RNE)
 
 
+@triton.jit
+def masked_k(ptr, rk, K: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr):
+    """ptr's [BN, BK] tile (ROWS) or [BK] slice, zeros past K (EVEN: no K edge, no mask)."""
+    if EVEN:
+        return tl.load(ptr)
+    if ROWS:
+        return tl.load(ptr, mask=(rk < K)[None, :], other=0.0)
+    return tl.load(ptr, mask=rk < K, other=0.0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr, SPLIT_K: tl.constexpr, RNE: tl.constexpr):
+                BK: tl.constexpr, SPLIT_K: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
     """Decode's projections without tensor cores: program (column block, split) streams a [BN, SPAN]
     slab of w with wide loads (K is contiguous) and multiplies it by x's row in f32, for each of the
     M rows in turn (M is 1 where this form is chosen; more rows only re-read the slab). With
@@ -188,21 +200,15 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: t
     # Rows past N read row N-1 (never stored) and whole-K spans need no mask: unmasked, contiguous
     # loads along K that the compiler can widen to 16 bytes.
     wrow = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K + rk[None, :]
+    # The weights are never written: the first tile streams in while the kernel before finishes.
+    w0 = masked_k(wrow, rk, K, EVEN, True)
+    pdl_wait(PDL)
     for m in range(0, M):
-        acc = tl.zeros((BN, BK), dtype=tl.float32)
-        ws_ = wrow
-        xs = x_ptr + m * K + rk
-        for k in range(0, SPAN, BK):
-            if EVEN:
-                xv = tl.load(xs).to(tl.float32)
-                wv = tl.load(ws_).to(tl.float32)
-            else:
-                inside = rk + k < K
-                xv = tl.load(xs, mask=inside, other=0.0).to(tl.float32)
-                wv = tl.load(ws_, mask=inside[None, :], other=0.0).to(tl.float32)
-            acc += wv * xv[None, :]
-            xs += BK
-            ws_ += BK
+        acc = w0.to(tl.float32) * masked_k(x_ptr + m * K + rk, rk, K, EVEN, False).to(tl.float32)[None, :]
+        for k in range(BK, SPAN, BK):
+            wv = masked_k(wrow + k, rk + k, K, EVEN, True)
+            xv = masked_k(x_ptr + m * K + rk + k, rk + k, K, EVEN, False)
+            acc += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
         total = tl.sum(acc, axis=1)
         if SPLIT_K == 1:
             tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=nmask)
@@ -238,7 +244,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = 
         sk, blocks = p["sk"], cdiv(n, p["bn"])
         ws = y if sk == 1 else torch.empty((sk, m, n), dtype=torch.float32, device=x.device)
         counts = arrival_counters(x.device, blocks) if sk > 1 else y
-        gemv_kernel[(blocks, sk)](x, w, y, ws, counts, m, N=n, K=k, BN=p["bn"], BK=p["bk"], SPLIT_K=sk, RNE=rne, **opts)
+        gemv_kernel[(blocks, sk)](x, w, y, ws, counts, m, N=n, K=k, BN=p["bn"], BK=p["bk"], SPLIT_K=sk, RNE=rne, **opts,
+                                  **pdl(x))
         return y
     if p.get("tma"):
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -261,7 +268,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = 
     ws = y if sk == 1 else torch.empty((sk, m, n), dtype=torch.float32, device=x.device)
     counts = arrival_counters(x.device, tiles(m, n, p)) if sk > 1 and serial else y
     gemm_kernel[(tiles(m, n, p), sk)](x, w, y, ws, counts, m, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
-                                      GROUP_M=GROUP_M, SPLIT_K=sk, SERIAL=serial, RNE=rne, **flags, **opts)
+                                      GROUP_M=GROUP_M, SPLIT_K=sk, SERIAL=serial, RNE=rne, **flags, **opts, **pdl(x))
     if sk > 1 and not serial:
         splitk_sum_kernel[(cdiv(m * n, 1024),)](ws, y, m * n, SPLIT_K=sk, BLOCK=1024, RNE=rne, num_warps=4)
     return y
@@ -331,6 +338,7 @@ TMA_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (
              (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4)]
 TMA_SPLIT_TILES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
 GEMV_FORMS = [(bn, bk, sk, 4) for bn in (8, 16, 32) for bk in (256, 512) for sk in (1, 2, 4, 8)]
+GEMV_FORMS += [(64, 128, 1, 8), (128, 64, 1, 8), (64, 256, 1, 8)]   # wide blocks: the LM head's 248k columns
 CPU_GEMV = [(16, 64, 1, 4), (8, 32, 3, 4)]   # tests only: the interpreter's cost is per program (and per row)
 # Under the interpreter, whose cost is per program: few, large tiles that still take every code
 # path (ragged tiles, K not a multiple of BK, split-K).
@@ -387,7 +395,7 @@ class GemmOp(Op):
                 forms += [tile_variant(*t, tma=True, persistent=pers) for pers in (False, True) for t in TMA_TILES]
                 if try_unmeasured():      # not yet run on a GPU: offered only on request
                     forms += [tile_variant(*t, sk=k, tma=True) for t in TMA_SPLIT_TILES for k in (2, 4)]
-            if try_unmeasured() and s.rows == 1:
+            if s.rows == 1:
                 forms += [gemv_variant(*g) for g in GEMV_FORMS]
         return forms
 
@@ -434,7 +442,7 @@ class GemmOp(Op):
             ws = y if p["sk"] == 1 else torch.empty((p["sk"], 1, s.n), dtype=torch.float32, device=device)
             counts = torch.zeros(1, dtype=torch.int32, device=device) if p["sk"] > 1 else y
             return [gemv_kernel.warmup(x, w, y, ws, counts, 1, N=s.n, K=s.k, BN=p["bn"], BK=p["bk"], SPLIT_K=p["sk"],
-                                       RNE=False, **opts)]
+                                       RNE=False, **opts, **pdl(x))]
         if p.get("tma"):
             from triton.tools.tensor_descriptor import TensorDescriptor
             d = [TensorDescriptor(t, list(t.shape), [t.shape[1], 1], blk)
@@ -451,7 +459,8 @@ class GemmOp(Op):
         ws = y if sk == 1 else torch.empty((sk, 1, s.n), dtype=torch.float32, device=device)
         counts = torch.zeros(1, dtype=torch.int32, device=device) if sk > 1 and serial else y
         kernels = [gemm_kernel.warmup(x, w, y, ws, counts, 1, N=s.n, K=s.k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
-                                      GROUP_M=GROUP_M, SPLIT_K=sk, SERIAL=serial, RNE=False, **dot_flags(dtype), **opts)]
+                                      GROUP_M=GROUP_M, SPLIT_K=sk, SERIAL=serial, RNE=False, **dot_flags(dtype), **opts,
+                                      **pdl(x))]
         if sk > 1 and not serial:
             kernels.append(splitk_sum_kernel.warmup(ws, y, s.n, SPLIT_K=sk, BLOCK=1024, RNE=False, num_warps=4,
                                                     grid=(1,)))
@@ -459,11 +468,11 @@ class GemmOp(Op):
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("gemv"):
-            return [gemv_kernel, round_to, last_arrival]
+            return [gemv_kernel, masked_k, pdl_wait, round_to, last_arrival]
         if v.p.get("tma"):
             return ([gemm_tma_sk_kernel, tile_of, mma, round_to, splitk_finish, last_arrival] if v.p.get("sk", 1) > 1
                     else [gemm_tma_kernel, tma_tile, tile_of, mma])
-        return [gemm_kernel, tile_of, mma, round_to, splitk_finish, last_arrival] + (
+        return [gemm_kernel, tile_of, mma, round_to, splitk_finish, last_arrival, pdl_wait] + (
             [splitk_sum_kernel] if v.p.get("sum") else [])
 
     def supports(self, x: torch.Tensor, w: torch.Tensor) -> bool:

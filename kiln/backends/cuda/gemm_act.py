@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ...tune.registry import Op, Variant, register, try_unmeasured, variant
+from ...tune.registry import Op, Variant, register, variant
 from . import elementwise as E
 from . import gemm as G
-from .common import SUPPORTED, device_info, dot_flags, interpreting, rne_flag, round_to
+from .common import SUPPORTED, device_info, dot_flags, interpreting, pdl, pdl_wait, rne_flag, round_to
 
 
 @triton.jit
@@ -34,9 +34,11 @@ def act_mul_epilogue(acc_g, acc_u, dtype: tl.constexpr, ACT: tl.constexpr, RNE: 
 @triton.jit(do_not_specialize=["M"])
 def gemm_act_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                    ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr):
+                    ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Program (tile, split): the BM x BN tile of y at columns rn reads w rows rn (gate) and N + rn (up).
-    With SPLIT_K > 1: partials to ws [SPLIT_K, 2, M, N]; the last arrival (per-tile counter) sums them."""
+    With SPLIT_K > 1: partials to ws [SPLIT_K, 2, M, N]; the last arrival (per-tile counter) sums them.
+    The first K step's weights load before pdl_wait (weights are never written)."""
     pid_m, pid_n = G.tile_of(tl.program_id(0), M, BM, N, BN, GROUP_M)
     split = tl.program_id(1)
     SPAN: tl.constexpr = (K + SPLIT_K * BK - 1) // (SPLIT_K * BK) * BK
@@ -47,9 +49,20 @@ def gemm_act_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, 
     xs = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * K + rk[None, :]
     wg = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[None, :] * K + rk[:, None]
     wu = wg + N * K
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, SPAN, BK):
+    if EVEN:
+        bg0 = tl.load(wg)
+        bu0 = tl.load(wu)
+    else:
+        bg0 = tl.load(wg, mask=(rk < K)[:, None], other=0.0)
+        bu0 = tl.load(wu, mask=(rk < K)[:, None], other=0.0)
+    pdl_wait(PDL)
+    a = G.masked_k(xs, rk, K, EVEN, True)
+    acc_g = G.mma(tl.zeros((BM, BN), dtype=tl.float32), a, bg0, UPCAST, IEEE)
+    acc_u = G.mma(tl.zeros((BM, BN), dtype=tl.float32), a, bu0, UPCAST, IEEE)
+    xs += BK
+    wg += BK
+    wu += BK
+    for k in range(BK, SPAN, BK):
         if EVEN:
             a = tl.load(xs)
             bg = tl.load(wg)
@@ -95,7 +108,7 @@ def gemm_act(x: torch.Tensor, w: torch.Tensor, act: str, v: Variant, y: torch.Te
     counts = G.arrival_counters(x.device, G.tiles(m, n, p)) if sk > 1 else y
     gemm_act_kernel[(G.tiles(m, n, p), sk)](x, w, y, ws, counts, m, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
                                             GROUP_M=G.GROUP_M, SPLIT_K=sk, ACT=E.ACTS[act], RNE=rne_flag(x.dtype),
-                                            **dot_flags(x.dtype), num_warps=p["w"], num_stages=p["s"])
+                                            **dot_flags(x.dtype), num_warps=p["w"], num_stages=p["s"], **pdl(x))
     return y
 
 
@@ -163,8 +176,6 @@ class GemmActOp(Op):
         forms = [v for v in self.catalogue(s, dev) if v.run is not None or G.fits(s, v.p)]
         if dev.capability is None:
             return forms
-        if not try_unmeasured():
-            return [UNFUSED_TRUSTED, UNFUSED]
         # split-K only where the tiles alone leave SMs idle (worth_measuring): it also keeps the shared
         # arrival counters from growing after a CUDA graph captured their address
         return [v for v in forms if v.run is not None or G.worth_measuring(s, v.p, dev.sms)]
@@ -198,12 +209,14 @@ class GemmActOp(Op):
         counts = torch.zeros(1, dtype=torch.int32, device=device) if sk > 1 else y
         return [gemm_act_kernel.warmup(x, w, y, ws, counts, 1, N=s.n, K=s.k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
                                        GROUP_M=G.GROUP_M, SPLIT_K=sk, ACT=E.ACTS[s.act], RNE=False,
-                                       **dot_flags(dtype), num_warps=p["w"], num_stages=p["s"], grid=(1,))]
+                                       **dot_flags(dtype), num_warps=p["w"], num_stages=p["s"], grid=(1,),
+                                       **pdl(x))]
 
     def kernel_sources(self, v: Variant) -> list:
         if v.run is not None:
             return []
-        return [gemm_act_kernel, act_mul_epilogue, E.act_f32, G.tile_of, G.mma, G.last_arrival, round_to]
+        return [gemm_act_kernel, act_mul_epilogue, E.act_f32, G.tile_of, G.mma, G.masked_k, G.last_arrival, round_to,
+                pdl_wait]
 
     def supports(self, x, w, act) -> bool:
         return x.dtype in SUPPORTED and w.dtype == x.dtype and act in E.ACTS and w.shape[0] % 2 == 0

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, variant
-from .common import SUPPORTED, cdiv, interpreting, next_pow2, rne_flag, round_to
+from .common import SUPPORTED, cdiv, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
 
 STYLES = {"llama": 0, "offset": 1, "plain": 2}
 
@@ -37,13 +37,15 @@ def scale_normed(xf, rstd, wf, STYLE: tl.constexpr, dtype: tl.constexpr, RNE: tl
 @triton.jit(do_not_specialize=["rows", "stride"])
 def rmsnorm_kernel(x_ptr, w_ptr, y_ptr, rows, stride, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    ROWS: tl.constexpr, STYLE: tl.constexpr, RNE: tl.constexpr, r_ptr=None, s_ptr=None,
-                   ADD: tl.constexpr = False):
+                   ADD: tl.constexpr = False, PDL: tl.constexpr = False):
     """x [rows, D] with row stride `stride` (last dim contiguous) -> y [rows, D] contiguous. ADD: the
     residual sum s = x + r (r and s contiguous) is rounded, stored, and normalised instead of x."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     inside = (r < rows)[:, None] & (cols < D)[None, :]
     r64 = r.to(tl.int64)
+    wf = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     xf = tl.load(x_ptr + r64[:, None] * stride + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     if ADD:
         xf += tl.load(r_ptr + r64[:, None] * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
@@ -51,7 +53,6 @@ def rmsnorm_kernel(x_ptr, w_ptr, y_ptr, rows, stride, eps, D: tl.constexpr, BLOC
         tl.store(s_ptr + r64[:, None] * D + cols[None, :], xs, mask=inside)
         xf = xs.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
-    wf = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     y = scale_normed(xf, rstd, wf, STYLE, y_ptr.dtype.element_ty, RNE)
     tl.store(y_ptr + r64[:, None] * D + cols[None, :], y, mask=inside)
 
@@ -76,7 +77,7 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, style: str, v: Variant
     extra = {} if add is None else {"r_ptr": add.contiguous(), "s_ptr": s, "ADD": True}
     rmsnorm_kernel[(cdiv(rows, p["rows"]),)](x2, w, y, rows, x2.stride(0), eps, D=d, BLOCK_D=next_pow2(d),
                                               ROWS=p["rows"], STYLE=STYLES[style], RNE=rne_flag(x.dtype), num_warps=p["w"],
-                                              **extra)
+                                              **extra, **pdl(x2))
     return y
 
 
@@ -152,10 +153,10 @@ class RmsnormOp(Op):
         x = torch.empty((1, s.d), dtype=dtype, device=device)
         w = torch.empty((s.d,), dtype=dtype, device=device)
         return [rmsnorm_kernel.warmup(x, w, x, 1, s.d, 1e-6, D=s.d, BLOCK_D=next_pow2(s.d), ROWS=v.p["rows"],
-                                      STYLE=STYLES[s.style], RNE=False, num_warps=v.p["w"], grid=(1,))]
+                                      STYLE=STYLES[s.style], RNE=False, num_warps=v.p["w"], grid=(1,), **pdl(x))]
 
     def kernel_sources(self, v: Variant) -> list:
-        return [rmsnorm_kernel, scale_normed, round_to]
+        return [rmsnorm_kernel, scale_normed, round_to, pdl_wait]
 
     def supports(self, x: torch.Tensor, w: torch.Tensor, style: str) -> bool:
         return x.dtype in SUPPORTED and w.dtype == x.dtype and style in STYLES and w.shape == x.shape[-1:]

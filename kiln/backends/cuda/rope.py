@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, variant
-from .common import SUPPORTED, cdiv, device_info, interpreting, next_pow2, rne_flag, round_to
+from .common import SUPPORTED, cdiv, device_info, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
 from .rmsnorm import STYLES, scale_normed
 
 
@@ -57,7 +57,8 @@ def norm_rope_rows(x_ptr, offs, w_ptr, cs_off, cos_ptr, sin_ptr, ok, eps, D: tl.
 def qk_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kb_ptr, vb_ptr, T, eps,
                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, scs,
                    H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
-                   NORM: tl.constexpr, STYLE: tl.constexpr, RNE: tl.constexpr):
+                   NORM: tl.constexpr, STYLE: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     hd = tl.program_id(1)
     ok = t < T
@@ -101,7 +102,7 @@ def qk_rope_into(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf
     qk_rope_kernel[(cdiv(t, p["rows"]), h + kv)](
         q, k, v, w_q, w_k, cos, sin, positions, q_out, k_buf, v_buf, t, eps, *strides(q), *strides(k), *strides(v),
         cos.stride(0), H=h, KV=kv, D=d, R=r, ROWS=p["rows"], NORM=norm, STYLE=STYLES[style] if norm else 0,
-        RNE=rne_flag(q.dtype), num_warps=p["w"])
+        RNE=rne_flag(q.dtype), num_warps=p["w"], **pdl(q))
 
 
 def qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf, positions,
@@ -231,7 +232,7 @@ class QkRopeOp(Op):
         return []
 
     def kernel_sources(self, v: Variant) -> list:
-        return [qk_rope_kernel, norm_rope_rows, scale_normed, round_to]
+        return [qk_rope_kernel, norm_rope_rows, scale_normed, round_to, pdl_wait]
 
     def supports(self, q, k, v, k_buf, cos) -> bool:
         return supports(q, k, v, k_buf, cos)
