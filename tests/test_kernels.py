@@ -154,6 +154,24 @@ def test_gemm_act_equals_reference(m, n, k, act, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", ["silu", "sigmoid"])
+@pytest.mark.parametrize("n,k", [(80, 96), (37, 200)])
+def test_act_gemm_equals_reference(n, k, act, dtype):
+    """Decode's down projection of act(g) * u: the GEMV forms compute act(g) * u (rounded as act_mul
+    rounds) as they load x, ragged N and K, split-K included; the same as act_mul then the GEMM."""
+    gu = rand(1, 2 * k, dtype=dtype, scale=3.0)
+    w = rand(n, k, dtype=dtype, seed=1, scale=k ** -0.5)
+    g, u = gu.split(k, dim=-1)
+    want = REF.linear(REF.act_mul(g, u, act), w)
+    forms = GA.ACT_OP.candidates(GA.ActGemmShape(1, n, k, act), device_info(DEVICE))
+    assert GA.ACT_UNFUSED in forms and sum(v.run is None for v in forms) == len(G.CPU_GEMV)
+    for v in forms:
+        y = torch.full_like(want, float("nan"))
+        GA.ACT_OP.run(v, {"gu": gu, "w": w, "act": act}, {"y": y})
+        assert_rounding_close(y, want, exact_fraction=0.95)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["silu", "sigmoid"])
 def test_act_mul_equals_reference_on_strided_views(act, dtype):
     """act(g) * u over the halves of a concatenated projection (row-strided views), ragged widths,
     and over Qwen3.5's per-head interleaved gate [T, H, D] (stride 2D per head)."""

@@ -19,7 +19,7 @@ DECODE_CONTEXTS = (2048, 32768)   # decode attention is measured at these contex
 NORM_STYLE = {"llama": "llama", "qwen3": "llama", "gemma3_text": "offset", "gemma4_text": "plain",
               "qwen3_5_text": "offset", "qwen3_5_moe_text": "offset", "qwen3_next": "offset"}
 OPS = ("gemm", "rmsnorm", "rmsnorm_gemm", "gdn_prefill", "gdn_decode", "moe", "attention", "attention_decode",
-       "qk_rope", "gemm_act")
+       "qk_rope", "gemm_act", "act_gemm")
 
 
 def config_workloads(config: dict, m_values=(PREFILL_CHUNK, DECODE_ROWS), ops=OPS) -> list[Workload]:
@@ -105,7 +105,8 @@ def _plain_attention(cfg) -> bool:
 
 
 def gemm_act_workloads(cfg, shapes: dict, m_values) -> list[Workload]:
-    """Each MLP's gate|up with its activation (kiln/backends/cuda/gemm_act.py), fused or not."""
+    """Each MLP's gate|up with its activation (kiln/backends/cuda/gemm_act.py), fused or not, and at
+    decode the down projection with act(g) * u computed as it loads (act_gemm)."""
     from ..backends.cuda import elementwise as E
     from ..backends.cuda import gemm_act as GA
     from ..backends.cuda.fuse import projection_groups
@@ -120,6 +121,9 @@ def gemm_act_workloads(cfg, shapes: dict, m_values) -> list[Workload]:
         if names[0].endswith("gate_proj.weight") and len(names) == 2:
             n, k = shapes[names[0]]
             out += [Workload(GA.OP, GA.GemmActShape(m, n, k, act)) for m in m_values]
+            down = shapes.get(names[0][: -len("gate_proj.weight")] + "down_proj.weight")
+            if down is not None and DECODE_ROWS in m_values:     # decode's down projection of act(g) * u
+                out.append(Workload(GA.ACT_OP, GA.ActGemmShape(DECODE_ROWS, down[0], down[1], act)))
     return out
 
 

@@ -113,10 +113,22 @@ class CudaOps(ReferenceOps):
             gate, up = self.linear_split(x, [gate_w, up_w])
             return self.linear(self.act_mul(gate, up, act), down_w)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        h = torch.empty((x2.shape[0], gate_w.shape[0]), dtype=x.dtype, device=x.device)
         v = self._choose(GA.OP, GA.GemmActShape(x2.shape[0], gate_w.shape[0], x2.shape[1], act))
+        if v.run is not None and x2.shape[0] == 1:
+            return self._act_down(self.linear(x2, cat), down_w, act).view(*x.shape[:-1], -1)
+        h = torch.empty((x2.shape[0], gate_w.shape[0]), dtype=x.dtype, device=x.device)
         GA.OP.run(v, {"x": x2, "w": cat, "act": act}, {"y": h}, self.plan)
         return self.linear(h.view(*x.shape[:-1], -1), down_w)
+
+    def _act_down(self, gu, down_w, act):
+        """Decode's down projection of act(g) * u, the act_mul in its own launch or in the GEMV's loads."""
+        if not GA.ACT_OP.supports(gu, down_w, act):
+            g, u = gu.split(down_w.shape[1], dim=-1)
+            return self.linear(self.act_mul(g, u, act), down_w)
+        y = torch.empty((gu.shape[0], down_w.shape[0]), dtype=gu.dtype, device=gu.device)
+        v = self._choose(GA.ACT_OP, GA.ActGemmShape(gu.shape[0], down_w.shape[0], down_w.shape[1], act))
+        GA.ACT_OP.run(v, {"gu": gu, "w": down_w.contiguous(), "act": act}, {"y": y}, self.plan)
+        return y
 
     def act_mul(self, g, u, act):
         if not self._runs_here(g) or not E.supports(g, u, act):

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, try_unmeasured, variant
 from .common import SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from .elementwise import ACTS, act_f32
 
 GROUP_M = 8
 
@@ -184,9 +185,23 @@ def masked_k(ptr, rk, K: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr):
     return tl.load(ptr, mask=rk < K, other=0.0)
 
 
+@triton.jit
+def x_slice(x_ptr, m, rk, K: tl.constexpr, EVEN: tl.constexpr, ACT: tl.constexpr, RNE: tl.constexpr):
+    """Row m's x at columns rk in f32. ACT >= 0: rows are [g | u] (2K wide) and x = act(g) * u,
+    each rounded to x's dtype as act_mul rounds (kiln/backends/cuda/elementwise.py)."""
+    if ACT < 0:
+        return masked_k(x_ptr + m * K + rk, rk, K, EVEN, False).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    g = masked_k(x_ptr + m * (2 * K) + rk, rk, K, EVEN, False).to(tl.float32)
+    u = masked_k(x_ptr + m * (2 * K) + K + rk, rk, K, EVEN, False).to(tl.float32)
+    a = round_to(act_f32(g, ACT), dtype, RNE).to(tl.float32)
+    return round_to(a * u, dtype, RNE).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["M"])
 def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr, SPLIT_K: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
+                BK: tl.constexpr, SPLIT_K: tl.constexpr, RNE: tl.constexpr, WHOLE: tl.constexpr = False,
+                ACT: tl.constexpr = -1, PDL: tl.constexpr = False):
     """Decode's projections without tensor cores: program (column block, split) streams a [BN, SPAN]
     slab of w with wide loads (K is contiguous) and multiplies it by x's row in f32, for each of the
     M rows in turn (M is 1 where this form is chosen; more rows only re-read the slab). With
@@ -200,16 +215,23 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: t
     # Rows past N read row N-1 (never stored) and whole-K spans need no mask: unmasked, contiguous
     # loads along K that the compiler can widen to 16 bytes.
     wrow = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K + rk[None, :]
-    # The weights are never written: the first tile streams in while the kernel before finishes.
-    w0 = masked_k(wrow, rk, K, EVEN, True)
+    # The weights are never written: they stream in while the kernel before finishes (PDL), the
+    # whole [BN, SPAN] slab at once with WHOLE (SPAN a power of two), else the first tile.
+    if WHOLE:
+        rs = split * SPAN + tl.arange(0, SPAN)
+        w0 = masked_k(w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * K + rs[None, :], rs, K, EVEN, True)
+    else:
+        w0 = masked_k(wrow, rk, K, EVEN, True)
     pdl_wait(PDL)
     for m in range(0, M):
-        acc = w0.to(tl.float32) * masked_k(x_ptr + m * K + rk, rk, K, EVEN, False).to(tl.float32)[None, :]
-        for k in range(BK, SPAN, BK):
-            wv = masked_k(wrow + k, rk + k, K, EVEN, True)
-            xv = masked_k(x_ptr + m * K + rk + k, rk + k, K, EVEN, False)
-            acc += wv.to(tl.float32) * xv.to(tl.float32)[None, :]
-        total = tl.sum(acc, axis=1)
+        if WHOLE:
+            total = tl.sum(w0.to(tl.float32) * x_slice(x_ptr, m, rs, K, EVEN, ACT, RNE)[None, :], axis=1)
+        else:
+            acc = w0.to(tl.float32) * x_slice(x_ptr, m, rk, K, EVEN, ACT, RNE)[None, :]
+            for k in range(BK, SPAN, BK):
+                wv = masked_k(wrow + k, rk + k, K, EVEN, True)
+                acc += wv.to(tl.float32) * x_slice(x_ptr, m, rk + k, K, EVEN, ACT, RNE)[None, :]
+            total = tl.sum(acc, axis=1)
         if SPLIT_K == 1:
             tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=nmask)
         else:
@@ -227,13 +249,20 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: t
 
 # -- launching -------------------------------------------------------------------------------------
 
+def p_gemv(v: Variant) -> bool:
+    return bool(v.p.get("gemv"))
+
+
 def tiles(m: int, n: int, p: dict) -> int:
     return cdiv(m, p["bm"]) * cdiv(n, p["bn"])
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = None, sms: int = 132) -> torch.Tensor:
-    """y = x @ w^T with variant `v`; x [M, K] and w [N, K] contiguous."""
-    (m, k), n = x.shape, w.shape[0]
+def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = None, sms: int = 132,
+         act: str | None = None) -> torch.Tensor:
+    """y = x @ w^T with variant `v`; x [M, K] and w [N, K] contiguous. act (GEMV forms only): x is
+    [M, 2K] = [g | u] and y = (act(g) * u) @ w^T."""
+    m, k, n = x.shape[0], w.shape[1], w.shape[0]
+    assert act is None or (p_gemv(v) and x.shape[1] == 2 * k), "act needs a GEMV form and [g | u] rows"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if y is None else y
     if m == 0:
         return y
@@ -244,8 +273,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = 
         sk, blocks = p["sk"], cdiv(n, p["bn"])
         ws = y if sk == 1 else torch.empty((sk, m, n), dtype=torch.float32, device=x.device)
         counts = arrival_counters(x.device, blocks) if sk > 1 else y
-        gemv_kernel[(blocks, sk)](x, w, y, ws, counts, m, N=n, K=k, BN=p["bn"], BK=p["bk"], SPLIT_K=sk, RNE=rne, **opts,
-                                  **pdl(x))
+        gemv_kernel[(blocks, sk)](x, w, y, ws, counts, m, N=n, K=k, BN=p["bn"], BK=p["bk"], SPLIT_K=sk, RNE=rne,
+                                  WHOLE=p.get("whole", False), ACT=-1 if act is None else ACTS[act], **opts, **pdl(x))
         return y
     if p.get("tma"):
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -318,9 +347,22 @@ def tile_variant(bm, bn, bk, w, s, sk=1, tma=False, persistent=False, sum_kernel
     return variant(name, bm=bm, bn=bn, bk=bk, w=w, s=s, **extra)
 
 
-def gemv_variant(bn, bk, sk, w, s=2) -> Variant:
-    """gemv_kernel: BN output features a program, BK-wide loads, SPLIT_K ranges of K."""
-    return variant(f"gemv_bn{bn}_bk{bk}_sk{sk}_w{w}_s{s}", gemv=True, bn=bn, bk=bk, sk=sk, w=w, s=s, bm=1)
+def gemv_variant(bn, bk, sk, w, s=2, whole=False) -> Variant:
+    """gemv_kernel: BN output features a program, BK-wide loads, SPLIT_K ranges of K; whole: the
+    program's whole weight slab loaded at once, before it waits for the kernel before (PDL)."""
+    return variant(f"gemv_bn{bn}_bk{bk}_sk{sk}_w{w}_s{s}" + ("_whole" if whole else ""), gemv=True, bn=bn, bk=bk,
+                   sk=sk, w=w, s=s, bm=1, whole=whole)
+
+
+def gemv_span(k: int, p: dict) -> int:
+    """K per split, in whole BK steps (gemv_kernel's SPAN)."""
+    return cdiv(k, p["sk"] * p["bk"]) * p["bk"]
+
+
+def whole_fits(s, p: dict) -> bool:
+    """A whole slab is one tile: SPAN a power of two, at most 128 weights a thread in registers."""
+    span = gemv_span(s.k, p)
+    return span == next_pow2(span) and p["bn"] * span <= 128 * 32 * p["w"]
 
 
 TRUSTED = tile_variant(128, 128, 32, 4, 1)   # plain tiles, no split, no pipelining, no TMA
@@ -339,7 +381,7 @@ TMA_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (
 TMA_SPLIT_TILES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
 GEMV_FORMS = [(bn, bk, sk, 4) for bn in (8, 16, 32) for bk in (256, 512) for sk in (1, 2, 4, 8)]
 GEMV_FORMS += [(64, 128, 1, 8), (128, 64, 1, 8), (64, 256, 1, 8)]   # wide blocks: the LM head's 248k columns
-CPU_GEMV = [(16, 64, 1, 4), (8, 32, 3, 4)]   # tests only: the interpreter's cost is per program (and per row)
+CPU_GEMV = [(16, 64, 1, 4), (8, 32, 3, 4), (16, 32, 2, 4, 2, True)]   # tests only: the interpreter's cost is per program (and per row)
 # Under the interpreter, whose cost is per program: few, large tiles that still take every code
 # path (ragged tiles, K not a multiple of BK, split-K).
 CPU_TILES = [(256, 256, 64, 4, 1), (64, 128, 32, 4, 1), (16, 128, 64, 4, 1)]
@@ -396,13 +438,14 @@ class GemmOp(Op):
                 if try_unmeasured():      # not yet run on a GPU: offered only on request
                     forms += [tile_variant(*t, sk=k, tma=True) for t in TMA_SPLIT_TILES for k in (2, 4)]
             if s.rows == 1:
-                forms += [gemv_variant(*g) for g in GEMV_FORMS]
+                forms += [gemv_variant(*g, whole=whole) for g in GEMV_FORMS for whole in (False, True)]
         return forms
 
     def candidates(self, s: GemmShape, dev) -> list[Variant]:
         forms = [v for v in self.catalogue(s, dev) if fits(s, v.p)]
         if dev.capability is None:
             return forms
+        forms = [v for v in forms if not v.p.get("whole") or whole_fits(s, v.p)]
         return [v for v in forms if v == TRUSTED or (gemv_worth(s, v.p, dev.sms) if v.p.get("gemv")
                                                       else worth_measuring(s, v.p, dev.sms))]
 
@@ -442,7 +485,7 @@ class GemmOp(Op):
             ws = y if p["sk"] == 1 else torch.empty((p["sk"], 1, s.n), dtype=torch.float32, device=device)
             counts = torch.zeros(1, dtype=torch.int32, device=device) if p["sk"] > 1 else y
             return [gemv_kernel.warmup(x, w, y, ws, counts, 1, N=s.n, K=s.k, BN=p["bn"], BK=p["bk"], SPLIT_K=p["sk"],
-                                       RNE=False, **opts, **pdl(x))]
+                                       RNE=False, WHOLE=p.get("whole", False), **opts, **pdl(x))]
         if p.get("tma"):
             from triton.tools.tensor_descriptor import TensorDescriptor
             d = [TensorDescriptor(t, list(t.shape), [t.shape[1], 1], blk)
@@ -468,7 +511,7 @@ class GemmOp(Op):
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("gemv"):
-            return [gemv_kernel, masked_k, pdl_wait, round_to, last_arrival]
+            return [gemv_kernel, masked_k, x_slice, act_f32, pdl_wait, round_to, last_arrival]
         if v.p.get("tma"):
             return ([gemm_tma_sk_kernel, tile_of, mma, round_to, splitk_finish, last_arrival] if v.p.get("sk", 1) > 1
                     else [gemm_tma_kernel, tma_tile, tile_of, mma])

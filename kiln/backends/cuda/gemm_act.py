@@ -223,3 +223,108 @@ class GemmActOp(Op):
 
 
 OP = register(GemmActOp())
+
+
+# -- the down projection with act(g) * u as its input: decode's MLP in two launches ------------------
+
+@dataclass(frozen=True)
+class ActGemmShape:
+    rows: int     # M (runtime): one at decode
+    n: int        # output features (the hidden size)
+    k: int        # I: the down projection's input width; its input rows are [g | u], 2I wide
+    act: str
+
+    @property
+    def key(self) -> tuple:
+        return (self.n, self.k, self.act)
+
+    def gemm(self) -> G.GemmShape:
+        return G.GemmShape(self.rows, self.n, self.k)
+
+
+def act_then_gemm(inputs: dict, outputs: dict, plan, trusted: bool = False) -> None:
+    """act_mul, then the GEMM (the plan's choice, or the trusted one)."""
+    gu, w, act = inputs["gu"], inputs["w"], inputs["act"]
+    g, u = gu.split(w.shape[1], dim=-1)
+    h = E.act_mul(g, u, act)
+    shape = G.GemmShape(gu.shape[0], w.shape[0], w.shape[1])
+    dev = plan.dev if plan is not None else device_info(gu.device)
+    gv = G.OP.trusted(shape, dev) if trusted else (plan.choose(G.OP, shape) if plan is not None else
+                                                    G.OP.default(shape, dev))
+    if gv.p.get("tma") and not G.tma_ok(h, w, outputs["y"]):
+        gv = G.OP.default(shape, dev)
+    G.OP.run(gv, {"x": h, "w": w}, {"y": outputs["y"]}, plan)
+
+
+ACT_UNFUSED = variant("unfused", run=act_then_gemm)
+ACT_UNFUSED_TRUSTED = variant("unfused_trusted", run=lambda i, o, plan: act_then_gemm(i, o, plan, trusted=True))
+
+
+class ActGemmOp(Op):
+    """y = (act(g) * u) @ w^T from the gate|up GEMM's output [M, 2I]: act_mul and the GEMM (two
+    launches), or one GEMV (gemm.py's gemv_kernel) that computes act(g) * u as it loads x."""
+    name = "act_gemm"
+    sources = (__file__, G.__file__, E.__file__)
+
+    def shape_str(self, s: ActGemmShape) -> str:
+        return f"{s.rows}x{s.n}x{s.k}_{s.act}"
+
+    def with_rows(self, s: ActGemmShape, rows: int) -> ActGemmShape:
+        return ActGemmShape(rows, s.n, s.k, s.act)
+
+    def catalogue(self, s, dev) -> list[Variant]:
+        if dev.capability is None:
+            gemv = [G.gemv_variant(*g) for g in G.CPU_GEMV]
+        else:
+            gemv = [G.gemv_variant(*g, whole=whole) for g in G.GEMV_FORMS for whole in (False, True)]
+        return [ACT_UNFUSED_TRUSTED, ACT_UNFUSED] + (gemv if s.rows == 1 else [])
+
+    def candidates(self, s, dev) -> list[Variant]:
+        forms = self.catalogue(s, dev)
+        if dev.capability is None:
+            return forms
+        return [v for v in forms if v.run is not None or (G.gemv_worth(s, v.p, dev.sms) and
+                                                           (not v.p["whole"] or G.whole_fits(s, v.p)))]
+
+    def trusted(self, s, dev) -> Variant:
+        return ACT_UNFUSED_TRUSTED
+
+    def default(self, s, dev) -> Variant:
+        return ACT_UNFUSED
+
+    def inputs(self, s: ActGemmShape, dtype, device, gen) -> dict:
+        gu = torch.randn(s.rows, 2 * s.k, generator=gen, device=device) * 2.0     # gates across act's bend
+        w = torch.randn(s.n, s.k, generator=gen, device=device) * s.k ** -0.5
+        return {"gu": gu.to(dtype), "w": w.to(dtype), "act": s.act}
+
+    def outputs(self, s, inputs: dict) -> dict:
+        gu = inputs["gu"]
+        return {"y": torch.empty((gu.shape[0], inputs["w"].shape[0]), dtype=gu.dtype, device=gu.device)}
+
+    def launch(self, v: Variant, inputs: dict, outputs: dict, plan=None) -> None:
+        G.gemm(inputs["gu"], inputs["w"], v, outputs["y"], act=inputs["act"])
+
+    def compile(self, v: Variant, s: ActGemmShape, dtype, device) -> list:
+        if interpreting() or v.run is not None:
+            return []
+        gu = torch.empty((1, 2 * s.k), dtype=dtype, device=device)
+        w = torch.empty((s.n, s.k), dtype=dtype, device=device)
+        y = torch.empty((1, s.n), dtype=dtype, device=device)
+        p = v.p
+        ws = y if p["sk"] == 1 else torch.empty((p["sk"], 1, s.n), dtype=torch.float32, device=device)
+        counts = torch.zeros(1, dtype=torch.int32, device=device) if p["sk"] > 1 else y
+        return [G.gemv_kernel.warmup(gu, w, y, ws, counts, 1, N=s.n, K=s.k, BN=p["bn"], BK=p["bk"], SPLIT_K=p["sk"],
+                                     RNE=False, WHOLE=p["whole"], ACT=E.ACTS[s.act], num_warps=p["w"],
+                                     num_stages=p["s"], grid=(1,), **pdl(gu))]
+
+    def kernel_sources(self, v: Variant) -> list:
+        if v.run is not None:
+            return []
+        return [G.gemv_kernel, G.masked_k, G.x_slice, E.act_f32, pdl_wait, round_to, G.last_arrival]
+
+    def supports(self, gu, w, act) -> bool:
+        return (gu.dtype in SUPPORTED and w.dtype == gu.dtype and act in E.ACTS and gu.shape[-1] == 2 * w.shape[1]
+                and gu.is_contiguous())
+
+
+ACT_OP = register(ActGemmOp())
