@@ -214,8 +214,11 @@ def main(a) -> int:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
+    from .tune.cli import parse_pins
+
     llm = load(path, device=str(dev), dtype=dtype, backend=a.backend, max_context=a.max_context, quiet=a.quiet,
-                enforce_eager=getattr(a, "enforce_eager", False))
+               enforce_eager=getattr(a, "enforce_eager", False), retune=getattr(a, "retune", False),
+               tune=parse_pins(getattr(a, "tune", None) or []))
     say(f"kiln {type(llm.model).__name__} loaded in {llm.load_s:.1f} s")
     results = []
     for (label, ids), r in zip(prompts, refs):

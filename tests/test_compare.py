@@ -145,6 +145,25 @@ def test_compare_catches_a_broken_kiln(tmp_path, monkeypatch, capsys):
     assert "FAIL" in out and "NOT a near-tie" in out
 
 
+def test_compare_passes_tune_pins_and_retune_to_the_kiln_load(tmp_path, monkeypatch):
+    """--tune OP=VARIANT and --retune reach kiln.load (they were once parsed and dropped). The load
+    is stopped right there: only what it was asked for matters here."""
+    import kiln.api
+    from kiln.errors import KilnError
+
+    seen = {}
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        raise KilnError("stopped by the test")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kiln.api, "load", spy)
+    _compare(tmp_path, "synth:tiny-llama", "--dtype", "f32", "--random-prompt", "20", "--tokens", "4",
+             "--backend", "cuda", "--tune", "gemm=bm128_bn128_bk32_w4_s1", "--retune")
+    assert seen["tune"] == {"gemm": "bm128_bn128_bk32_w4_s1"} and seen["retune"] is True
+
+
 @pytest.mark.parametrize("args, says", [
     (["synth:tiny-llama", "--prompt", "hello"], "no tokenizer"),
     (["synth:tiny-llama", "--prompt-ids", "1,331"], "outside the vocabulary"),
