@@ -202,6 +202,55 @@ def test_rmsnorm_gemm_equals_reference(m, n, k, style, dtype):
         assert_rounding_close(y, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("n,k", [(136, 72), (37, 200)])
+def test_rmsnorm_gemv_with_the_residual_add_equals_reference(n, k, style, dtype):
+    """Decode's norm in the GEMV's prologue: every program norms the whole row, one writes s = x + r;
+    with and without the add, against the rmsnorm kernel then the GEMM (unfused: the same op's form)."""
+    x, r = rand(1, k, dtype=dtype, scale=3.0), rand(1, k, dtype=dtype, seed=3)
+    nw = rand(k, dtype=dtype, seed=1, scale=0.2, shift=0.0 if style == "offset" else 1.0)
+    w = rand(n, k, dtype=dtype, seed=2, scale=k ** -0.5)
+    want_s, h = REF.add_rmsnorm(x, r, nw, 1e-6, style)
+    want = REF.linear(h, w)
+    for add in (False, True):
+        forms = RG.OP.candidates(RG.NormGemmShape(1, n, k, style, add), device_info(DEVICE))
+        gemv = [v for v in forms if v.p.get("gemv")]
+        assert len(gemv) == len(G.CPU_GEMV) and RG.UNFUSED in forms
+        for v in gemv + [RG.UNFUSED, RG.UNFUSED_TRUSTED]:
+            inputs = {"x": x, "norm_w": nw, "w": w, "eps": 1e-6, "style": style, "r": r if add else None}
+            out = {"y": torch.full_like(want, float("nan"))} | ({"s": torch.full_like(x, float("nan"))} if add else {})
+            RG.OP.run(v, inputs, out)
+            assert_rounding_close(out["y"], want if add else REF.rmsnorm_linear(x, nw, 1e-6, style, w),
+                                  exact_fraction=0.95)
+            if add:
+                assert torch.equal(out["s"], want_s)
+
+
+@pytest.mark.parametrize("act", ["silu", "sigmoid"])
+def test_cuda_ops_norm_mlp_in_two_gemvs_equals_reference(act, monkeypatch):
+    """CudaOps.add_rmsnorm_gated_mlp when the tuner chose the GEMV forms: gate|up with the add and
+    the norm in its prologue, then the down GEMV computing act(g) * u: (s, mlp) as the reference's."""
+    h, i = 96, 80
+    x, r = rand(1, h, dtype=torch.bfloat16, scale=2.0), rand(1, h, dtype=torch.bfloat16, seed=1)
+    nw = rand(h, dtype=torch.bfloat16, seed=2, scale=0.2)
+    cat = rand(2 * i, h, dtype=torch.bfloat16, seed=3, scale=h ** -0.5)
+    gate, up = cat.split(i)
+    down = rand(h, i, dtype=torch.bfloat16, seed=4, scale=i ** -0.5)
+    ops = CudaOps(DEVICE)
+    ops.fused = {(gate.data_ptr(), up.data_ptr()): cat}
+    picks = {"rmsnorm_gemm": G.gemv_variant(*G.CPU_GEMV[1]), "act_gemm": G.gemv_variant(*G.CPU_GEMV[0]),
+             "gemm_act": GA.UNFUSED}
+    used = []
+    monkeypatch.setattr(ops, "_choose", lambda op, shape: used.append(op.name) or picks.get(op.name) or
+                        op.default(shape, ops.dev))
+    s, m = ops.add_rmsnorm_gated_mlp(x, r, nw, 1e-6, "offset", gate, up, down, act)
+    want_s, want_m = REF.add_rmsnorm_gated_mlp(x, r, nw, 1e-6, "offset", gate, up, down, act)
+    assert {"rmsnorm_gemm", "act_gemm"} <= set(used)
+    assert torch.equal(s, want_s)
+    assert_rounding_close(m, want_m, exact_fraction=0.9)
+
+
 def test_cuda_ops_route_and_fall_back():
     ops = CudaOps(DEVICE)
     x = rand(3, 7, 48, dtype=torch.bfloat16)           # [batch, T, K]: any leading shape

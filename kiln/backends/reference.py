@@ -68,6 +68,12 @@ class ReferenceOps:
         """down(act(gate(x)) * up(x)): SwiGLU / GeGLU."""
         return self.linear(self.act_mul(self.linear(x, gate_w), self.linear(x, up_w), act), down_w)
 
+    def add_rmsnorm_gated_mlp(self, x, r, norm_w, eps: float, style: str, gate_w, up_w, down_w, act: str):
+        """The residual add, the post-attention norm and the MLP: (x + r, gated_mlp(rmsnorm(x + r)));
+        on GPU at decode the norm can run inside the gate|up GEMV."""
+        s, h = self.add_rmsnorm(x, r, norm_w, eps, style)
+        return s, self.gated_mlp(h, gate_w, up_w, down_w, act)
+
     def moe_experts(self, x, idx, weights, gate_up, down, act: str) -> torch.Tensor:
         """Routed experts: x [T, H]; idx/weights [T, k]; gate_up [E, 2I, H] (gate rows first);
         down [E, H, I]. Each chosen expert's output, times its weight, is added into a zero buffer

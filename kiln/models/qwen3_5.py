@@ -154,6 +154,18 @@ class Qwen35(Model):
         return self.ops.gated_mlp(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"],
                                   w[p + "down_proj.weight"], self.cfg.hidden_act)
 
+    fuses_norm_mlp = True    # decode: the add and the post-attention norm can run inside gate|up (workloads)
+
+    def norm_mlp(self, i, x, a):
+        """The residual add, the post-attention norm and the MLP: (x + a, mlp(norm(x + a)))."""
+        w, p = self.w, f"model.layers.{i}."
+        if p + "mlp.gate_proj.weight" not in w:            # MoE layers: their own mlp
+            x, h = self.ops.add_rmsnorm(x, a, w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps, "offset")
+            return x, self.mlp(i, h)
+        return self.ops.add_rmsnorm_gated_mlp(x, a, w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps,
+                                              "offset", w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                                              w[p + "mlp.down_proj.weight"], self.cfg.hidden_act)
+
     def forward(self, ids, positions, state, last_only=True):
         c, w, ops, eps = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps
         x = ops.embed(ids, w["model.embed_tokens.weight"])
@@ -166,8 +178,7 @@ class Qwen35(Model):
             else:
                 a = self.full_attention(i, h, positions, state[i], rope)
             # each residual add fused into the norm that follows it (bit-equal: the sum is rounded first)
-            x, h = ops.add_rmsnorm(x, a, w[p + "post_attention_layernorm.weight"], eps, "offset")
-            m = self.mlp(i, h)
+            x, m = self.norm_mlp(i, x, a)
             if i + 1 < len(c.layer_types):
                 x, h = ops.add_rmsnorm(x, m, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, "offset")
         if last_only:

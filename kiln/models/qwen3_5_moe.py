@@ -9,6 +9,8 @@ from .qwen3_5 import Qwen35
 
 
 class Qwen35Moe(Qwen35):
+    fuses_norm_mlp = False   # its MLP is the MoE block (norm_mlp falls back to add_rmsnorm + mlp)
+
     @classmethod
     def sanitize(cls, ckpt):
         return fuse_experts(ckpt)  # checkpoints store experts one by one or fused; models use fused

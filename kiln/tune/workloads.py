@@ -47,7 +47,7 @@ def model_workloads(cls, cfg, model_type: str, m_values=(PREFILL_CHUNK, DECODE_R
             per_row = next((h for part, h in heads.items() if f".{part}." in name), 1)
             out += [Workload(R.OP, R.NormShape(m * per_row, shape[0], style)) for m in m_values]
     out += fused_gemm_workloads(shapes, m_values)
-    out += gemm_act_workloads(cfg, shapes, m_values)
+    out += gemm_act_workloads(cfg, shapes, m_values, style, getattr(cls, "fuses_norm_mlp", False))
     out += mixer_workloads(cfg, shapes, m_values)
     if "lm_head.weight" in shapes and "model.norm.weight" in shapes:
         vocab, hidden = shapes["lm_head.weight"]
@@ -104,14 +104,14 @@ def _plain_attention(cfg) -> bool:
     return not hasattr(cfg, "sliding_window") and hasattr(cfg, "num_key_value_heads") and bool(cfg.head_dim)
 
 
-def gemm_act_workloads(cfg, shapes: dict, m_values) -> list[Workload]:
+def gemm_act_workloads(cfg, shapes: dict, m_values, style: str = "llama", norm_mlp: bool = False) -> list[Workload]:
     """Each MLP's gate|up with its activation (kiln/backends/cuda/gemm_act.py), fused or not, and at
     decode the down projection with act(g) * u computed as it loads (act_gemm)."""
     from ..backends.cuda import elementwise as E
     from ..backends.cuda import gemm_act as GA
-    from ..backends.cuda.fuse import projection_groups
-
+    from ..backends.cuda import rmsnorm_gemm as RG
     from ..backends.cuda.common import interpreting
+    from ..backends.cuda.fuse import projection_groups
 
     act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
     if act not in E.ACTS or interpreting():    # the interpreter: its kernels are tested on their own
@@ -124,6 +124,8 @@ def gemm_act_workloads(cfg, shapes: dict, m_values) -> list[Workload]:
             down = shapes.get(names[0][: -len("gate_proj.weight")] + "down_proj.weight")
             if down is not None and DECODE_ROWS in m_values:     # decode's down projection of act(g) * u
                 out.append(Workload(GA.ACT_OP, GA.ActGemmShape(DECODE_ROWS, down[0], down[1], act)))
+            if norm_mlp and DECODE_ROWS in m_values:   # gate|up with the add + post-attention norm in the GEMV
+                out.append(Workload(RG.OP, RG.NormGemmShape(DECODE_ROWS, 2 * n, k, style, add=True)))
     return out
 
 

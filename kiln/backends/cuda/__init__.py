@@ -120,6 +120,24 @@ class CudaOps(ReferenceOps):
         GA.OP.run(v, {"x": x2, "w": cat, "act": act}, {"y": h}, self.plan)
         return self.linear(h.view(*x.shape[:-1], -1), down_w)
 
+    def add_rmsnorm_gated_mlp(self, x, r, norm_w, eps, style, gate_w, up_w, down_w, act):
+        """At one row, when the tuner chose the GEMV with the norm in its prologue (and the unfused
+        gate|up): s = x + r and gate|up of rmsnorm(s) in one launch, then the down projection."""
+        cat = self.fused.get((gate_w.data_ptr(), up_w.data_ptr()))
+        rows, k = x.numel() // x.shape[-1], x.shape[-1]
+        if (cat is None or rows != 1 or not self._runs_here(x) or r.shape != x.shape or r.dtype != x.dtype
+                or not RG.OP.supports(x, norm_w, cat, style)):
+            return super().add_rmsnorm_gated_mlp(x, r, norm_w, eps, style, gate_w, up_w, down_w, act)
+        v = self._choose(RG.OP, RG.NormGemmShape(1, cat.shape[0], k, style, add=True))
+        gemm_act = self._choose(GA.OP, GA.GemmActShape(1, gate_w.shape[0], k, act))
+        if not v.p.get("gemv") or gemm_act.run is None:
+            return super().add_rmsnorm_gated_mlp(x, r, norm_w, eps, style, gate_w, up_w, down_w, act)
+        x2, r2 = x.reshape(1, k).contiguous(), r.reshape(1, k).contiguous()
+        s, gu = torch.empty_like(x2), torch.empty((1, cat.shape[0]), dtype=x.dtype, device=x.device)
+        RG.OP.run(v, {"x": x2, "norm_w": norm_w, "eps": eps, "style": style, "w": cat, "r": r2}, {"y": gu, "s": s},
+                  self.plan)
+        return s.view(x.shape), self._act_down(gu, down_w, act).view(x.shape)
+
     def _act_down(self, gu, down_w, act):
         """Decode's down projection of act(g) * u, the act_mul in its own launch or in the GEMV's loads."""
         if not GA.ACT_OP.supports(gu, down_w, act):

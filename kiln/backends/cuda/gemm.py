@@ -17,8 +17,10 @@ import triton
 import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, try_unmeasured, variant
+from . import rmsnorm as R
 from .common import SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
 from .elementwise import ACTS, act_f32
+from .rmsnorm import scale_normed
 
 GROUP_M = 8
 
@@ -186,22 +188,48 @@ def masked_k(ptr, rk, K: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def x_slice(x_ptr, m, rk, K: tl.constexpr, EVEN: tl.constexpr, ACT: tl.constexpr, RNE: tl.constexpr):
+def x_slice(x_ptr, m, rk, K: tl.constexpr, EVEN: tl.constexpr, ACT: tl.constexpr, RNE: tl.constexpr,
+            NORM: tl.constexpr, STYLE: tl.constexpr, r_ptr, nw_ptr, rstd):
     """Row m's x at columns rk in f32. ACT >= 0: rows are [g | u] (2K wide) and x = act(g) * u,
-    each rounded to x's dtype as act_mul rounds (kiln/backends/cuda/elementwise.py)."""
-    if ACT < 0:
-        return masked_k(x_ptr + m * K + rk, rk, K, EVEN, False).to(tl.float32)
+    each rounded to x's dtype as act_mul rounds (kiln/backends/cuda/elementwise.py). NORM: x is
+    rmsnorm(x) (1) or rmsnorm(x + r) (2) with the row's rstd, rounded as the rmsnorm kernel rounds."""
     dtype = x_ptr.dtype.element_ty
-    g = masked_k(x_ptr + m * (2 * K) + rk, rk, K, EVEN, False).to(tl.float32)
-    u = masked_k(x_ptr + m * (2 * K) + K + rk, rk, K, EVEN, False).to(tl.float32)
-    a = round_to(act_f32(g, ACT), dtype, RNE).to(tl.float32)
-    return round_to(a * u, dtype, RNE).to(tl.float32)
+    if ACT >= 0:
+        g = masked_k(x_ptr + m * (2 * K) + rk, rk, K, EVEN, False).to(tl.float32)
+        u = masked_k(x_ptr + m * (2 * K) + K + rk, rk, K, EVEN, False).to(tl.float32)
+        a = round_to(act_f32(g, ACT), dtype, RNE).to(tl.float32)
+        return round_to(a * u, dtype, RNE).to(tl.float32)
+    xv = masked_k(x_ptr + m * K + rk, rk, K, EVEN, False).to(tl.float32)
+    if NORM == 0:
+        return xv
+    if NORM == 2:
+        xv = round_to(xv + masked_k(r_ptr + m * K + rk, rk, K, EVEN, False).to(tl.float32), dtype, RNE).to(tl.float32)
+    wv = masked_k(nw_ptr + rk, rk, K, EVEN, False).to(tl.float32)
+    # [1, BK] through the rmsnorm kernel's own rounding, back to [BK] (a sum of one term is exact)
+    return tl.sum(scale_normed(xv[None, :], rstd, wv, STYLE, dtype, RNE).to(tl.float32), axis=0)
+
+
+@triton.jit
+def norm_rstd(x_ptr, r_ptr, s_ptr, m, eps, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, STORE,
+              RNE: tl.constexpr):
+    """rstd [1] of row m's x (NORM 1) or of s = round(x + r) (NORM 2; STORE: this program writes s)."""
+    c = tl.arange(0, KP)
+    inside = c < K
+    xf = tl.load(x_ptr + m * K + c, mask=inside, other=0.0).to(tl.float32)
+    if NORM == 2:
+        sv = round_to(xf + tl.load(r_ptr + m * K + c, mask=inside, other=0.0).to(tl.float32), s_ptr.dtype.element_ty,
+                      RNE)
+        if STORE:
+            tl.store(s_ptr + m * K + c, sv, mask=inside)
+        xf = sv.to(tl.float32)
+    return tl.math.rsqrt(tl.sum(xf[None, :] * xf[None, :], axis=1) / K + eps)
 
 
 @triton.jit(do_not_specialize=["M"])
 def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
                 BK: tl.constexpr, SPLIT_K: tl.constexpr, RNE: tl.constexpr, WHOLE: tl.constexpr = False,
-                ACT: tl.constexpr = -1, PDL: tl.constexpr = False):
+                ACT: tl.constexpr = -1, nw_ptr=None, r_ptr=None, s_ptr=None, eps=1e-6, NORM: tl.constexpr = 0,
+                STYLE: tl.constexpr = 0, KP: tl.constexpr = 16, PDL: tl.constexpr = False):
     """Decode's projections without tensor cores: program (column block, split) streams a [BN, SPAN]
     slab of w with wide loads (K is contiguous) and multiplies it by x's row in f32, for each of the
     M rows in turn (M is 1 where this form is chosen; more rows only re-read the slab). With
@@ -224,13 +252,18 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: t
         w0 = masked_k(wrow, rk, K, EVEN, True)
     pdl_wait(PDL)
     for m in range(0, M):
+        rstd = tl.zeros([1], dtype=tl.float32)
+        if NORM > 0:     # every program norms the whole row (K values, from L2); program (0, 0) stores s
+            rstd = norm_rstd(x_ptr, r_ptr, s_ptr, m, eps, K, KP, NORM, (pid_n == 0) & (split == 0), RNE)
         if WHOLE:
-            total = tl.sum(w0.to(tl.float32) * x_slice(x_ptr, m, rs, K, EVEN, ACT, RNE)[None, :], axis=1)
+            xv = x_slice(x_ptr, m, rs, K, EVEN, ACT, RNE, NORM, STYLE, r_ptr, nw_ptr, rstd)
+            total = tl.sum(w0.to(tl.float32) * xv[None, :], axis=1)
         else:
-            acc = w0.to(tl.float32) * x_slice(x_ptr, m, rk, K, EVEN, ACT, RNE)[None, :]
+            acc = w0.to(tl.float32) * x_slice(x_ptr, m, rk, K, EVEN, ACT, RNE, NORM, STYLE, r_ptr, nw_ptr, rstd)[None, :]
             for k in range(BK, SPAN, BK):
                 wv = masked_k(wrow + k, rk + k, K, EVEN, True)
-                acc += wv.to(tl.float32) * x_slice(x_ptr, m, rk + k, K, EVEN, ACT, RNE)[None, :]
+                xv = x_slice(x_ptr, m, rk + k, K, EVEN, ACT, RNE, NORM, STYLE, r_ptr, nw_ptr, rstd)
+                acc += wv.to(tl.float32) * xv[None, :]
             total = tl.sum(acc, axis=1)
         if SPLIT_K == 1:
             tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=nmask)
@@ -253,16 +286,27 @@ def p_gemv(v: Variant) -> bool:
     return bool(v.p.get("gemv"))
 
 
+def norm_args(norm: dict | None, k: int) -> dict:
+    """gemv_kernel's RMSNorm prologue arguments (none without a norm)."""
+    if norm is None:
+        return {}
+    add = norm.get("r") is not None
+    return {"nw_ptr": norm["w"], "r_ptr": norm.get("r"), "s_ptr": norm.get("s"), "eps": norm["eps"],
+            "NORM": 2 if add else 1, "STYLE": R.STYLES[norm["style"]], "KP": next_pow2(k)}
+
+
 def tiles(m: int, n: int, p: dict) -> int:
     return cdiv(m, p["bm"]) * cdiv(n, p["bn"])
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = None, sms: int = 132,
-         act: str | None = None) -> torch.Tensor:
-    """y = x @ w^T with variant `v`; x [M, K] and w [N, K] contiguous. act (GEMV forms only): x is
-    [M, 2K] = [g | u] and y = (act(g) * u) @ w^T."""
+         act: str | None = None, norm: dict | None = None) -> torch.Tensor:
+    """y = x @ w^T with variant `v`; x [M, K] and w [N, K] contiguous. GEMV forms only: with act, x is
+    [M, 2K] = [g | u] and y = (act(g) * u) @ w^T; with norm {w, eps, style[, r, s]}, y =
+    rmsnorm(x [+ r]) @ w^T, and s = x + r (rounded) is written."""
     m, k, n = x.shape[0], w.shape[1], w.shape[0]
     assert act is None or (p_gemv(v) and x.shape[1] == 2 * k), "act needs a GEMV form and [g | u] rows"
+    assert norm is None or (p_gemv(v) and act is None), "norm needs a GEMV form"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if y is None else y
     if m == 0:
         return y
@@ -274,7 +318,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = 
         ws = y if sk == 1 else torch.empty((sk, m, n), dtype=torch.float32, device=x.device)
         counts = arrival_counters(x.device, blocks) if sk > 1 else y
         gemv_kernel[(blocks, sk)](x, w, y, ws, counts, m, N=n, K=k, BN=p["bn"], BK=p["bk"], SPLIT_K=sk, RNE=rne,
-                                  WHOLE=p.get("whole", False), ACT=-1 if act is None else ACTS[act], **opts, **pdl(x))
+                                  WHOLE=p.get("whole", False), ACT=-1 if act is None else ACTS[act],
+                                  **norm_args(norm, k), **opts, **pdl(x))
         return y
     if p.get("tma"):
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -511,7 +556,7 @@ class GemmOp(Op):
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("gemv"):
-            return [gemv_kernel, masked_k, x_slice, act_f32, pdl_wait, round_to, last_arrival]
+            return [gemv_kernel, masked_k, x_slice, act_f32, pdl_wait, round_to, last_arrival, norm_rstd, scale_normed]
         if v.p.get("tma"):
             return ([gemm_tma_sk_kernel, tile_of, mma, round_to, splitk_finish, last_arrival] if v.p.get("sk", 1) > 1
                     else [gemm_tma_kernel, tma_tile, tile_of, mma])

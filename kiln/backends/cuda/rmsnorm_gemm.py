@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...tune.registry import Op, Variant, register, variant
+from ...tune.registry import Op, Variant, register, try_unmeasured, variant
 from . import gemm as G
 from . import rmsnorm as R
 from .common import SUPPORTED, device_info, dot_flags, interpreting, rne_flag, round_to
@@ -75,10 +75,11 @@ class NormGemmShape:
     n: int
     k: int
     style: str
+    add: bool = False     # rmsnorm(x + r), and s = x + r written (the residual stream)
 
     @property
     def key(self) -> tuple:
-        return (self.n, self.k, self.style)
+        return (self.n, self.k, self.style) + (("add",) if self.add else ())
 
     def parts(self) -> tuple[R.NormShape, G.GemmShape]:
         return R.NormShape(self.rows, self.k, self.style), G.GemmShape(self.rows, self.n, self.k)
@@ -90,7 +91,7 @@ def fused_variant(bm, bn, bk, w, s) -> Variant:
 
 def unfused(inputs: dict, outputs: dict, plan, trusted: bool = False) -> None:
     """The rmsnorm kernel, then the GEMM, with the plan's choices (or the trusted ones)."""
-    x, nw, w, eps, style = (inputs[k] for k in ("x", "norm_w", "w", "eps", "style"))
+    x, nw, w, eps, style, r = (inputs.get(k) for k in ("x", "norm_w", "w", "eps", "style", "r"))
     norm_shape, gemm_shape = NormGemmShape(x.shape[0], w.shape[0], x.shape[1], style).parts()
     dev = plan.dev if plan is not None else device_info(x.device)
     if trusted:
@@ -102,8 +103,11 @@ def unfused(inputs: dict, outputs: dict, plan, trusted: bool = False) -> None:
     if gv.p.get("tma") and not G.tma_ok(x, w, outputs["y"]):
         gv = G.OP.default(gemm_shape, dev)
     h = torch.empty_like(x)
-    R.OP.run(nv, {"x": x, "norm_w": nw, "eps": eps, "style": style}, {"y": h}, plan)
-    G.OP.run(gv, {"x": h, "w": w}, outputs, plan)
+    if r is None:
+        R.OP.run(nv, {"x": x, "norm_w": nw, "eps": eps, "style": style}, {"y": h}, plan)
+    else:
+        R.rmsnorm(x, nw, eps, style, nv, y=h, add=r, s=outputs["s"])
+    G.OP.run(gv, {"x": h, "w": w}, {"y": outputs["y"]}, plan)
 
 
 UNFUSED = variant("unfused", run=unfused)
@@ -118,20 +122,27 @@ class RmsnormGemmOp(Op):
     sources = (__file__, G.__file__, R.__file__)
 
     def shape_str(self, s: NormGemmShape) -> str:
-        return f"{s.rows}x{s.n}x{s.k}_{s.style}"
+        return f"{s.rows}x{s.n}x{s.k}_{s.style}" + ("_add" if s.add else "")
 
     def with_rows(self, s: NormGemmShape, rows: int) -> NormGemmShape:
-        return NormGemmShape(rows, s.n, s.k, s.style)
+        return NormGemmShape(rows, s.n, s.k, s.style, s.add)
 
     def catalogue(self, s, dev) -> list[Variant]:
-        tiles = CPU_TILES if dev.capability is None else GPU_TILES
-        return [UNFUSED_TRUSTED, UNFUSED] + [fused_variant(*t) for t in tiles]
+        tiles = [] if s.add else (CPU_TILES if dev.capability is None else GPU_TILES)
+        forms = [UNFUSED_TRUSTED, UNFUSED] + [fused_variant(*t) for t in tiles]
+        if s.rows == 1 and dev.capability is None:
+            forms += [G.gemv_variant(*g) for g in G.CPU_GEMV]
+        elif s.rows == 1 and try_unmeasured():    # the GEMV with the norm in its prologue: not yet run on a GPU
+            forms += [G.gemv_variant(*g, whole=whole) for g in G.GEMV_FORMS for whole in (False, True)]
+        return forms
 
     def candidates(self, s, dev) -> list[Variant]:
-        forms = [v for v in self.catalogue(s, dev) if v.run is not None or G.fits(s, v.p)]
+        forms = [v for v in self.catalogue(s, dev) if v.run is not None or v.p.get("gemv") or G.fits(s, v.p)]
         if dev.capability is None:
             return forms
-        return [v for v in forms if v.run is not None or G.worth_measuring(s, v.p, dev.sms)]
+        return [v for v in forms if v.run is not None or (
+            G.gemv_worth(s, v.p, dev.sms) and (not v.p["whole"] or G.whole_fits(s, v.p)) if v.p.get("gemv")
+            else G.worth_measuring(s, v.p, dev.sms))]
 
     def trusted(self, s, dev) -> Variant:
         return UNFUSED_TRUSTED
@@ -142,17 +153,28 @@ class RmsnormGemmOp(Op):
     def inputs(self, s: NormGemmShape, dtype, device, gen) -> dict:
         d = R.norm_inputs(s.rows, s.k, s.style, dtype, device, gen)
         d["w"] = (torch.randn(s.n, s.k, generator=gen, device=device) * s.k ** -0.5).to(dtype)
+        if s.add:
+            d["r"] = torch.randn(s.rows, s.k, generator=gen, device=device).to(dtype)
         return d
 
     def outputs(self, s, inputs: dict) -> dict:
         x = inputs["x"]
-        return {"y": torch.empty((x.shape[0], inputs["w"].shape[0]), dtype=x.dtype, device=x.device)}
+        out = {"y": torch.empty((x.shape[0], inputs["w"].shape[0]), dtype=x.dtype, device=x.device)}
+        if inputs.get("r") is not None:
+            out["s"] = torch.empty_like(x)
+        return out
 
     def launch(self, v: Variant, inputs: dict, outputs: dict, plan=None) -> None:
+        if v.p.get("gemv"):
+            norm = {"w": inputs["norm_w"], "eps": inputs["eps"], "style": inputs["style"], "r": inputs.get("r"),
+                    "s": outputs.get("s")}
+            G.gemm(inputs["x"], inputs["w"], v, outputs["y"], norm=norm)
+            return
         rmsnorm_gemm(inputs["x"], inputs["norm_w"], inputs["eps"], inputs["style"], inputs["w"], v, outputs["y"])
 
     def compile(self, v: Variant, s: NormGemmShape, dtype, device) -> list:
-        if interpreting() or v.run is not None:
+        """Tile forms ahead of time; the GEMV forms compile at their first (gate) run."""
+        if interpreting() or v.run is not None or v.p.get("gemv"):
             return []
         x = torch.empty((1, s.k), dtype=dtype, device=device)
         w = torch.empty((s.n, s.k), dtype=dtype, device=device)
@@ -165,6 +187,8 @@ class RmsnormGemmOp(Op):
     def kernel_sources(self, v: Variant) -> list:
         if v.run is not None:
             return []
+        if v.p.get("gemv"):
+            return G.OP.kernel_sources(v)
         return [rmsnorm_gemm_kernel, G.tile_of, G.mma, R.scale_normed, round_to]
 
     def supports(self, x, nw, w, style) -> bool:
