@@ -251,6 +251,27 @@ def test_cuda_ops_norm_mlp_in_two_gemvs_equals_reference(act, monkeypatch):
     assert_rounding_close(m, want_m, exact_fraction=0.9)
 
 
+def test_cuda_ops_norm_then_projections_in_one_gemv_equals_reference(monkeypatch):
+    """CudaOps.add_rmsnorm_linear_split when the tuner chose the GEMV form: the next layer's
+    concatenated projections with the residual add and its input norm in the GEMV's prologue; with
+    the unfused choice, the same result through add_rmsnorm then linear_split."""
+    h = 72
+    x, r = rand(1, h, dtype=torch.bfloat16, scale=2.0), rand(1, h, dtype=torch.bfloat16, seed=1)
+    nw = rand(h, dtype=torch.bfloat16, seed=2, scale=0.2)
+    cat = rand(40 + 24 + 8, h, dtype=torch.bfloat16, seed=3, scale=h ** -0.5)
+    ws = list(cat.split([40, 24, 8]))
+    want_s, want = REF.add_rmsnorm_linear_split(x, r, nw, 1e-6, "offset", ws)
+    for pick in (G.gemv_variant(*G.CPU_GEMV[1]), RG.UNFUSED):
+        ops = CudaOps(DEVICE)
+        ops.fused = {tuple(w.data_ptr() for w in ws): cat}
+        monkeypatch.setattr(ops, "_choose", lambda op, shape: pick if op.name == "rmsnorm_gemm" else
+                            op.default(shape, ops.dev))
+        s, ys = ops.add_rmsnorm_linear_split(x, r, nw, 1e-6, "offset", ws)
+        assert torch.equal(s, want_s) and [y.shape for y in ys] == [w_.shape for w_ in want]
+        for y, w_ in zip(ys, want):
+            assert_rounding_close(y, w_, exact_fraction=0.9)
+
+
 def test_cuda_ops_route_and_fall_back():
     ops = CudaOps(DEVICE)
     x = rand(3, 7, 48, dtype=torch.bfloat16)           # [batch, T, K]: any leading shape

@@ -259,8 +259,12 @@ def test_workloads_of_qwen35_08b_are_its_projections():
     assert {(n, k) for m, n, k in gemms if m == 1} == prefill | {(248320, 1024)}    # + the LM head
     norms = {(w.shape.rows, w.shape.d, w.shape.style) for w in work if w.op.name == "rmsnorm"}
     assert {(512, 1024, "offset"), (512 * 8, 256, "offset"), (512 * 2, 256, "offset"), (1, 1024, "offset")} <= norms
-    fused = [w.shape for w in work if w.op.name == "rmsnorm_gemm"]
-    assert [(s.rows, s.n, s.k, s.style) for s in fused] == [(1, 248320, 1024, "offset")]
+    # the final norm with the LM head; at decode, each mixer's first projections with the residual
+    # add and its input norm (and the MLP's gate|up with the post-attention one, where gemm_act is tuned)
+    fused = {(w.shape.rows, w.shape.n, w.shape.k, w.shape.style, w.shape.add) for w in work if w.op.name == "rmsnorm_gemm"}
+    mixers = {(1, 248320, 1024, "offset", False), (1, 8224, 1024, "offset", True), (1, 5120, 1024, "offset", True)}
+    with_mlp = any(w.op.name == "gemm_act" for w in work)
+    assert fused == mixers | ({(1, 7168, 1024, "offset", True)} if with_mlp else set())
 
 
 def test_tune_skip_keeps_a_named_variant_from_running(monkeypatch):

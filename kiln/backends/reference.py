@@ -68,6 +68,12 @@ class ReferenceOps:
         """down(act(gate(x)) * up(x)): SwiGLU / GeGLU."""
         return self.linear(self.act_mul(self.linear(x, gate_w), self.linear(x, up_w), act), down_w)
 
+    def add_rmsnorm_linear_split(self, x, r, norm_w, eps: float, style: str, ws) -> tuple:
+        """The residual add, the next layer's input norm and its projections: (x + r, [h @ w^T for w in
+        ws]) with h = rmsnorm(x + r); on GPU at decode the norm can run inside their GEMV."""
+        s, h = self.add_rmsnorm(x, r, norm_w, eps, style)
+        return s, self.linear_split(h, ws)
+
     def add_rmsnorm_gated_mlp(self, x, r, norm_w, eps: float, style: str, gate_w, up_w, down_w, act: str):
         """The residual add, the post-attention norm and the MLP: (x + r, gated_mlp(rmsnorm(x + r)));
         on GPU at decode the norm can run inside the gate|up GEMV."""

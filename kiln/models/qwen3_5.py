@@ -132,17 +132,18 @@ class Qwen35(Model):
         w = self.w
         return tuple(self.ops.linear_split(x, [w[p + f"in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")]))
 
-    def linear_attention(self, i, x, state):
+    def linear_attention(self, i, x, state, proj=None):
+        """proj: the in_proj outputs when the input norm computed them (norm_next), else from x."""
         c, w, p = self.cfg, self.w, f"model.layers.{i}.linear_attn."
-        qkv, z, b, a = self.gdn_projections(x, p)
+        qkv, z, b, a = proj if proj is not None else self.gdn_projections(x, p)
         params = {n: w[p + n] for n in ("conv1d.weight", "A_log", "dt_bias", "norm.weight")}
         y = self.ops.gated_deltanet(qkv, z, b, a, params, state, (*self.gdn_dims(c), c.rms_norm_eps))
         return self.ops.linear(y, w[p + "out_proj.weight"])
 
-    def full_attention(self, i, x, positions, cache, rope):
+    def full_attention(self, i, x, positions, cache, rope, proj=None):
         c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.self_attn."
-        t, d, eps = x.shape[0], c.head_dim, c.rms_norm_eps
-        qg, k, v = ops.linear_split(x, [w[p + f"{n}_proj.weight"] for n in "qkv"])
+        qg, k, v = proj if proj is not None else ops.linear_split(x, [w[p + f"{n}_proj.weight"] for n in "qkv"])
+        t, d, eps = qg.shape[0], c.head_dim, c.rms_norm_eps
         q, gate = qg.view(t, -1, 2 * d).chunk(2, dim=-1)                                 # per-head interleave
         k, v = k.view(t, -1, d), v.view(t, -1, d)
         o = ops.qk_norm_rope_attention(q, k, v, w[p + "q_norm.weight"], w[p + "k_norm.weight"], eps, "offset", rope,
@@ -154,7 +155,23 @@ class Qwen35(Model):
         return self.ops.gated_mlp(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"],
                                   w[p + "down_proj.weight"], self.cfg.hidden_act)
 
-    fuses_norm_mlp = True    # decode: the add and the post-attention norm can run inside gate|up (workloads)
+    fuses_norm_mlp = True    # decode: each residual add and norm can run inside the next GEMV (workloads)
+
+    def mixer_weights(self, i) -> list | None:
+        """Layer i's first projections (concatenated by CudaOps), if they are the plain ones."""
+        p = f"model.layers.{i}."
+        names = ([p + f"linear_attn.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")]
+                 if self.cfg.layer_types[i] == "linear_attention" else [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+        return [self.w[n] for n in names] if all(n in self.w for n in names) else None
+
+    def norm_next(self, i, x, m):
+        """The residual add and layer i's input norm: (x + m, h, None), or (x + m, None, its projections)
+        where ops may compute them with the norm (Qwen3-Next's packed in_proj keeps the first form)."""
+        nw, eps, ws = self.w[f"model.layers.{i}.input_layernorm.weight"], self.cfg.rms_norm_eps, self.mixer_weights(i)
+        if ws is None:
+            return (*self.ops.add_rmsnorm(x, m, nw, eps, "offset"), None)
+        x, proj = self.ops.add_rmsnorm_linear_split(x, m, nw, eps, "offset", ws)
+        return x, None, tuple(proj)
 
     def norm_mlp(self, i, x, a):
         """The residual add, the post-attention norm and the MLP: (x + a, mlp(norm(x + a)))."""
@@ -170,17 +187,16 @@ class Qwen35(Model):
         c, w, ops, eps = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps
         x = ops.embed(ids, w["model.embed_tokens.weight"])
         rope = ops.rope_tables(positions, self.inv_freq, x.dtype)
-        h = ops.rmsnorm(x, w["model.layers.0.input_layernorm.weight"], eps, "offset")
+        h, proj = ops.rmsnorm(x, w["model.layers.0.input_layernorm.weight"], eps, "offset"), None
         for i, kind in enumerate(c.layer_types):
-            p = f"model.layers.{i}."
             if kind == "linear_attention":
-                a = self.linear_attention(i, h, state[i])
+                a = self.linear_attention(i, h, state[i], proj)
             else:
-                a = self.full_attention(i, h, positions, state[i], rope)
+                a = self.full_attention(i, h, positions, state[i], rope, proj)
             # each residual add fused into the norm that follows it (bit-equal: the sum is rounded first)
             x, m = self.norm_mlp(i, x, a)
             if i + 1 < len(c.layer_types):
-                x, h = ops.add_rmsnorm(x, m, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, "offset")
+                x, h, proj = self.norm_next(i + 1, x, m)
         if last_only:
             x, m = x[-1:], m[-1:]
         return ops.logits(ops.add_rmsnorm(x, m, w["model.norm.weight"], eps, "offset")[1], self.lm_head)

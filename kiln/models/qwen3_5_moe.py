@@ -9,7 +9,7 @@ from .qwen3_5 import Qwen35
 
 
 class Qwen35Moe(Qwen35):
-    fuses_norm_mlp = False   # its MLP is the MoE block (norm_mlp falls back to add_rmsnorm + mlp)
+    fuses_norm_mlp = False   # its MLP is the MoE block; no fused-norm workloads (norm_mlp and norm_next fall back)
 
     @classmethod
     def sanitize(cls, ckpt):

@@ -46,7 +46,7 @@ def model_workloads(cls, cfg, model_type: str, m_values=(PREFILL_CHUNK, DECODE_R
         elif len(shape) == 1 and name.endswith("norm.weight") and "linear_attn.norm" not in name:
             per_row = next((h for part, h in heads.items() if f".{part}." in name), 1)
             out += [Workload(R.OP, R.NormShape(m * per_row, shape[0], style)) for m in m_values]
-    out += fused_gemm_workloads(shapes, m_values)
+    out += fused_gemm_workloads(shapes, m_values, style, getattr(cls, "fuses_norm_mlp", False))
     out += gemm_act_workloads(cfg, shapes, m_values, style, getattr(cls, "fuses_norm_mlp", False))
     out += mixer_workloads(cfg, shapes, m_values)
     if "lm_head.weight" in shapes and "model.norm.weight" in shapes:
@@ -129,13 +129,19 @@ def gemm_act_workloads(cfg, shapes: dict, m_values, style: str = "llama", norm_m
     return out
 
 
-def fused_gemm_workloads(shapes: dict, m_values) -> list[Workload]:
-    """The concatenated projections CudaOps runs as one GEMM (kiln/backends/cuda/fuse.py)."""
+def fused_gemm_workloads(shapes: dict, m_values, style: str = "llama", norm_first: bool = False) -> list[Workload]:
+    """The concatenated projections CudaOps runs as one GEMM (kiln/backends/cuda/fuse.py); with
+    norm_first, at decode also a mixer's first projections with the residual add and its input norm
+    in the GEMV (Qwen3.5's norm_next)."""
     from ..backends.cuda import gemm as G
+    from ..backends.cuda import rmsnorm_gemm as RG
     from ..backends.cuda.fuse import projection_groups
 
     out = []
     for names in projection_groups(shapes):
         n, k = sum(shapes[x][0] for x in names), shapes[names[0]][1]
         out += [Workload(G.OP, G.GemmShape(m, n, k)) for m in m_values]
+        mixer = names[0].endswith(("self_attn.q_proj.weight", "linear_attn.in_proj_qkv.weight"))
+        if norm_first and mixer and DECODE_ROWS in m_values:
+            out.append(Workload(RG.OP, RG.NormGemmShape(DECODE_ROWS, n, k, style, add=True)))
     return out

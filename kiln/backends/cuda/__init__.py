@@ -120,22 +120,40 @@ class CudaOps(ReferenceOps):
         GA.OP.run(v, {"x": x2, "w": cat, "act": act}, {"y": h}, self.plan)
         return self.linear(h.view(*x.shape[:-1], -1), down_w)
 
+    def add_rmsnorm_linear_split(self, x, r, norm_w, eps, style, ws):
+        """At one row, when the tuner chose the GEMV with the norm in its prologue: s = x + r and the
+        concatenated projections of rmsnorm(s) in one launch."""
+        cat = self.fused.get(tuple(w.data_ptr() for w in ws))
+        fused = cat is not None and self._fusable_norm(x, r, norm_w, cat, style)
+        v = self._choose(RG.OP, RG.NormGemmShape(1, cat.shape[0], x.shape[-1], style, add=True)) if fused else None
+        if v is None or not v.p.get("gemv"):
+            return super().add_rmsnorm_linear_split(x, r, norm_w, eps, style, ws)
+        s, y = self._norm_gemv(v, x, r, norm_w, eps, style, cat)
+        return s.view(x.shape), list(y.view(*x.shape[:-1], -1).split([w.shape[0] for w in ws], dim=-1))
+
+    def _fusable_norm(self, x, r, norm_w, cat, style) -> bool:
+        return (x.numel() == x.shape[-1] and self._runs_here(x) and r.shape == x.shape and r.dtype == x.dtype
+                and RG.OP.supports(x, norm_w, cat, style))
+
+    def _norm_gemv(self, v, x, r, norm_w, eps, style, w):
+        """(s, y): s = x + r and y = rmsnorm(s) @ w^T by the GEMV form v, x one row."""
+        k = x.shape[-1]
+        x2, r2 = x.reshape(1, k).contiguous(), r.reshape(1, k).contiguous()
+        s, y = torch.empty_like(x2), torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device)
+        RG.OP.run(v, {"x": x2, "norm_w": norm_w, "eps": eps, "style": style, "w": w, "r": r2}, {"y": y, "s": s},
+                  self.plan)
+        return s, y
+
     def add_rmsnorm_gated_mlp(self, x, r, norm_w, eps, style, gate_w, up_w, down_w, act):
         """At one row, when the tuner chose the GEMV with the norm in its prologue (and the unfused
         gate|up): s = x + r and gate|up of rmsnorm(s) in one launch, then the down projection."""
         cat = self.fused.get((gate_w.data_ptr(), up_w.data_ptr()))
-        rows, k = x.numel() // x.shape[-1], x.shape[-1]
-        if (cat is None or rows != 1 or not self._runs_here(x) or r.shape != x.shape or r.dtype != x.dtype
-                or not RG.OP.supports(x, norm_w, cat, style)):
+        k = x.shape[-1]
+        fused = cat is not None and self._fusable_norm(x, r, norm_w, cat, style)
+        v = self._choose(RG.OP, RG.NormGemmShape(1, cat.shape[0], k, style, add=True)) if fused else None
+        if v is None or not v.p.get("gemv") or self._choose(GA.OP, GA.GemmActShape(1, gate_w.shape[0], k, act)).run is None:
             return super().add_rmsnorm_gated_mlp(x, r, norm_w, eps, style, gate_w, up_w, down_w, act)
-        v = self._choose(RG.OP, RG.NormGemmShape(1, cat.shape[0], k, style, add=True))
-        gemm_act = self._choose(GA.OP, GA.GemmActShape(1, gate_w.shape[0], k, act))
-        if not v.p.get("gemv") or gemm_act.run is None:
-            return super().add_rmsnorm_gated_mlp(x, r, norm_w, eps, style, gate_w, up_w, down_w, act)
-        x2, r2 = x.reshape(1, k).contiguous(), r.reshape(1, k).contiguous()
-        s, gu = torch.empty_like(x2), torch.empty((1, cat.shape[0]), dtype=x.dtype, device=x.device)
-        RG.OP.run(v, {"x": x2, "norm_w": norm_w, "eps": eps, "style": style, "w": cat, "r": r2}, {"y": gu, "s": s},
-                  self.plan)
+        s, gu = self._norm_gemv(v, x, r, norm_w, eps, style, cat)
         return s.view(x.shape), self._act_down(gu, down_w, act).view(x.shape)
 
     def _act_down(self, gu, down_w, act):
