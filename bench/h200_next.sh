@@ -4,7 +4,7 @@
 # Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
 # With KILN_TRY_UNMEASURED=1 the tune steps also offer the catalogue-only forms (docs/compiler.md), and
 # safetune retunes; a variant that faults is named (KILN_TUNE_SKIP=...) and skipped on the next try.
-#   steps: safetune load9 dec08 dec08nopdl dec9 gemm gdndiag gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
+#   steps: safetune load9 load9pin dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 set -u
@@ -56,6 +56,15 @@ for step in "$@"; do
       for run in 1 2; do   # the first fills the tune cache; the second is the measurement
         timeout 240 python3 -m kiln.cli bench $d --dtype bf16 --prompt-lengths 512 --gen 16 --runs 1 \
           --json "$OUT/h200_load_qwen3.5-9b_run${run}_${TAG}.json" 2>&1 | grep "\[bench\] load" ; done ;;
+    load9pin)  # the same through pinned staging buffers (kiln/weights/upload.py); the tune cache is warm by now
+      d=/dev/shm/kiln-q9; [ -d $d ] || python3 -m kiln.cli synth qwen3.5-9b $d --quiet
+      cat $d/*.safetensors > /dev/null
+      for run in 1 2; do
+        KILN_PINNED_UPLOAD=1 timeout 240 python3 -m kiln.cli bench $d --dtype bf16 --prompt-lengths 512 --gen 16 --runs 1 \
+          --json "$OUT/h200_load_qwen3.5-9b_pinned_run${run}_${TAG}.json" 2>&1 | grep "\[bench\] load" ; done ;;
+    dec08try)  # the forms not yet run on a GPU (norm in the GEMV's prologue, ...) offered to the tuner
+      KILN_TRY_UNMEASURED=1 timeout 300 python3 bench/decode_kernels.py synth:qwen3.5-0.8b 512 \
+        "$OUT/h200_decode_kernels_qwen3.5-0.8b_try_${TAG}.json" 2>&1 | tail -24 ;;
     dec08) timeout 240 python3 bench/decode_kernels.py synth:qwen3.5-0.8b 512 "$OUT/h200_decode_kernels_qwen3.5-0.8b_${TAG}.json" 2>&1 | tail -24 ;;
     dec08nopdl) KILN_PDL=0 timeout 240 python3 bench/decode_kernels.py synth:qwen3.5-0.8b 512 "$OUT/h200_decode_kernels_qwen3.5-0.8b_nopdl_${TAG}.json" 2>&1 | tail -24 ;;
     dec9) timeout 300 python3 bench/decode_kernels.py synth:qwen3.5-9b 512 "$OUT/h200_decode_kernels_qwen3.5-9b_${TAG}.json" 2>&1 | tail -24 ;;

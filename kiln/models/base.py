@@ -29,9 +29,12 @@ def load_strict(ckpt, expected: dict[str, tuple[int, ...]], dtype, device, tied:
 
     from tqdm import tqdm
 
+    from ..weights.upload import Uploader, pinned_upload_on
+
     extra = sorted(set(ckpt.shapes) - set(expected))
     if extra:
         raise KilnError(f"unexpected tensor in checkpoint: {extra[0]}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    uploader = Uploader(device) if pinned_upload_on(device) else None
     weights = {}
     for name, shape in tqdm(expected.items(), desc="load", unit="tensor", disable=not progress, file=sys.stderr,
                             leave=False):
@@ -42,10 +45,15 @@ def load_strict(ckpt, expected: dict[str, tuple[int, ...]], dtype, device, tied:
         if tuple(ckpt.shapes[name]) != tuple(shape):
             raise KilnError(f"tensor {name} has shape {tuple(ckpt.shapes[name])}, expected {tuple(shape)}")
         stored = ckpt.load(name)
+        if uploader is not None and stored.device.type == "cpu":
+            weights[name] = uploader.upload(stored, dtype)
+            continue
         w = stored.to(device=device, dtype=dtype)    # to the GPU straight from the file's pages
         if w.data_ptr() == stored.data_ptr() and w.device.type == "cpu":
             w = w.clone()        # a read-only view of the file (same device and dtype): own a copy
         weights[name] = w
+    if uploader is not None:
+        uploader.finish()
     return weights
 
 
