@@ -152,7 +152,7 @@ def test_prefill_group_of_one_key_head_per_value_head():
     check(D.gdn_prefill, D.chunk_variant(16, 4, "ieee"), 66, torch.float32, seed=6, hk=4, hv=4, dk=32, dv=16)
 
 
-DECODE_FORMS = [D.UNFUSED, D.fused_variant(32, 4), D.fused_variant(16, 4)]
+DECODE_FORMS = [D.UNFUSED, D.fused_variant(32, 4), D.fused_variant(16, 4), D.fused_variant(16, 4, last=True)]
 
 
 @pytest.mark.parametrize("v", DECODE_FORMS, ids=lambda v: v.name)
@@ -173,7 +173,8 @@ def test_prefill_then_decode_steps_equal_one_long_prefill(dtype):
     inp, st = case(75, dtype, seed=10)
     conv, ssm = st.conv.clone(), st.ssm.clone()
     parts = [kiln(D.gdn_prefill, inp, conv, ssm, CHUNK_FORMS[0], 0, 70)]
-    parts += [kiln(D.gdn_decode, inp, conv, ssm, D.fused_variant(16, 4), i, i + 1) for i in range(70, 75)]
+    # steps alternate the separate norm pass and the last-arrival norm (its counters reset each step)
+    parts += [kiln(D.gdn_decode, inp, conv, ssm, D.fused_variant(16, 4, last=i % 2 == 1), i, i + 1) for i in range(70, 75)]
     whole_conv, whole_ssm = st.conv.clone(), st.ssm.clone()
     whole = kiln(D.gdn_prefill, inp, whole_conv, whole_ssm, CHUNK_FORMS[0])
     assert_close(torch.cat(parts), whole, "y")

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, try_unmeasured, variant
 from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, pdl, pdl_wait, rne_flag, round_to
+from .gemm import last_arrival
 
 CHUNK = 64          # the reference's chunk (and the unit of the WY/UT solve)
 CONV_BT = 16        # tokens per conv program; must be >= K - 1 (only the first block reads the state)
@@ -209,12 +210,13 @@ def shift_state(x_ptr, cs_ptr, c, C: tl.constexpr, K: tl.constexpr):
 def decode_kernel(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, cs_ptr, ssm_ptr, y_ptr, o_ptr,
                   count_ptr, eps, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   K: tl.constexpr, BV: tl.constexpr, ROUND_WN: tl.constexpr, RNE: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  LAST_NORM: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (value head h, dv block vb). Conv state: the program owns its v channels and shifts them
     after reading; the q/k channels of key head kh are read by READERS programs, and the last of them
     to arrive (an arrival counter, as in serial split-K) shifts them, so no program reads a shifted row.
-    BV == DV: the gated norm here, else o goes to o_ptr for norm_kernel. The state block loads before
-    pdl_wait: only this layer's previous step writes it."""
+    BV == DV: the gated norm here, else o goes to o_ptr for norm_kernel, or (LAST_NORM) the last of
+    the head's DV // BV programs to arrive (counter HK + h) norms the whole row. The state block loads
+    before pdl_wait: only this layer's previous step writes it."""
     h, vb = tl.program_id(0), tl.program_id(1)
     kh = h // (HV // HK)
     C: tl.constexpr = 2 * HK * DK + HV * DV
@@ -258,6 +260,14 @@ def decode_kernel(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
         tl.store(y_ptr + h * DV + cols[None, :], gated_norm(o[None, :], zf, wf, eps, DV, ROUND_WN, dtype, RNE))
     else:
         tl.store(o_ptr + h * DV + cols, o.to(dtype))
+        if LAST_NORM:
+            if last_arrival(count_ptr, HK + h, DV // BV):
+                allc = tl.arange(0, DV)
+                of = tl.load(o_ptr + h * DV + allc[None, :], cache_modifier=".cg").to(tl.float32)
+                zf = tl.load(z_ptr + h * DV + allc[None, :]).to(tl.float32)
+                wf = tl.load(nw_ptr + allc).to(tl.float32)
+                tl.store(y_ptr + h * DV + allc[None, :], gated_norm(of, zf, wf, eps, DV, ROUND_WN, dtype, RNE))
+                tl.atomic_xchg(count_ptr + HK + h, 0)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -740,14 +750,14 @@ def decode_into(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, d
         xc = conv(qkv, conv_w, conv_state)
         recurrent(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, p["w"])
         return
-    bv = p["bv"]
+    bv, last = p["bv"], p.get("last", False) and p["bv"] != dv
     o = y if bv == dv else torch.empty_like(y)
-    counts = arrival_counters(qkv.device, hk)
+    counts = arrival_counters(qkv.device, hk + hv)
     decode_kernel[(hv, dv // bv)](qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, y, o, counts, eps,
                                   dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv, K=conv_w.shape[-1], BV=bv,
                                   ROUND_WN=round_wn(qkv, norm_w), RNE=rne_flag(qkv.dtype), num_warps=p["w"],
-                                  **pdl(qkv))
-    if bv != dv:
+                                  LAST_NORM=last, **pdl(qkv))
+    if bv != dv and not last:
         gated_norm_pass(o, z, norm_w, y, eps, dv)
 
 
@@ -813,8 +823,10 @@ def split_variant(hbv: int, hw: int, obv: int, ow: int, prec: str, pw: int = 4, 
                    ow=ow, pw=pw, prec=prec, inv=inv, hs=hs, solve=solve, prep2=prep2)
 
 
-def fused_variant(bv: int, w: int) -> Variant:
-    return variant(f"fused_bv{bv}_w{w}", form="fused", bv=bv, w=w)
+def fused_variant(bv: int, w: int, last: bool = False) -> Variant:
+    """The decode step in one kernel; BV < DV: the gated norm in norm_kernel, or (last) done by the
+    head's last-arriving program."""
+    return variant(f"fused_bv{bv}_w{w}" + ("_last" if last else ""), form="fused", bv=bv, w=w, last=last)
 
 
 RECURRENT = variant("recurrent", form="recurrent", w=4)        # trusted prefill: token by token, no tl.dot
@@ -968,9 +980,13 @@ class GdnDecodeOp(GdnOp):
     def catalogue(self, s: GdnShape, dev) -> list[Variant]:
         bvs = [bv for bv in (16, 32, 64, 128) if bv <= s.dv]
         if dev.capability is None:
-            return [UNFUSED, fused_variant(s.dv, 4)] + ([fused_variant(16, 4)] if s.dv > 16 else [])
+            small = [fused_variant(16, 4), fused_variant(16, 4, last=True)] if s.dv > 16 else []
+            return [UNFUSED, fused_variant(s.dv, 4)] + small
         # at most 128 state floats a thread: more only spills
-        return [UNFUSED] + [fused_variant(bv, w) for bv in bvs for w in (1, 2, 4, 8) if bv * s.dk <= 128 * 32 * w]
+        forms = [fused_variant(bv, w) for bv in bvs for w in (1, 2, 4, 8) if bv * s.dk <= 128 * 32 * w]
+        if try_unmeasured():     # the last-arrival norm: not yet run on a GPU
+            forms += [fused_variant(bv, w, last=True) for bv in bvs[:-1] for w in (1, 2, 4) if bv * s.dk <= 128 * 32 * w]
+        return [UNFUSED] + forms
 
     def trusted(self, s, dev) -> Variant:
         return UNFUSED
@@ -981,7 +997,8 @@ class GdnDecodeOp(GdnOp):
     def kernel_sources(self, v: Variant) -> list:
         if v.p["form"] == "unfused":
             return [conv_kernel, recurrent_kernel]
-        return [decode_kernel, decode_conv, shift_state, pdl_wait] + [norm_kernel]
+        return [decode_kernel, decode_conv, shift_state, pdl_wait, last_arrival, gated_norm] + (
+            [] if v.p.get("last") else [norm_kernel])
 
 
 PREFILL = register(GdnPrefillOp())
