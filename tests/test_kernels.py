@@ -213,11 +213,10 @@ def test_rmsnorm_gemv_with_the_residual_add_equals_reference(n, k, style, dtype)
     w = rand(n, k, dtype=dtype, seed=2, scale=k ** -0.5)
     want_s, h = REF.add_rmsnorm(x, r, nw, 1e-6, style)
     want = REF.linear(h, w)
+    forms = RG.OP.candidates(RG.NormGemmShape(1, n, k, style, True), device_info(DEVICE))
+    assert {v.name for v in forms if v.p.get("gemv")} == {G.gemv_variant(*g).name for g in G.CPU_GEMV}
     for add in (False, True):
-        forms = RG.OP.candidates(RG.NormGemmShape(1, n, k, style, add), device_info(DEVICE))
-        gemv = [v for v in forms if v.p.get("gemv")]
-        assert len(gemv) == len(G.CPU_GEMV) and RG.UNFUSED in forms
-        for v in gemv + [RG.UNFUSED, RG.UNFUSED_TRUSTED]:
+        for v in [G.gemv_variant(*g) for g in G.CPU_GEMV] + [RG.UNFUSED, RG.UNFUSED_TRUSTED]:
             inputs = {"x": x, "norm_w": nw, "w": w, "eps": 1e-6, "style": style, "r": r if add else None}
             out = {"y": torch.full_like(want, float("nan"))} | ({"s": torch.full_like(x, float("nan"))} if add else {})
             RG.OP.run(v, inputs, out)

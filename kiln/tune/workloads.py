@@ -135,6 +135,7 @@ def fused_gemm_workloads(shapes: dict, m_values, style: str = "llama", norm_firs
     in the GEMV (Qwen3.5's norm_next)."""
     from ..backends.cuda import gemm as G
     from ..backends.cuda import rmsnorm_gemm as RG
+    from ..backends.cuda.common import interpreting
     from ..backends.cuda.fuse import projection_groups
 
     out = []
@@ -142,6 +143,6 @@ def fused_gemm_workloads(shapes: dict, m_values, style: str = "llama", norm_firs
         n, k = sum(shapes[x][0] for x in names), shapes[names[0]][1]
         out += [Workload(G.OP, G.GemmShape(m, n, k)) for m in m_values]
         mixer = names[0].endswith(("self_attn.q_proj.weight", "linear_attn.in_proj_qkv.weight"))
-        if norm_first and mixer and DECODE_ROWS in m_values:
+        if norm_first and mixer and DECODE_ROWS in m_values and not interpreting():   # (tested on their own)
             out.append(Workload(RG.OP, RG.NormGemmShape(DECODE_ROWS, n, k, style, add=True)))
     return out

@@ -130,7 +130,7 @@ class RmsnormGemmOp(Op):
     def catalogue(self, s, dev) -> list[Variant]:
         tiles = [] if s.add else (CPU_TILES if dev.capability is None else GPU_TILES)
         forms = [UNFUSED_TRUSTED, UNFUSED] + [fused_variant(*t) for t in tiles]
-        if s.rows == 1 and dev.capability is None:
+        if s.rows == 1 and s.add and dev.capability is None:   # (the LM head's shape: the interpreter is slow on it)
             forms += [G.gemv_variant(*g) for g in G.CPU_GEMV]
         elif s.rows == 1 and try_unmeasured():    # the GEMV with the norm in its prologue: not yet run on a GPU
             forms += [G.gemv_variant(*g, whole=whole) for g in G.GEMV_FORMS for whole in (False, True)]
