@@ -124,16 +124,20 @@ class CudaOps(ReferenceOps):
         """At one row, when the tuner chose the GEMV with the norm in its prologue: s = x + r and the
         concatenated projections of rmsnorm(s) in one launch."""
         cat = self.fused.get(tuple(w.data_ptr() for w in ws))
-        fused = cat is not None and self._fusable_norm(x, r, norm_w, cat, style)
-        v = self._choose(RG.OP, RG.NormGemmShape(1, cat.shape[0], x.shape[-1], style, add=True)) if fused else None
-        if v is None or not v.p.get("gemv"):
+        v = self._norm_gemv_choice(x, r, norm_w, cat, style)
+        if v is None:
             return super().add_rmsnorm_linear_split(x, r, norm_w, eps, style, ws)
         s, y = self._norm_gemv(v, x, r, norm_w, eps, style, cat)
         return s.view(x.shape), list(y.view(*x.shape[:-1], -1).split([w.shape[0] for w in ws], dim=-1))
 
-    def _fusable_norm(self, x, r, norm_w, cat, style) -> bool:
-        return (x.numel() == x.shape[-1] and self._runs_here(x) and r.shape == x.shape and r.dtype == x.dtype
-                and RG.OP.supports(x, norm_w, cat, style))
+    def _norm_gemv_choice(self, x, r, norm_w, cat, style):
+        """The tuned GEMV form with add + norm in its prologue for this one-row input, or None (no
+        concatenated weight, not one row, unsupported, or the tuner kept the unfused form)."""
+        if (cat is None or x.numel() != x.shape[-1] or not self._runs_here(x) or r.shape != x.shape
+                or r.dtype != x.dtype or not RG.OP.supports(x, norm_w, cat, style)):
+            return None
+        v = self._choose(RG.OP, RG.NormGemmShape(1, cat.shape[0], x.shape[-1], style, add=True))
+        return v if v.p.get("gemv") else None
 
     def _norm_gemv(self, v, x, r, norm_w, eps, style, w):
         """(s, y): s = x + r and y = rmsnorm(s) @ w^T by the GEMV form v, x one row."""
@@ -148,10 +152,8 @@ class CudaOps(ReferenceOps):
         """At one row, when the tuner chose the GEMV with the norm in its prologue (and the unfused
         gate|up): s = x + r and gate|up of rmsnorm(s) in one launch, then the down projection."""
         cat = self.fused.get((gate_w.data_ptr(), up_w.data_ptr()))
-        k = x.shape[-1]
-        fused = cat is not None and self._fusable_norm(x, r, norm_w, cat, style)
-        v = self._choose(RG.OP, RG.NormGemmShape(1, cat.shape[0], k, style, add=True)) if fused else None
-        if v is None or not v.p.get("gemv") or self._choose(GA.OP, GA.GemmActShape(1, gate_w.shape[0], k, act)).run is None:
+        v = self._norm_gemv_choice(x, r, norm_w, cat, style)
+        if v is None or self._choose(GA.OP, GA.GemmActShape(1, gate_w.shape[0], x.shape[-1], act)).run is None:
             return super().add_rmsnorm_gated_mlp(x, r, norm_w, eps, style, gate_w, up_w, down_w, act)
         s, gu = self._norm_gemv(v, x, r, norm_w, eps, style, cat)
         return s.view(x.shape), self._act_down(gu, down_w, act).view(x.shape)
