@@ -4,13 +4,16 @@
 # Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
 # With KILN_TRY_UNMEASURED=1 the tune steps also offer the catalogue-only forms (docs/compiler.md), and
 # safetune retunes; a variant that faults is named (KILN_TUNE_SKIP=...) and skipped on the next try.
-#   steps: safetune load9 load9pin dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
+#   steps: safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KILN_CACHE_DIR=$PWD/.kiln-cache KILN_DEBUG=1
 TAG=${KILN_COMMIT:-run}   # in every result name: copying results home must never overwrite an older one
-trap 'mkdir -p "$OUT/kiln-cache" && cp -rT "$KILN_CACHE_DIR" "$OUT/kiln-cache" 2>/dev/null' EXIT
+# only the cache files this run wrote come back (a device run returns a limited number of files)
+touch /tmp/kiln-run-start
+trap 'mkdir -p "$OUT/kiln-cache/tune" && find "$KILN_CACHE_DIR/tune" -newer /tmp/kiln-run-start -name "*.json" \
+  -exec cp {} "$OUT/kiln-cache/tune/" \; 2>/dev/null' EXIT
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -53,15 +56,14 @@ for step in "$@"; do
     load9)  # issue 6: a saved 9B from a warm page cache (and a warm tune cache) to ready in < 5 s
       d=/dev/shm/kiln-q9; [ -d $d ] || python3 -m kiln.cli synth qwen3.5-9b $d --quiet
       cat $d/*.safetensors > /dev/null
-      for run in 1 2; do   # the first fills the tune cache; the second is the measurement
+      for run in 1 2; do   # the first fills the tune cache (its weights stage still counts); the second is the measurement
         timeout 240 python3 -m kiln.cli bench $d --dtype bf16 --prompt-lengths 512 --gen 16 --runs 1 \
           --json "$OUT/h200_load_qwen3.5-9b_run${run}_${TAG}.json" 2>&1 | grep "\[bench\] load" ; done ;;
-    load9pin)  # the same through pinned staging buffers (kiln/weights/upload.py); the tune cache is warm by now
-      d=/dev/shm/kiln-q9; [ -d $d ] || python3 -m kiln.cli synth qwen3.5-9b $d --quiet
-      cat $d/*.safetensors > /dev/null
-      for run in 1 2; do
-        KILN_PINNED_UPLOAD=1 timeout 240 python3 -m kiln.cli bench $d --dtype bf16 --prompt-lengths 512 --gen 16 --runs 1 \
-          --json "$OUT/h200_load_qwen3.5-9b_pinned_run${run}_${TAG}.json" 2>&1 | grep "\[bench\] load" ; done ;;
+    load9ab)  # the upload paths A/B (warm tune cache: run load9 first): pinned from the map, and pageable
+      d=/dev/shm/kiln-q9
+      for v in "KILN_UPLOAD_READ=0 mmap" "KILN_PINNED_UPLOAD=0 pageable"; do
+        env ${v% *} timeout 240 python3 -m kiln.cli bench $d --dtype bf16 --prompt-lengths 512 --gen 16 --runs 1 \
+          --json "$OUT/h200_load_qwen3.5-9b_${v#* }_${TAG}.json" 2>&1 | grep "\[bench\] load" ; done ;;
     dec08try)  # the forms not yet run on a GPU (norm in the GEMV's prologue, ...) offered to the tuner
       KILN_TRY_UNMEASURED=1 timeout 300 python3 bench/decode_kernels.py synth:qwen3.5-0.8b 512 \
         "$OUT/h200_decode_kernels_qwen3.5-0.8b_try_${TAG}.json" 2>&1 | tail -24 ;;

@@ -98,6 +98,7 @@ class LLM:
     def __init__(self, path: Path, model, tokenizer, engine: Engine, eos: list[int], load_s: float):
         self.path, self.model, self.tokenizer, self.engine = path, model, tokenizer, engine
         self.eos_ids, self.load_s = eos, load_s
+        self.load_stages: dict[str, float] = {}     # seconds by stage (kiln.load fills it)
         self.config = model.cfg
 
     # -- prompts -------------------------------------------------------------------------
@@ -197,6 +198,11 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     op -> variant). Backend "auto" is cuda on a CUDA device, reference elsewhere; on cuda the decode
     step runs as one CUDA graph unless `enforce_eager`."""
     t0 = time.perf_counter()
+    stages, mark = {}, [t0]
+
+    def stage(name: str) -> None:      # seconds since the last stage, for load_stages
+        now = time.perf_counter()
+        stages[name], mark[0] = round(now - mark[0], 3), now
     path = resolve_model(model, quiet=quiet)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
@@ -204,11 +210,16 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     if backend == "auto":
         backend = "cuda" if dev.type == "cuda" else "reference"
     ops = get_ops(backend, dev)
+    stage("open")
     net = build_model(ckpt, ops, dt, dev, progress=not quiet)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)     # the weights' copies are done: their time is theirs
+    stage("weights")
     if hasattr(ops, "prepare"):
         ops.prepare(net, dt, retune=retune, pins=tune, quiet=quiet)
     elif retune or tune:
         raise KilnError(f"--retune and --tune apply to the cuda backend, not {backend!r}")
+    stage("tune")
     limit = net.cfg.max_position_embeddings
     if max_context is not None:
         if max_context < 2:
@@ -218,5 +229,9 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     eos = eos_ids(ckpt.config, ckpt.generation)
     if tokenizer is not None:
         eos += [i for i in tokenizer.eos_ids if i not in eos]
+    stage("tokenizer")
     engine = Engine(net, dt, dev, limit, prefill_chunk=getattr(ops, "prefill_chunk", 512), graphs=getattr(ops, "graphs", False) and not enforce_eager, quiet=quiet)
-    return LLM(path, net, tokenizer, engine, eos, time.perf_counter() - t0)
+    stage("engine")
+    llm = LLM(path, net, tokenizer, engine, eos, time.perf_counter() - t0)
+    llm.load_stages = stages
+    return llm

@@ -33,7 +33,7 @@ from .errors import KilnError
 
 DEFAULT_LENGTHS = (512, 2048, 8192, 32768, 81920)
 FIELDS = ("engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
-          "kiln_commit", "kiln_env", "date", "command", "load_s", "tune_s", "tune_cache", "peak_mem_gb",
+          "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "tune_s", "tune_cache", "peak_mem_gb",
           "launches_per_token", "results", "baseline")
 
 
@@ -374,7 +374,8 @@ def main(a) -> int:
     dev, gen = llm.engine.device, a.gen
     report = {"engine": "kiln", "model": _model_label(a.model, llm.path), "dtype": DTYPE_NAMES[llm.engine.dtype],
               "backend": llm.model.ops.name, "device": str(dev), **environment(dev), "date": now_iso(),
-              "command": command_line(), "load_s": round(llm.load_s, 3), "tune_s": _backend_fact(llm, "tune_s"),
+              "command": command_line(), "load_s": round(llm.load_s, 3),
+              "load_stages": getattr(llm, "load_stages", None) or None, "tune_s": _backend_fact(llm, "tune_s"),
               "tune_cache": _backend_fact(llm, "tune_cache"), "peak_mem_gb": None,
               "launches_per_token": _backend_fact(llm, "launches_per_token")}
     prompts = random_prompts(llm.model.cfg.vocab_size, a.prompt_lengths, a.seed)
@@ -415,7 +416,9 @@ def _finish(a, report: dict, measured: dict, say) -> int:
         _agreement(measured, say)
     fmt = lambda x, unit: "null" if x is None else f"{x}{unit}"  # noqa: E731
     mem = "peak GPU memory" if report["device"].startswith("cuda") else "peak RSS"
-    say(f"load {report['load_s']} s, tune {fmt(report['tune_s'], ' s')} (cache {fmt(report['tune_cache'], '')}), "
+    stages = report.get("load_stages") or {}
+    say(f"load {report['load_s']} s" + (f" ({', '.join(f'{k} {v} s' for k, v in stages.items())})" if stages else "")
+        + f", tune {fmt(report['tune_s'], ' s')} (cache {fmt(report['tune_cache'], '')}), "
         f"{mem} {report['peak_mem_gb']} GB, launches/token {fmt(report['launches_per_token'], '')}")
     if a.json_path:
         data = json.dumps({k: report[k] for k in FIELDS}, indent=2).encode() + b"\n"

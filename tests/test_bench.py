@@ -20,7 +20,7 @@ from kiln.cli import main as kiln_main
 from kiln.profile import OpTimer
 
 BENCH_FIELDS = ["engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
-                "kiln_commit", "kiln_env", "date", "command", "load_s", "tune_s", "tune_cache", "peak_mem_gb",
+                "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "tune_s", "tune_cache", "peak_mem_gb",
                 "launches_per_token", "results", "baseline"]
 RESULT_TYPES = {"prompt_tokens": int, "prefill_tok_s": float, "decode_tok_s": float, "gen_tokens": int}
 

@@ -36,25 +36,36 @@ def load_strict(ckpt, expected: dict[str, tuple[int, ...]], dtype, device, tied:
         raise KilnError(f"unexpected tensor in checkpoint: {extra[0]}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
     uploader = Uploader(device) if pinned_upload_on(device) else None
     weights = {}
-    for name, shape in tqdm(expected.items(), desc="load", unit="tensor", disable=not progress, file=sys.stderr,
-                            leave=False):
-        if name not in ckpt.shapes:
-            if name in tied:
-                continue
-            raise KilnError(f"missing tensor in checkpoint: {name}")
-        if tuple(ckpt.shapes[name]) != tuple(shape):
-            raise KilnError(f"tensor {name} has shape {tuple(ckpt.shapes[name])}, expected {tuple(shape)}")
-        stored = ckpt.load(name)
-        if uploader is not None and stored.device.type == "cpu":
-            weights[name] = uploader.upload(stored, dtype)
-            continue
-        w = stored.to(device=device, dtype=dtype)    # to the GPU straight from the file's pages
-        if w.data_ptr() == stored.data_ptr() and w.device.type == "cpu":
-            w = w.clone()        # a read-only view of the file (same device and dtype): own a copy
-        weights[name] = w
-    if uploader is not None:
-        uploader.finish()
+    try:
+        for name, shape in tqdm(expected.items(), desc="load", unit="tensor", disable=not progress, file=sys.stderr,
+                                leave=False):
+            if name not in ckpt.shapes:
+                if name in tied:
+                    continue
+                raise KilnError(f"missing tensor in checkpoint: {name}")
+            if tuple(ckpt.shapes[name]) != tuple(shape):
+                raise KilnError(f"tensor {name} has shape {tuple(ckpt.shapes[name])}, expected {tuple(shape)}")
+            weights[name] = _load_one(ckpt, name, dtype, device, uploader)
+    finally:
+        if uploader is not None:
+            uploader.finish()
     return weights
+
+
+def _load_one(ckpt, name: str, dtype, device, uploader):
+    """One tensor on `device` in `dtype`: read from its file into pinned buffers where the checkpoint
+    can say where its bytes lie, else through the reader (a view of the file's memory map)."""
+    from ..weights.upload import file_reads_on
+
+    if uploader is not None and file_reads_on() and (span := ckpt.locate(name)) is not None:
+        return uploader.upload_span(span, dtype)
+    stored = ckpt.load(name)
+    if uploader is not None and stored.device.type == "cpu":
+        return uploader.upload(stored, dtype)
+    w = stored.to(device=device, dtype=dtype)    # to the GPU straight from the file's pages
+    if w.data_ptr() == stored.data_ptr() and w.device.type == "cpu":
+        w = w.clone()        # a read-only view of the file (same device and dtype): own a copy
+    return w
 
 
 def eos_ids(config: dict, generation: dict) -> list[int]:
@@ -100,7 +111,10 @@ def fuse_experts(ckpt):
             return ckpt.load(name)
         return torch.stack([torch.cat([ckpt.load(n) for n in names]) for names in parts[name]])
 
-    return dataclasses.replace(ckpt, shapes=shapes, loader=load)
+    def locate(name):
+        return None if name in parts else ckpt.locate(name)
+
+    return dataclasses.replace(ckpt, shapes=shapes, loader=load, locator=locate, located=load)
 
 
 def decoder_layer_shapes(c, extra_attn: dict | None = None) -> dict[str, tuple[int, ...]]:

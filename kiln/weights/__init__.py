@@ -24,9 +24,27 @@ class Checkpoint:
     loader: Callable[[str], torch.Tensor]         # canonical name -> tensor (stored or f32 dtype)
     generation: dict = field(default_factory=dict)  # generation_config.json or GGUF equivalents
     gguf_metadata: dict | None = None             # raw GGUF key/values (tokenizer, template)
+    locator: Callable[[str], "FileSpan | None"] | None = None   # where a tensor's bytes lie, if plain
+    located: Callable | None = None               # the loader the locator describes
 
     def load(self, name: str) -> torch.Tensor:
         return self.loader(name)
+
+    def locate(self, name: str) -> "FileSpan | None":
+        """The tensor's bytes as a span of one file (stored dtype, row-major), or None where the
+        reader must convert them (GGUF quantisation, synth): the upload then reads the file itself."""
+        if self.locator is None or self.loader is not self.located:
+            return None     # a wrapper changed what the tensors are (dataclasses.replace(loader=...))
+        return self.locator(name)
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import KilnError
-from . import Checkpoint
+from . import Checkpoint, FileSpan
 
 # Multimodal wrappers keep the text model under these prefixes; they map to ForCausalLM names.
 _TEXT_PREFIXES = [
@@ -80,7 +80,15 @@ class MappedSafetensors:
             # copy-on-write: pages are read from the page cache as they are touched; a write (kiln
             # never writes a view, load_strict copies first) would change a private page, not the file
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        self.base, self.handle = 8 + n, handle
+        self.base, self.handle, self.path = 8 + n, handle, path
+
+    def span(self, name: str) -> FileSpan | None:
+        info = self.header[name]
+        dtype = _DTYPES.get(info["dtype"])
+        start, end = info["data_offsets"]
+        if dtype is None or end == start:
+            return None
+        return FileSpan(self.path, self.base + start, end - start, dtype, tuple(info["shape"]))
 
     def get(self, name: str) -> torch.Tensor:
         info = self.header[name]
@@ -119,6 +127,10 @@ def open_hf_dir(d: Path) -> Checkpoint:
         h, mapped, name = where[canon]
         return mapped.get(name) if mapped is not None else h.get_tensor(name)
 
+    def locate(canon: str) -> FileSpan | None:
+        _, mapped, name = where[canon]
+        return mapped.span(name) if mapped is not None else None
+
     gen_path = d / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.exists() else {}
-    return Checkpoint(d, "hf", config, shapes, load, generation)
+    return Checkpoint(d, "hf", config, shapes, load, generation, locator=locate, located=load)

@@ -1,24 +1,44 @@
-"""Weights to the GPU through pinned staging buffers (KILN_PINNED_UPLOAD=1; off by default until
-measured on a GPU: bench/h200_next.sh load9pin).
+"""Weights to the GPU through pinned staging buffers (on for CUDA; KILN_PINNED_UPLOAD=0 turns it off).
 
 A tensor that views the file's memory map is pageable memory: `.to("cuda")` copies it through the
-driver's own small staging buffers at a few GB/s (17.9 GB in ~5 s on the H200 machine). Here the
-CPU copies each tensor, in chunks, into one of two pinned buffers while the copy engine moves the
-other one to the GPU, so the host memcpy and the DMA overlap. A buffer is reused only after the
-event recorded behind its last DMA has completed. The dtype conversion, if any, runs on the GPU.
+driver's own small staging buffers at a few GB/s (17.9 GB in ~5 s on the H200 machine). Here each
+tensor goes, in chunks, into one of two pinned buffers while the copy engine moves the other one to
+the GPU, so filling and DMA overlap. A buffer is reused only after the event recorded behind its
+last DMA has completed. Where the checkpoint says where a tensor's bytes lie in its file (a
+FileSpan), several threads pread them straight into the pinned buffer (no page faults on a memory
+map; KILN_UPLOAD_READ=0 copies from the map instead). The dtype conversion, if any, runs on the GPU.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..errors import KilnError
+
 CHUNK_BYTES = 256 << 20
+READ_THREADS = 8
+PIECE_BYTES = 8 << 20      # the smallest read one thread is given
 
 
 def pinned_upload_on(device: torch.device) -> bool:
-    return torch.device(device).type == "cuda" and os.environ.get("KILN_PINNED_UPLOAD", "0") not in ("", "0")
+    return torch.device(device).type == "cuda" and os.environ.get("KILN_PINNED_UPLOAD", "1") not in ("", "0")
+
+
+def file_reads_on() -> bool:
+    return os.environ.get("KILN_UPLOAD_READ", "1") not in ("", "0")
+
+
+def pread_full(fd: int, view: memoryview, offset: int) -> None:
+    """Fill `view` from the file at `offset` (pread may return less than asked)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise KilnError(f"checkpoint file ended early ({offset + done} bytes): is it truncated?")
+        done += n
 
 
 class Uploader:
@@ -32,6 +52,9 @@ class Uploader:
         self.events: list = [None, None]
         self.turn = 0
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.views = [memoryview(b.numpy()) for b in self.bufs]
+        self.pool: ThreadPoolExecutor | None = None
+        self.fds: dict = {}
 
     def upload(self, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         src = src.contiguous()
@@ -40,19 +63,52 @@ class Uploader:
         dst = out.reshape(-1).view(torch.uint8)
         for start in range(0, raw.numel(), self.chunk):
             n = min(self.chunk, raw.numel() - start)
-            self._copy(raw[start:start + n], dst[start:start + n])
-        if dtype == src.dtype:
+            self._copy(lambda buf, i, a=start, n=n: buf.copy_(raw[a:a + n]), n, dst[start:start + n])
+        return self._convert(out, dtype)
+
+    def upload_span(self, span, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor a FileSpan describes, read from its file straight into the pinned buffers."""
+        out = torch.empty(span.shape, dtype=span.dtype, device=self.device)
+        dst = out.reshape(-1).view(torch.uint8)
+        if dst.numel() != span.nbytes:
+            raise KilnError(f"{span.path}: a tensor of shape {span.shape} cannot take {span.nbytes} bytes")
+        fd = self._fd(span.path)
+        for start in range(0, span.nbytes, self.chunk):
+            n = min(self.chunk, span.nbytes - start)
+            self._copy(lambda buf, i, a=start, n=n: self._read(fd, i, n, span.offset + a), n, dst[start:start + n])
+        return self._convert(out, dtype)
+
+    def _convert(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if dtype == out.dtype:
             return out
         self._drain()
         return out.to(dtype)
 
-    def _copy(self, part: torch.Tensor, dst: torch.Tensor) -> None:
+    def _fd(self, path) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def _read(self, fd: int, i: int, n: int, offset: int) -> None:
+        """n bytes at offset into buffer i, in pieces read by parallel threads (pread drops the GIL)."""
+        step = max(PIECE_BYTES, -(-n // READ_THREADS))
+        pieces = [(a, min(a + step, n)) for a in range(0, n, step)]
+        if len(pieces) == 1:
+            pread_full(fd, self.views[i][:n], offset)
+            return
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kiln-read")
+        for f in [self.pool.submit(pread_full, fd, self.views[i][a:b], offset + a) for a, b in pieces]:
+            f.result()
+
+    def _copy(self, fill, n: int, dst: torch.Tensor) -> None:
+        """fill(buffer view, buffer index) writes n bytes into a free staging buffer; then DMA them."""
         i = self.turn
         self.turn ^= 1
         if self.events[i] is not None:
             self.events[i].synchronize()          # its previous DMA is done: the buffer may be refilled
-        buf = self.bufs[i][:part.numel()]
-        buf.copy_(part)
+        buf = self.bufs[i][:n]
+        fill(buf, i)
         if self.stream is None:
             dst.copy_(buf)
             return
@@ -70,3 +126,8 @@ class Uploader:
         if self.stream is not None:
             self._drain()
             self.stream.synchronize()
+        if self.pool is not None:
+            self.pool.shutdown()
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()

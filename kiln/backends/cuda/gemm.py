@@ -193,20 +193,23 @@ def x_slice(x_ptr, m, rk, K: tl.constexpr, EVEN: tl.constexpr, ACT: tl.constexpr
     """Row m's x at columns rk in f32. ACT >= 0: rows are [g | u] (2K wide) and x = act(g) * u,
     each rounded to x's dtype as act_mul rounds (kiln/backends/cuda/elementwise.py). NORM: x is
     rmsnorm(x) (1) or rmsnorm(x + r) (2) with the row's rstd, rounded as the rmsnorm kernel rounds."""
+    # One return at the end: Triton 3.6 still builds the code after a constexpr-taken `return`
+    # (with r_ptr/nw_ptr None there, that fails to compile).
     dtype = x_ptr.dtype.element_ty
     if ACT >= 0:
         g = masked_k(x_ptr + m * (2 * K) + rk, rk, K, EVEN, False).to(tl.float32)
         u = masked_k(x_ptr + m * (2 * K) + K + rk, rk, K, EVEN, False).to(tl.float32)
         a = round_to(act_f32(g, ACT), dtype, RNE).to(tl.float32)
-        return round_to(a * u, dtype, RNE).to(tl.float32)
-    xv = masked_k(x_ptr + m * K + rk, rk, K, EVEN, False).to(tl.float32)
-    if NORM == 0:
-        return xv
-    if NORM == 2:
-        xv = round_to(xv + masked_k(r_ptr + m * K + rk, rk, K, EVEN, False).to(tl.float32), dtype, RNE).to(tl.float32)
-    wv = masked_k(nw_ptr + rk, rk, K, EVEN, False).to(tl.float32)
-    # [1, BK] through the rmsnorm kernel's own rounding, back to [BK] (a sum of one term is exact)
-    return tl.sum(scale_normed(xv[None, :], rstd, wv, STYLE, dtype, RNE).to(tl.float32), axis=0)
+        xv = round_to(a * u, dtype, RNE).to(tl.float32)
+    else:
+        xv = masked_k(x_ptr + m * K + rk, rk, K, EVEN, False).to(tl.float32)
+        if NORM == 2:
+            xv = round_to(xv + masked_k(r_ptr + m * K + rk, rk, K, EVEN, False).to(tl.float32), dtype, RNE).to(tl.float32)
+        if NORM > 0:
+            wv = masked_k(nw_ptr + rk, rk, K, EVEN, False).to(tl.float32)
+            # [1, BK] through the rmsnorm kernel's own rounding, back to [BK] (a sum of one term is exact)
+            xv = tl.sum(scale_normed(xv[None, :], rstd, wv, STYLE, dtype, RNE).to(tl.float32), axis=0)
+    return xv
 
 
 @triton.jit

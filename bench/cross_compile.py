@@ -1,0 +1,135 @@
+"""Compile every GPU candidate of a model's tuned ops for a CUDA target, on a machine without a GPU.
+
+    PYTHONPATH=/tmp/triton36:. python3 bench/cross_compile.py synth:qwen3.5-0.8b [--arch 90] [--ops gemm,act_gemm]
+
+Why: the interpreter (CI) never runs Triton's compiler, and the GPU machine's Triton (3.6) is older
+than CI's; a candidate that fails to compile there is only seen as "cannot run" lines in a device
+run (it cost the 0.8b decode 30% once: every GEMV form failed to build). This runs each candidate's
+real launch path (op.run on the gate's full and partial blocks) with CPU tensors, but every Triton
+launch only compiles, through a stand-in driver that reports an sm_ARCH GPU. Install the GPU
+machine's Triton into a folder of its own (pip install --no-deps --target DIR triton==3.6.0) and
+put it first on PYTHONPATH. Prints one line per failure and a summary; exit status 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+import sys
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+class CrossDriver:
+    """What JITFunction.run asks the driver for, answered for a GPU that is not here."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def compile_only() -> None:
+    """Every kernel[grid](...) launch compiles and returns (nothing runs)."""
+    run = JITFunction.run
+
+    def run_compile_only(self, *args, grid, warmup, **kwargs):
+        return run(self, *args, grid=grid, warmup=True, **kwargs)
+    JITFunction.run = run_compile_only
+
+
+def pretend_gpu(arch: int, sms: int) -> None:
+    """kiln's kernel families see an sm_ARCH device with SMS SMs (the GPU catalogue, PDL on)."""
+    from kiln.backends import cuda
+    from kiln.backends.cuda import common
+
+    info = common.DeviceInfo(f"cross-compile sm_{arch}", sms, (arch // 10, arch % 10), torch.device("cpu"))
+    pdl_on = os.environ.get("KILN_PDL", "1") != "0" and arch >= 90
+
+    def device_info(device=None):
+        return info
+
+    def pdl(t):
+        return {"PDL": True, "launch_pdl": True} if pdl_on else {"PDL": False}
+    for m in pkgutil.iter_modules(cuda.__path__):
+        importlib.import_module(f"kiln.backends.cuda.{m.name}")
+    for mod in [common] + [sys.modules[n] for n in list(sys.modules) if n.startswith("kiln.backends.cuda.")]:
+        for name, fake in (("device_info", device_info), ("pdl", pdl)):
+            if hasattr(mod, name):
+                setattr(mod, name, fake)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", help="a synth:NAME spec or a model folder with config.json")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability as one number (default 90)")
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "f16"))
+    ap.add_argument("--ops", default=None, help="comma-separated ops (default: all the model runs)")
+    ap.add_argument("--m", type=int, action="append", default=None, help="rows to compile for (default 512 and 1)")
+    a = ap.parse_args()
+
+    driver.set_active(CrossDriver(a.arch))
+    compile_only()
+    pretend_gpu(a.arch, a.sms)
+    from kiln.synth import synth_config
+    from kiln.tune.registry import candidates
+    from kiln.tune.workloads import DECODE_ROWS, PREFILL_CHUNK, config_workloads
+
+    if a.model.startswith("synth:"):
+        config = synth_config(a.model.split(":", 1)[1])
+    else:
+        import json
+        with open(os.path.join(a.model, "config.json")) as f:
+            config = json.load(f)
+        config = config.get("text_config", config) | {"model_type": config.get("text_config", config)["model_type"]}
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[a.dtype]
+    ops = tuple(a.ops.split(",")) if a.ops else None
+    m_values = tuple(a.m) if a.m else (PREFILL_CHUNK, DECODE_ROWS)
+    workloads = config_workloads(config, m_values, ops) if ops else config_workloads(config, m_values)
+    from kiln.backends.cuda import common
+    dev = common.device_info()
+    gen = torch.Generator().manual_seed(0)
+    seen, failed, t0 = set(), [], time.perf_counter()
+    for w in workloads:
+        op, shape = w.op, w.shape
+        forms = list(dict.fromkeys([op.trusted(shape, dev)] + candidates(op, shape, dev)))
+        for v in forms:
+            if v.run is not None or (op.name, shape.key, v.name) in seen:
+                continue
+            seen.add((op.name, shape.key, v.name))
+            try:
+                for rows in op.blocks(shape):
+                    block = op.with_rows(shape, rows)
+                    inputs = op.inputs(block, dtype, torch.device("cpu"), gen)
+                    op.run(v, inputs, op.outputs(block, inputs), None)
+            except Exception as e:  # noqa: BLE001  (every failure is reported, none stops the sweep)
+                why = " | ".join(line.strip() for line in str(e).strip().splitlines()[-3:])[:300]
+                failed.append(f"{w.label}: {v.name}: {type(e).__name__}: {why}")
+                print(f"[cross] FAIL {failed[-1]}", flush=True)
+    print(f"[cross] triton {triton.__version__} sm_{a.arch}: {len(seen)} candidates of {len(workloads)} workloads, "
+          f"{len(failed)} failed, {time.perf_counter() - t0:.0f} s", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
