@@ -109,6 +109,8 @@ def main() -> int:
     ap.add_argument("--log", default=None)
     ap.add_argument("--commit", default=None)
     ap.add_argument("--budget", type=float, default=300.0)
+    ap.add_argument("--no-load-stage", action="store_true",
+                    help="skip the full and warm 0.8b tunes (kiln bench reports the load's tune stage too)")
     ap.add_argument("--caches", default=None, help="folder for the Triton and kiln caches (default: a new temp dir)")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -120,8 +122,10 @@ def main() -> int:
     t0 = time.perf_counter()
     cold = kiln_tune(["synth:qwen3.5-0.8b", "--ops", "gemm"], env, log)           # empty caches
     print(f"cold tune of qwen3.5-0.8b GEMMs: {cold}", flush=True)
-    full = kiln_tune(["synth:qwen3.5-0.8b"], env, log)                             # every op, kiln cache cold
-    warm = kiln_tune(["synth:qwen3.5-0.8b"], env, log)                             # warm: the load's stage
+    full = warm = None
+    if not a.no_load_stage:
+        full = kiln_tune(["synth:qwen3.5-0.8b"], env, log)                         # every op, kiln cache cold
+        warm = kiln_tune(["synth:qwen3.5-0.8b"], env, log)                         # warm: the load's stage
     print(f"full tune {full}\nwarm {warm}", flush=True)
 
     import torch
@@ -149,7 +153,7 @@ def main() -> int:
         print(f"{r['m']:5d} {r['n']:6d} {r['k']:6d} {r['kiln_ms']:9.4f} {r['torch_ms']:9.4f} {r['kiln_tflops']:8.1f} "
               f"{r['ratio']:6.3f}  {r['variant']}")
     print(f"median ratio {result['median_ratio']:.3f}, min {result['min_ratio']:.3f}; by M {result['median_ratio_by_m']}; "
-          f"cold {cold.get('wall_s')} s (stage {cold.get('stage_s')} s), warm stage {warm.get('stage_s')} s")
+          f"cold {cold.get('wall_s')} s (stage {cold.get('stage_s')} s), warm stage {(warm or {}).get('stage_s')} s")
     return 0
 
 

@@ -59,9 +59,9 @@ for step in "$@"; do
       for run in 1 2; do   # the first fills the tune cache (its weights stage still counts); the second is the measurement
         timeout 240 python3 -m kiln.cli bench $d --dtype bf16 --prompt-lengths 512 --gen 16 --runs 1 \
           --json "$OUT/h200_load_qwen3.5-9b_run${run}_${TAG}.json" 2>&1 | grep "\[bench\] load" ; done ;;
-    load9ab)  # the upload paths A/B (warm tune cache: run load9 first): pinned from the map, and pageable
+    load9ab)  # the upload paths A/B (warm tune cache: run load9 first): pinned by file reads, and pageable
       d=/dev/shm/kiln-q9
-      for v in "KILN_UPLOAD_READ=0 mmap" "KILN_PINNED_UPLOAD=0 pageable"; do
+      for v in "KILN_UPLOAD_READ=1 pread" "KILN_PINNED_UPLOAD=0 pageable"; do
         env ${v% *} timeout 240 python3 -m kiln.cli bench $d --dtype bf16 --prompt-lengths 512 --gen 16 --runs 1 \
           --json "$OUT/h200_load_qwen3.5-9b_${v#* }_${TAG}.json" 2>&1 | grep "\[bench\] load" ; done ;;
     dec08try)  # the forms not yet run on a GPU (norm in the GEMV's prologue, ...) offered to the tuner
@@ -70,7 +70,7 @@ for step in "$@"; do
     dec08) timeout 240 python3 bench/decode_kernels.py synth:qwen3.5-0.8b 512 "$OUT/h200_decode_kernels_qwen3.5-0.8b_${TAG}.json" 2>&1 | tail -24 ;;
     dec08nopdl) KILN_PDL=0 timeout 240 python3 bench/decode_kernels.py synth:qwen3.5-0.8b 512 "$OUT/h200_decode_kernels_qwen3.5-0.8b_nopdl_${TAG}.json" 2>&1 | tail -24 ;;
     dec9) timeout 300 python3 bench/decode_kernels.py synth:qwen3.5-9b 512 "$OUT/h200_decode_kernels_qwen3.5-9b_${TAG}.json" 2>&1 | tail -24 ;;
-    gemm) KILN_TRY_UNMEASURED=1 timeout 500 python3 bench/gemm_vs_cublas.py --out "$OUT/h200_gemm_vs_cublas_${TAG}.json" \
+    gemm) KILN_TRY_UNMEASURED=1 timeout 500 python3 bench/gemm_vs_cublas.py ${GEMM_ARGS:-} --out "$OUT/h200_gemm_vs_cublas_${TAG}.json" \
         --commit "${KILN_COMMIT:-}" 2>&1 | tail -12 ;;
     gdnprof) GDN_DIAG_STEPS=profile GDN_DIAG_FORMS=split_h16w4_o128w8_pw4_bf16,split_h16w4_o128w8_pw4_bf16_inv-tf32x3,fla \
         timeout 200 python3 bench/gdn_diag.py "$OUT/h200_gdn_kernels_${TAG}.json" 2>&1 | cut -c1-900 | tail -8 ;;

@@ -49,18 +49,21 @@ class Engine:
         self.graph = None
         self._state = None
         self._owner = None
-        if graphs and self.device.type == "cuda":
-            from .graphs import DecodeGraph, graphable
-            if graphable(model.make_state(dtype, "meta")):
-                self.graph = DecodeGraph(model, self.device)
+        if graphs and self.device.type == "cuda":   # dropped at the first state if it is not graphable
+            from .graphs import DecodeGraph
+            self.graph = DecodeGraph(model, self.device)
 
     def new_state(self, tokens: int) -> list:
         """Per-layer state for a request of up to `tokens` positions: fresh, or with CUDA graphs the
         persistent one, reset, its KV reserved for the context bucket holding `tokens`."""
+        if self.graph is not None and self._state is None:
+            # (not probed on the meta device at construction: meta tensors import torch._refs, ~2 s)
+            from .graphs import graphable
+            self._state = self.model.make_state(self.dtype, self.device)
+            if not graphable(self._state):
+                self.graph, self._state = None, None
         if self.graph is None:
             return self.model.make_state(self.dtype, self.device)
-        if self._state is None:
-            self._state = self.model.make_state(self.dtype, self.device)
         for layer in self._state:
             layer.reset()
         self.reserve(self._state, tokens)

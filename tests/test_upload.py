@@ -100,6 +100,7 @@ def test_load_strict_takes_the_file_read_path(tmp_path, monkeypatch):
     import kiln.weights.upload as U
     from kiln.models.base import load_strict
 
+    monkeypatch.setenv("KILN_UPLOAD_READ", "1")
     monkeypatch.setattr(U, "pinned_upload_on", lambda device: True)
     monkeypatch.setattr(U, "Uploader", functools.partial(U.Uploader, chunk_bytes=512, pin=False))
     spans = []

@@ -4,9 +4,12 @@ A tensor that views the file's memory map is pageable memory: `.to("cuda")` copi
 driver's own small staging buffers at a few GB/s (17.9 GB in ~5 s on the H200 machine). Here each
 tensor goes, in chunks, into one of two pinned buffers while the copy engine moves the other one to
 the GPU, so filling and DMA overlap. A buffer is reused only after the event recorded behind its
-last DMA has completed. Where the checkpoint says where a tensor's bytes lie in its file (a
-FileSpan), several threads pread them straight into the pinned buffer (no page faults on a memory
-map; KILN_UPLOAD_READ=0 copies from the map instead). The dtype conversion, if any, runs on the GPU.
+last DMA has completed. The dtype conversion, if any, runs on the GPU.
+
+KILN_UPLOAD_READ=1: where the checkpoint says where a tensor's bytes lie in its file (a FileSpan),
+threads pread them straight into the pinned buffer instead of copying from the memory map. From a
+warm page cache on the H200 machine that was slower (17.9 GB: 1.39-1.44 s against 0.98 s from the
+map; bench/NOTES.md), so it is off by default; it may pay on a cold disk, not measured yet.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from ..errors import KilnError
 
 CHUNK_BYTES = 256 << 20
-READ_THREADS = 8
+READ_THREADS = min(16, os.cpu_count() or 1)
 PIECE_BYTES = 8 << 20      # the smallest read one thread is given
 
 
@@ -28,7 +31,7 @@ def pinned_upload_on(device: torch.device) -> bool:
 
 
 def file_reads_on() -> bool:
-    return os.environ.get("KILN_UPLOAD_READ", "1") not in ("", "0")
+    return os.environ.get("KILN_UPLOAD_READ", "0") not in ("", "0")
 
 
 def pread_full(fd: int, view: memoryview, offset: int) -> None:

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, try_unmeasured, variant
-from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, pdl, pdl_wait, rne_flag, round_to
+from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
 from .gemm import last_arrival
 
 CHUNK = 64          # the reference's chunk (and the unit of the WY/UT solve)
@@ -186,31 +186,48 @@ def recurrent_kernel(xc_ptr, z_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, nw_ptr, ssm
 # -- the decode step in one launch --------------------------------------------------------------------
 
 @triton.jit
-def decode_conv(x_ptr, cs_ptr, w_ptr, c, C: tl.constexpr, K: tl.constexpr, dtype: tl.constexpr, RNE: tl.constexpr):
-    """silu(conv) of channels c at the new token: the K most recent inputs are cs[1:] and x."""
-    acc = tl.load(w_ptr + c * K + (K - 1)).to(tl.float32) * tl.load(x_ptr + c).to(tl.float32)
-    for j in tl.static_range(K - 1):
-        acc += tl.load(w_ptr + c * K + j).to(tl.float32) * tl.load(cs_ptr + (j + 1) * C + c).to(tl.float32)
-    return silu_rounded(acc, dtype, RNE)
+def conv_prefetch(cs_ptr, w_ptr, c, C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
+    """Channels c's conv state rows 1..K-1 (rows [KP, n], stored dtype; row K-1 and past: zeros) and
+    weights [KP, n] (f32). Neither depends on the kernel before (PDL: loaded before pdl_wait)."""
+    r = tl.arange(0, KP)
+    rows = tl.load(cs_ptr + (r[:, None] + 1) * C + c[None, :], mask=(r < K - 1)[:, None], other=0.0)
+    w = tl.load(w_ptr + c[None, :] * K + r[:, None], mask=(r < K)[:, None], other=0.0).to(tl.float32)
+    return rows, w
 
 
 @triton.jit
-def shift_state(x_ptr, cs_ptr, c, C: tl.constexpr, K: tl.constexpr):
-    """conv state of channels c <- [cs[1:], x]. Row j + 1 is read before row j is written (barriers:
-    a tensor's element may live in several threads)."""
+def row_of(t, j: tl.constexpr, KP: tl.constexpr):
+    """Row j of a [KP, n] f32 tile, exactly (every other term of the sum is zero)."""
+    r = tl.arange(0, KP)
+    return tl.sum(tl.where((r == j)[:, None], t, 0.0), axis=0)
+
+
+@triton.jit
+def decode_conv(x_ptr, rows, w, c, K: tl.constexpr, KP: tl.constexpr, dtype: tl.constexpr, RNE: tl.constexpr):
+    """(silu(conv) of channels c at the new token, the shifted state [cs[1:], x] as [KP, n] rows).
+    The sum runs as the unfused conv's: the newest input first, then the oldest to the newest."""
+    r = tl.arange(0, KP)
+    x = tl.load(x_ptr + c)
+    new = tl.where((r == K - 1)[:, None], x[None, :], rows)
+    nf = new.to(tl.float32)
+    acc = row_of(w, K - 1, KP) * x.to(tl.float32)
     for j in tl.static_range(K - 1):
-        row = tl.load(cs_ptr + (j + 1) * C + c)
-        tl.debug_barrier()
-        tl.store(cs_ptr + j * C + c, row)
-        tl.debug_barrier()
-    tl.store(cs_ptr + (K - 1) * C + c, tl.load(x_ptr + c))
+        acc += row_of(w, j, KP) * row_of(nf, j, KP)
+    return silu_rounded(acc, dtype, RNE), new
+
+
+@triton.jit
+def store_state(cs_ptr, new, c, C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
+    """conv state of channels c <- new (= [cs[1:], x]); every read of cs by this program is done."""
+    r = tl.arange(0, KP)
+    tl.store(cs_ptr + r[:, None] * C + c[None, :], new, mask=(r < K)[:, None])
 
 
 @triton.jit
 def decode_kernel(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, cs_ptr, ssm_ptr, y_ptr, o_ptr,
                   count_ptr, eps, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   K: tl.constexpr, BV: tl.constexpr, ROUND_WN: tl.constexpr, RNE: tl.constexpr,
-                  LAST_NORM: tl.constexpr = False, PDL: tl.constexpr = False):
+                  LAST_NORM: tl.constexpr = False, PDL: tl.constexpr = False, KP: tl.constexpr = 4):
     """Program (value head h, dv block vb). Conv state: the program owns its v channels and shifts them
     after reading; the q/k channels of key head kh are read by READERS programs, and the last of them
     to arrive (an arrival counter, as in serial split-K) shifts them, so no program reads a shifted row.
@@ -225,30 +242,37 @@ def decode_kernel(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
     dk = tl.arange(0, DK)
     cols = vb * BV + tl.arange(0, BV)
     sp = ssm_ptr + h.to(tl.int64) * DK * DV + dk[:, None] * DV + cols[None, :]
+    # Loaded before pdl_wait: the state, the conv state and the weights (only this layer's previous
+    # step writes the states); after it only what the kernel before wrote (x, z, a, b).
     s = tl.load(sp)                                                           # [DK, BV] f32
-    pdl_wait(PDL)
     qc, kc, vc = kh * DK + dk, HK * DK + kh * DK + dk, 2 * HK * DK + h * DV + cols
-    q = decode_conv(x_ptr, cs_ptr, cw_ptr, qc, C, K, dtype, RNE)
-    k = decode_conv(x_ptr, cs_ptr, cw_ptr, kc, C, K, dtype, RNE)
-    v = decode_conv(x_ptr, cs_ptr, cw_ptr, vc, C, K, dtype, RNE)
-    tl.debug_barrier()
-    shift_state(x_ptr, cs_ptr, vc, C, K)
+    q_rows, q_w = conv_prefetch(cs_ptr, cw_ptr, qc, C, K, KP)
+    k_rows, k_w = conv_prefetch(cs_ptr, cw_ptr, kc, C, K, KP)
+    v_rows, v_w = conv_prefetch(cs_ptr, cw_ptr, vc, C, K, KP)
+    alog = tl.load(alog_ptr + h).to(tl.float32)
+    dtb = tl.load(dtb_ptr + h).to(tl.float32)
+    pdl_wait(PDL)
+    q, q_new = decode_conv(x_ptr, q_rows, q_w, qc, K, KP, dtype, RNE)
+    k, k_new = decode_conv(x_ptr, k_rows, k_w, kc, K, KP, dtype, RNE)
+    v, v_new = decode_conv(x_ptr, v_rows, v_w, vc, K, KP, dtype, RNE)
+    tl.debug_barrier()      # every thread's reads of the conv state are done before any row is rewritten
+    store_state(cs_ptr, v_new, vc, C, K, KP)
     if READERS == 1:
-        shift_state(x_ptr, cs_ptr, qc, C, K)
-        shift_state(x_ptr, cs_ptr, kc, C, K)
+        store_state(cs_ptr, q_new, qc, C, K, KP)
+        store_state(cs_ptr, k_new, kc, C, K, KP)
     else:
         # NOTE: release after this program's reads; the last arrival's acquire orders its writes after
         # every reader's loads. It resets the counter for the next step (graph replays included).
         arrived = tl.atomic_add(count_ptr + kh, 1, sem="acq_rel", scope="gpu")
         if arrived == READERS - 1:
-            shift_state(x_ptr, cs_ptr, qc, C, K)
-            shift_state(x_ptr, cs_ptr, kc, C, K)
+            store_state(cs_ptr, q_new, qc, C, K, KP)
+            store_state(cs_ptr, k_new, kc, C, K, KP)
             tl.atomic_xchg(count_ptr + kh, 0)
     q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
     k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     a = tl.load(a_ptr + h).to(tl.float32)
     b = tl.load(b_ptr + h).to(tl.float32)
-    g, beta = decay_beta(a, b, tl.load(alog_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32), dtype, RNE)
+    g, beta = decay_beta(a, b, alog, dtb, dtype, RNE)
     s = s * tl.exp(g)
     u = (v - tl.sum(s * k[:, None], axis=0)) * beta
     s = s + k[:, None] * u[None, :]
@@ -754,8 +778,8 @@ def decode_into(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, d
     o = y if bv == dv else torch.empty_like(y)
     counts = arrival_counters(qkv.device, hk + hv)
     decode_kernel[(hv, dv // bv)](qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, y, o, counts, eps,
-                                  dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv, K=conv_w.shape[-1], BV=bv,
-                                  ROUND_WN=round_wn(qkv, norm_w), RNE=rne_flag(qkv.dtype), num_warps=p["w"],
+                                  dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv, K=conv_w.shape[-1],
+                                  KP=next_pow2(conv_w.shape[-1]), BV=bv, ROUND_WN=round_wn(qkv, norm_w), RNE=rne_flag(qkv.dtype), num_warps=p["w"],
                                   LAST_NORM=last, **pdl(qkv))
     if bv != dv and not last:
         gated_norm_pass(o, z, norm_w, y, eps, dv)
@@ -997,7 +1021,7 @@ class GdnDecodeOp(GdnOp):
     def kernel_sources(self, v: Variant) -> list:
         if v.p["form"] == "unfused":
             return [conv_kernel, recurrent_kernel]
-        return [decode_kernel, decode_conv, shift_state, pdl_wait, last_arrival, gated_norm] + (
+        return [decode_kernel, conv_prefetch, row_of, decode_conv, store_state, pdl_wait, last_arrival, gated_norm] + (
             [] if v.p.get("last") else [norm_kernel])
 
 
