@@ -4,7 +4,7 @@
 # Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
 # With KILN_TRY_UNMEASURED=1 the tune steps also offer the catalogue-only forms (docs/compiler.md), and
 # safetune retunes; a variant that faults is named (KILN_TUNE_SKIP=...) and skipped on the next try.
-#   steps: safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
+#   steps: safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 set -u
@@ -21,7 +21,7 @@ fi
 quiet() { grep -v "load:\|^\[autotune\] gemm\|^\[autotune\] rmsnorm" | cut -c1-400; }
 bench() {  # MODEL LENGTHS GEN TIMEOUT
   n=$(echo "$1" | sed 's/synth://; s/[:=]/_/g')
-  timeout "$4" python3 -m kiln.cli bench "$1" --dtype bf16 --prompt-lengths "$2" --gen "$3" --runs 1 \
+  timeout "$4" python3 -m kiln.cli bench "$1" --dtype bf16 --prompt-lengths "$2" --gen "$3" --runs ${RUNS:-1} \
     --baseline transformers --baseline-attn eager --json "$OUT/h200_bench_${n}_cuda_${TAG}.json" 2>&1 | quiet | tail -16
 }
 for step in "$@"; do
@@ -72,6 +72,14 @@ for step in "$@"; do
     dec9) timeout 300 python3 bench/decode_kernels.py synth:qwen3.5-9b 512 "$OUT/h200_decode_kernels_qwen3.5-9b_${TAG}.json" 2>&1 | tail -24 ;;
     gemm) KILN_TRY_UNMEASURED=1 timeout 500 python3 bench/gemm_vs_cublas.py ${GEMM_ARGS:-} --out "$OUT/h200_gemm_vs_cublas_${TAG}.json" \
         --commit "${KILN_COMMIT:-}" 2>&1 | tail -12 ;;
+    gdnncu)  # Nsight Compute on the GDN decode kernel: where its ~10 us go
+      for f in fused_bv128_w4 fused_bv16_w4; do
+        timeout 150 ncu --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+          --section WarpStateStats --section LaunchStats --section Occupancy --section SchedulerStats --section SourceCounters \
+          python3 bench/gdn_decode_ncu.py $f > "$OUT/h200_gdn_decode_ncu_${f}_${TAG}.txt" 2>&1
+        grep -E "Duration|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Stall|Memory Throughput|Block Size|Grid Size" \
+          "$OUT/h200_gdn_decode_ncu_${f}_${TAG}.txt" | head -30
+      done ;;
     gdnprof) GDN_DIAG_STEPS=profile GDN_DIAG_FORMS=split_h16w4_o128w8_pw4_bf16,split_h16w4_o128w8_pw4_bf16_inv-tf32x3,fla \
         timeout 200 python3 bench/gdn_diag.py "$OUT/h200_gdn_kernels_${TAG}.json" 2>&1 | cut -c1-900 | tail -8 ;;
     gdndiag) timeout ${GDN_DIAG_TIMEOUT:-560} python3 bench/gdn_diag.py "$OUT/h200_gdn_forms_${TAG}.json" 2>&1 | cut -c1-700 | tail -30 ;;
