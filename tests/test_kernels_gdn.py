@@ -253,3 +253,12 @@ def test_gpu_decode_step_captures_in_a_cuda_graph():
     assert_close(y, reference(inp, st), "y")
     assert_close(ssm, st.ssm, "ssm")
     assert torch.equal(conv, st.conv)
+
+
+def test_decode_with_a_conv_kernel_other_than_4_runs_unfused():
+    """The fused decode holds the conv state as three rows; another kernel size takes the unfused form."""
+    from kiln.backends.cuda.common import device_info
+
+    s, dev = D.GdnShape(1, 2, 2, 16, 16, 3), device_info("cpu")
+    assert D.DECODE.candidates(s, dev) == [D.UNFUSED] and D.DECODE.default(s, dev) == D.UNFUSED
+    check(D.gdn_decode, D.DECODE.default(s, dev), 1, torch.float32, seed=11, hk=2, hv=2, dk=16, dv=16, k=3)

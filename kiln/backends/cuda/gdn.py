@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, try_unmeasured, variant
-from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, pdl, pdl_wait, rne_flag, round_to
 from .gemm import last_arrival
 
 CHUNK = 64          # the reference's chunk (and the unit of the WY/UT solve)
@@ -186,48 +186,46 @@ def recurrent_kernel(xc_ptr, z_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, nw_ptr, ssm
 # -- the decode step in one launch --------------------------------------------------------------------
 
 @triton.jit
-def conv_prefetch(cs_ptr, w_ptr, c, C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
-    """Channels c's conv state rows 1..K-1 (rows [KP, n], stored dtype; row K-1 and past: zeros) and
-    weights [KP, n] (f32). Neither depends on the kernel before (PDL: loaded before pdl_wait)."""
-    r = tl.arange(0, KP)
-    rows = tl.load(cs_ptr + (r[:, None] + 1) * C + c[None, :], mask=(r < K - 1)[:, None], other=0.0)
-    w = tl.load(w_ptr + c[None, :] * K + r[:, None], mask=(r < K)[:, None], other=0.0).to(tl.float32)
-    return rows, w
+def conv_prefetch(cs_ptr, w_ptr, c, C: tl.constexpr, K: tl.constexpr):
+    """Channels c's conv state rows 1..3 (stored dtype) and the K = 4 weight columns (f32), each its
+    own vector (no tile to take rows out of). Neither depends on the kernel before (PDL: loaded
+    before pdl_wait)."""
+    tl.static_assert(K == 4, "the fused GDN decode takes a conv kernel of 4 (Qwen3.5's)")
+    r1 = tl.load(cs_ptr + C + c)
+    r2 = tl.load(cs_ptr + 2 * C + c)
+    r3 = tl.load(cs_ptr + 3 * C + c)
+    w0 = tl.load(w_ptr + c * K).to(tl.float32)
+    w1 = tl.load(w_ptr + c * K + 1).to(tl.float32)
+    w2 = tl.load(w_ptr + c * K + 2).to(tl.float32)
+    w3 = tl.load(w_ptr + c * K + 3).to(tl.float32)
+    return r1, r2, r3, w0, w1, w2, w3
 
 
 @triton.jit
-def row_of(t, j: tl.constexpr, KP: tl.constexpr):
-    """Row j of a [KP, n] f32 tile, exactly (every other term of the sum is zero)."""
-    r = tl.arange(0, KP)
-    return tl.sum(tl.where((r == j)[:, None], t, 0.0), axis=0)
+def decode_conv(x, r1, r2, r3, w0, w1, w2, w3, dtype: tl.constexpr, RNE: tl.constexpr):
+    """silu(conv) at the new token x; the sum runs as the unfused conv's: the newest input first,
+    then the oldest to the newest."""
+    acc = w3 * x.to(tl.float32)
+    acc += w0 * r1.to(tl.float32)
+    acc += w1 * r2.to(tl.float32)
+    acc += w2 * r3.to(tl.float32)
+    return silu_rounded(acc, dtype, RNE)
 
 
 @triton.jit
-def decode_conv(x_ptr, rows, w, c, K: tl.constexpr, KP: tl.constexpr, dtype: tl.constexpr, RNE: tl.constexpr):
-    """(silu(conv) of channels c at the new token, the shifted state [cs[1:], x] as [KP, n] rows).
-    The sum runs as the unfused conv's: the newest input first, then the oldest to the newest."""
-    r = tl.arange(0, KP)
-    x = tl.load(x_ptr + c)
-    new = tl.where((r == K - 1)[:, None], x[None, :], rows)
-    nf = new.to(tl.float32)
-    acc = row_of(w, K - 1, KP) * x.to(tl.float32)
-    for j in tl.static_range(K - 1):
-        acc += row_of(w, j, KP) * row_of(nf, j, KP)
-    return silu_rounded(acc, dtype, RNE), new
-
-
-@triton.jit
-def store_state(cs_ptr, new, c, C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
-    """conv state of channels c <- new (= [cs[1:], x]); every read of cs by this program is done."""
-    r = tl.arange(0, KP)
-    tl.store(cs_ptr + r[:, None] * C + c[None, :], new, mask=(r < K)[:, None])
+def store_state(cs_ptr, x, r1, r2, r3, c, C: tl.constexpr):
+    """conv state of channels c <- [cs[1:], x]; every read of cs by this program is done."""
+    tl.store(cs_ptr + c, r1)
+    tl.store(cs_ptr + C + c, r2)
+    tl.store(cs_ptr + 2 * C + c, r3)
+    tl.store(cs_ptr + 3 * C + c, x)
 
 
 @triton.jit
 def decode_kernel(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, cs_ptr, ssm_ptr, y_ptr, o_ptr,
                   count_ptr, eps, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   K: tl.constexpr, BV: tl.constexpr, ROUND_WN: tl.constexpr, RNE: tl.constexpr,
-                  LAST_NORM: tl.constexpr = False, PDL: tl.constexpr = False, KP: tl.constexpr = 4):
+                  LAST_NORM: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (value head h, dv block vb). Conv state: the program owns its v channels and shifts them
     after reading; the q/k channels of key head kh are read by READERS programs, and the last of them
     to arrive (an arrival counter, as in serial split-K) shifts them, so no program reads a shifted row.
@@ -246,27 +244,28 @@ def decode_kernel(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr,
     # step writes the states); after it only what the kernel before wrote (x, z, a, b).
     s = tl.load(sp)                                                           # [DK, BV] f32
     qc, kc, vc = kh * DK + dk, HK * DK + kh * DK + dk, 2 * HK * DK + h * DV + cols
-    q_rows, q_w = conv_prefetch(cs_ptr, cw_ptr, qc, C, K, KP)
-    k_rows, k_w = conv_prefetch(cs_ptr, cw_ptr, kc, C, K, KP)
-    v_rows, v_w = conv_prefetch(cs_ptr, cw_ptr, vc, C, K, KP)
+    q1, q2, q3, qw0, qw1, qw2, qw3 = conv_prefetch(cs_ptr, cw_ptr, qc, C, K)
+    k1, k2, k3, kw0, kw1, kw2, kw3 = conv_prefetch(cs_ptr, cw_ptr, kc, C, K)
+    v1, v2, v3, vw0, vw1, vw2, vw3 = conv_prefetch(cs_ptr, cw_ptr, vc, C, K)
     alog = tl.load(alog_ptr + h).to(tl.float32)
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
     pdl_wait(PDL)
-    q, q_new = decode_conv(x_ptr, q_rows, q_w, qc, K, KP, dtype, RNE)
-    k, k_new = decode_conv(x_ptr, k_rows, k_w, kc, K, KP, dtype, RNE)
-    v, v_new = decode_conv(x_ptr, v_rows, v_w, vc, K, KP, dtype, RNE)
+    qx, kx, vx = tl.load(x_ptr + qc), tl.load(x_ptr + kc), tl.load(x_ptr + vc)
+    q = decode_conv(qx, q1, q2, q3, qw0, qw1, qw2, qw3, dtype, RNE)
+    k = decode_conv(kx, k1, k2, k3, kw0, kw1, kw2, kw3, dtype, RNE)
+    v = decode_conv(vx, v1, v2, v3, vw0, vw1, vw2, vw3, dtype, RNE)
     tl.debug_barrier()      # every thread's reads of the conv state are done before any row is rewritten
-    store_state(cs_ptr, v_new, vc, C, K, KP)
+    store_state(cs_ptr, vx, v1, v2, v3, vc, C)
     if READERS == 1:
-        store_state(cs_ptr, q_new, qc, C, K, KP)
-        store_state(cs_ptr, k_new, kc, C, K, KP)
+        store_state(cs_ptr, qx, q1, q2, q3, qc, C)
+        store_state(cs_ptr, kx, k1, k2, k3, kc, C)
     else:
         # NOTE: release after this program's reads; the last arrival's acquire orders its writes after
         # every reader's loads. It resets the counter for the next step (graph replays included).
         arrived = tl.atomic_add(count_ptr + kh, 1, sem="acq_rel", scope="gpu")
         if arrived == READERS - 1:
-            store_state(cs_ptr, q_new, qc, C, K, KP)
-            store_state(cs_ptr, k_new, kc, C, K, KP)
+            store_state(cs_ptr, qx, q1, q2, q3, qc, C)
+            store_state(cs_ptr, kx, k1, k2, k3, kc, C)
             tl.atomic_xchg(count_ptr + kh, 0)
     q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
     k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
@@ -778,8 +777,8 @@ def decode_into(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, d
     o = y if bv == dv else torch.empty_like(y)
     counts = arrival_counters(qkv.device, hk + hv)
     decode_kernel[(hv, dv // bv)](qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, y, o, counts, eps,
-                                  dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv, K=conv_w.shape[-1],
-                                  KP=next_pow2(conv_w.shape[-1]), BV=bv, ROUND_WN=round_wn(qkv, norm_w), RNE=rne_flag(qkv.dtype), num_warps=p["w"],
+                                  dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv, K=conv_w.shape[-1], BV=bv,
+                                  ROUND_WN=round_wn(qkv, norm_w), RNE=rne_flag(qkv.dtype), num_warps=p["w"],
                                   LAST_NORM=last, **pdl(qkv))
     if bv != dv and not last:
         gated_norm_pass(o, z, norm_w, y, eps, dv)
@@ -953,6 +952,8 @@ class GdnPrefillOp(GdnOp):
 
     def catalogue(self, s: GdnShape, dev) -> list[Variant]:
         bvs = [bv for bv in (16, 32, 64, 128) if bv <= s.dv]
+        if s.k != 4:                # the fused kernel holds the conv state as 3 rows (Qwen3.5's kernel of 4)
+            return [UNFUSED]
         if dev.capability is None:
             small = [chunk_variant(16, 4, "ieee"), split_variant(16, 4, 16, 4, "ieee")] if s.dv > 16 else []
             return [RECURRENT, TORCH, chunk_variant(s.dv, 4, "ieee"), split_variant(s.dv, 4, s.dv, 4, "ieee")] + small
@@ -1003,6 +1004,8 @@ class GdnDecodeOp(GdnOp):
 
     def catalogue(self, s: GdnShape, dev) -> list[Variant]:
         bvs = [bv for bv in (16, 32, 64, 128) if bv <= s.dv]
+        if s.k != 4:                # the fused kernel holds the conv state as 3 rows (Qwen3.5's kernel of 4)
+            return [UNFUSED]
         if dev.capability is None:
             small = [fused_variant(16, 4), fused_variant(16, 4, last=True)] if s.dv > 16 else []
             return [UNFUSED, fused_variant(s.dv, 4)] + small
@@ -1016,12 +1019,14 @@ class GdnDecodeOp(GdnOp):
         return UNFUSED
 
     def default(self, s: GdnShape, dev) -> Variant:
+        if s.k != 4:
+            return UNFUSED
         return fused_variant(s.dv, 4 if dev.capability is None else 8)
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p["form"] == "unfused":
             return [conv_kernel, recurrent_kernel]
-        return [decode_kernel, conv_prefetch, row_of, decode_conv, store_state, pdl_wait, last_arrival, gated_norm] + (
+        return [decode_kernel, conv_prefetch, decode_conv, store_state, pdl_wait, last_arrival, gated_norm] + (
             [] if v.p.get("last") else [norm_kernel])
 
 
