@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kiln.backends.cuda import gemm as G  # noqa: E402
+from kiln.backends.cuda import rmsnorm as R  # noqa: E402
 from kiln.backends.cuda.common import device_info, interpreting  # noqa: E402
 from kiln.errors import KilnError  # noqa: E402
 from kiln.synth import synth_config  # noqa: E402
@@ -176,6 +177,32 @@ def test_changed_kernel_source_invalidates_the_cache(tmp_path):
     assert after.hit
 
 
+class EditableNorm(R.RmsnormOp):
+    """The rmsnorm op with a kernel source file of the test's own."""
+
+
+def test_a_changed_source_measures_only_its_own_op_again(tmp_path, monkeypatch):
+    """Sources are hashed per op: editing one op's kernel file re-measures that op's shapes and
+    keeps the other ops' cached choices."""
+    gemm_src, norm_src = tmp_path / "gemm.py", tmp_path / "norm.py"
+    gemm_src.write_text("# gemm 1\n")
+    norm_src.write_text("# norm 1\n")
+    g, n = EditableGemm(), EditableNorm()
+    g.sources, n.sources = (str(gemm_src),), (str(norm_src),)
+    work = [Workload(g, SHAPE), Workload(n, R.NormShape(5, 48, "llama"))]
+    tune(tmp_path, work)
+    norm_src.write_text("# norm 2\n")
+    measured = []
+    real = Tuner.measure
+    monkeypatch.setattr(Tuner, "measure", lambda self, w, *a, **k: measured.append(w.op.name) or real(self, w, *a, **k))
+    _, report, lines = tune(tmp_path, work)
+    assert measured == [n.name] and not report.hit
+    assert any("stale tune cache entries" in line and n.name in line for line in lines)
+    measured.clear()
+    _, report, _ = tune(tmp_path, work)
+    assert report.hit and measured == []
+
+
 def test_changed_versions_invalidate_the_cache(tmp_path, monkeypatch):
     tune(tmp_path)
     env = C.environment
@@ -201,7 +228,7 @@ def test_corrupt_or_partial_cache_file_is_ignored_with_a_warning(tmp_path, damag
 
 def test_concurrent_writers_leave_a_whole_file(tmp_path):
     cache = C.TuneCache(tmp_path, warn=lambda line: pytest.fail(line))
-    key = {"gpu": "test gpu", "model": "m", "dtype": "f32"}
+    key = {"gpu": "test gpu", "model": "m", "dtype": "f32", "sources": {"gemm": "0"}}
     big = {f"gemm {i}x1x1": {"variant": "v" * 200, "ms": i} for i in range(300)}
 
     def write(n):

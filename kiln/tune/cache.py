@@ -1,8 +1,9 @@
 """The tune cache: JSON files under $KILN_CACHE_DIR/tune (default ~/.cache/kiln/tune), one per
 (device, model shape signature, dtype). Each file records the full key it was measured under:
-GPU name, SM count, compute capability, driver, CUDA, torch and Triton versions, a hash of the
-kernel sources, the shape signature and the dtype. A file whose key differs (stale), or that
-cannot be read as a whole (corrupt or partial), is ignored with a warning. Writers write a
+GPU name, SM count, compute capability, driver, CUDA, torch and Triton versions, a hash of each
+op's kernel sources, the shape signature and the dtype. A file whose key differs (stale), or that
+cannot be read as a whole (corrupt or partial), is ignored with a warning; where only some ops'
+sources changed, those ops' entries are dropped (and measured again) and the rest are kept. Writers write a
 temporary file and rename it, so a reader never sees half a file and concurrent writers cannot
 corrupt it (the last rename wins).
 """
@@ -22,7 +23,7 @@ from typing import Callable
 
 import torch
 
-FORMAT = 1
+FORMAT = 2      # 2: sources hashed per op
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
@@ -61,13 +62,15 @@ def environment(dev) -> dict:
             "torch": torch.__version__, "triton": triton.__version__}
 
 
-def sources_hash(ops) -> str:
-    h = hashlib.sha256()
+def sources_hash(ops) -> dict[str, str]:
+    """op name -> a hash of the files its kernels come from (op.sources)."""
+    out = {}
     for op in sorted(ops, key=lambda o: o.name):
-        h.update(op.name.encode())
+        h = hashlib.sha256(op.name.encode())
         for path in sorted(set(op.sources)):
             h.update(Path(path).read_bytes())
-    return h.hexdigest()[:16]
+        out[op.name] = h.hexdigest()[:16]
+    return out
 
 
 def signature(labels: list[str]) -> str:
@@ -106,11 +109,17 @@ class TuneCache:
         except (OSError, UnicodeDecodeError, ValueError) as e:
             self.warn(f"[kiln] warning: ignoring corrupt tune cache {path} ({type(e).__name__}: {e})")
             return None
-        if data["key"] != key:
+        other = lambda k: {n: v for n, v in k.items() if n != "sources"}  # noqa: E731
+        if other(data["key"]) != other(key) or not isinstance(data["key"].get("sources"), dict):
             changed = sorted(k for k in set(key) | set(data["key"]) if key.get(k) != data["key"].get(k))
             self.warn(f"[kiln] warning: ignoring stale tune cache {path} ({', '.join(changed)} changed)")
             return None
-        return data["entries"]
+        old = data["key"]["sources"]
+        changed = sorted(op for op, h in key["sources"].items() if old.get(op) != h)
+        if changed:
+            self.warn(f"[kiln] warning: stale tune cache entries in {path} (sources of {', '.join(changed)} "
+                      f"changed): those ops are measured again")
+        return {label: e for label, e in data["entries"].items() if label.split(" ", 1)[0] not in changed}
 
     def save(self, key: dict, entries: dict) -> Path:
         path = self.path(key)

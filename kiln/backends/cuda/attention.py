@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, variant
-from .common import SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from .common import COMMON, SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
 
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)
 
@@ -422,7 +422,7 @@ def shape_ok(h: int, kv: int, d: int) -> bool:
 
 class AttentionOp(Op):
     name = "attention"
-    sources = (__file__,)
+    sources = (__file__, COMMON)
 
     def shape_str(self, s: PrefillShape) -> str:
         return f"{s.rows}x{attn_str(s)}" + (f"_pre{s.kv_prefix}" if s.kv_prefix else "")
@@ -516,7 +516,7 @@ CPU_DECODE = [(32, 16, 4), (64, 32, 4)]
 
 class DecodeAttentionOp(Op):
     name = "attention_decode"
-    sources = (__file__,)
+    sources = (__file__, COMMON)
 
     def shape_str(self, s: DecodeShape) -> str:
         return f"{s.rows}x{attn_str(s)}"

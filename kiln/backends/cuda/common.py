@@ -12,6 +12,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
+COMMON = __file__     # every op's kernels use helpers from here: part of each op's sources hash
+
+
 def interpreting() -> bool:
     """Triton's CPU interpreter (TRITON_INTERPRET=1): every step runs, timings mean nothing."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

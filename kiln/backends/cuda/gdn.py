@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, try_unmeasured, variant
-from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, pdl, pdl_wait, rne_flag, round_to
+from .common import COMMON, SUPPORTED, cdiv, device_info, dot_flags, interpreting, pdl, pdl_wait, rne_flag, round_to
+from .gemm import __file__ as GEMM_FILE
 from .gemm import last_arrival
 
 CHUNK = 64          # the reference's chunk (and the unit of the WY/UT solve)
@@ -906,7 +907,7 @@ ARGS = ("qkv", "z", "b", "a", "conv_w", "A_log", "dt_bias", "norm_w")
 class GdnOp(Op):
     """Outputs y and copies of the state: launch() copies the input state into them and updates the
     copies in place, so the gate can run every variant on the same inputs and compare the state too."""
-    sources = (__file__,)
+    sources = (__file__, COMMON, GEMM_FILE)   # last_arrival comes from gemm.py
     into = None
 
     def shape_str(self, s: GdnShape) -> str:

@@ -18,8 +18,9 @@ import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, try_unmeasured, variant
 from . import rmsnorm as R
-from .common import SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from .common import COMMON, SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
 from .elementwise import ACTS, act_f32
+from .elementwise import __file__ as ACTS_FILE
 from .rmsnorm import scale_normed
 
 GROUP_M = 8
@@ -466,7 +467,7 @@ def gemv_worth(shape, p: dict, sms: int) -> bool:
 
 class GemmOp(Op):
     name = "gemm"
-    sources = (__file__,)
+    sources = (__file__, COMMON, R.__file__, ACTS_FILE)
 
     def shape_str(self, s: GemmShape) -> str:
         return f"{s.rows}x{s.n}x{s.k}"

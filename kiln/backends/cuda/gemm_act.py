@@ -169,7 +169,7 @@ class GemmActOp(ActShapes, Op):
     """The gate|up GEMM with act(g) * u in its epilogue, or the GEMM then act_mul (measured on the
     H200: at one row the unfused pair won, 6.2 against 7.2 us)."""
     name = "gemm_act"
-    sources = (__file__, G.__file__, E.__file__)
+    sources = (__file__, *G.GemmOp.sources)   # gemm.py's own sources included
 
     def catalogue(self, s, dev) -> list[Variant]:
         tiles, splits = (CPU_TILES, CPU_SPLITS) if dev.capability is None else (GPU_TILES, GPU_SPLITS)
@@ -268,7 +268,7 @@ class ActGemmOp(ActShapes, Op):
     """y = (act(g) * u) @ w^T from the gate|up GEMM's output [M, 2I]: act_mul and the GEMM (two
     launches), or one GEMV (gemm.py's gemv_kernel) that computes act(g) * u as it loads x."""
     name = "act_gemm"
-    sources = (__file__, G.__file__, E.__file__)
+    sources = (__file__, *G.GemmOp.sources)   # gemm.py's own sources included
 
     def catalogue(self, s, dev) -> list[Variant]:
         if dev.capability is None:

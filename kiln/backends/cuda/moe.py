@@ -322,7 +322,7 @@ CPU_GEMV = [(64, 64, 4)]
 
 class MoeOp(Op):
     name = "moe"
-    sources = (__file__, G.__file__)
+    sources = (__file__, *G.GemmOp.sources)   # gemm.py's own sources included
 
     def shape_str(self, s: MoeShape) -> str:
         return f"{s.rows}x{s.e}e{s.k}_{s.h}x{s.i}_{s.act}"

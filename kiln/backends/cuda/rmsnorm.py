@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, variant
-from .common import SUPPORTED, cdiv, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from .common import COMMON, SUPPORTED, cdiv, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
 
 STYLES = {"llama": 0, "offset": 1, "plain": 2}
 
@@ -110,7 +110,7 @@ def norm_inputs(rows: int, d: int, style: str, dtype, device, gen) -> dict:
 
 class RmsnormOp(Op):
     name = "rmsnorm"
-    sources = (__file__,)
+    sources = (__file__, COMMON)
 
     def shape_str(self, s: NormShape) -> str:
         return f"{s.rows}x{s.d}_{s.style}"

@@ -119,7 +119,7 @@ CPU_TILES = [(128, 128, 32, 4, 1), (16, 128, 64, 4, 1)]
 
 class RmsnormGemmOp(Op):
     name = "rmsnorm_gemm"
-    sources = (__file__, G.__file__, R.__file__)
+    sources = (__file__, *G.GemmOp.sources)   # gemm.py's own sources included
 
     def shape_str(self, s: NormGemmShape) -> str:
         return f"{s.rows}x{s.n}x{s.k}_{s.style}" + ("_add" if s.add else "")

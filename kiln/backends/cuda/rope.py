@@ -21,8 +21,9 @@ import triton
 import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, variant
-from .common import SUPPORTED, cdiv, device_info, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from .common import COMMON, SUPPORTED, cdiv, device_info, interpreting, pdl, pdl_wait, rne_flag, round_to
 from .rmsnorm import STYLES, scale_normed
+from .rmsnorm import __file__ as NORM_FILE
 
 
 @triton.jit
@@ -180,7 +181,7 @@ class QkRopeOp(Op):
     """Outputs q_out and copies of the cache buffers: launch() copies the input buffers into them and
     writes into the copies, so every variant sees the same inputs and the gate compares the buffers."""
     name = "qk_rope"
-    sources = (__file__,)
+    sources = (__file__, COMMON, NORM_FILE)
 
     def shape_str(self, s: RopeShape) -> str:
         return f"{s.rows}_h{s.h}-{s.kv}_d{s.d}_r{s.r}_{s.style or 'nonorm'}"
