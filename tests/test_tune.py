@@ -332,3 +332,17 @@ def test_a_variant_that_faults_in_the_gate_stops_the_tune(tmp_path):
     with extra_variant("gemm", variant("faulting", run=faulting)):
         with pytest.raises(KilnError, match="KILN_TUNE_SKIP=gemm=faulting"):
             tune(tmp_path)
+
+
+def test_compiled_kernels_default_to_the_kiln_cache_dir(tmp_path):
+    """Without TRITON_CACHE_DIR, Triton's kernels go under $KILN_CACHE_DIR/triton; a set one is kept."""
+    import subprocess
+    import sys
+
+    code = "import os, kiln.backends.cuda.common; print(os.environ['TRITON_CACHE_DIR'])"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"} | {"KILN_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(tmp_path / "triton")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "mine")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(tmp_path / "mine")
