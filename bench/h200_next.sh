@@ -70,7 +70,7 @@ for step in "$@"; do
     dec08) timeout 240 python3 bench/decode_kernels.py synth:qwen3.5-0.8b 512 "$OUT/h200_decode_kernels_qwen3.5-0.8b_${TAG}.json" 2>&1 | tail -24 ;;
     dec08nopdl) KILN_PDL=0 timeout 240 python3 bench/decode_kernels.py synth:qwen3.5-0.8b 512 "$OUT/h200_decode_kernels_qwen3.5-0.8b_nopdl_${TAG}.json" 2>&1 | tail -24 ;;
     dec9) timeout 300 python3 bench/decode_kernels.py synth:qwen3.5-9b 512 "$OUT/h200_decode_kernels_qwen3.5-9b_${TAG}.json" 2>&1 | tail -24 ;;
-    gemm) KILN_TRY_UNMEASURED=1 timeout 500 python3 bench/gemm_vs_cublas.py ${GEMM_ARGS:-} --out "$OUT/h200_gemm_vs_cublas_${TAG}.json" \
+    gemm) KILN_TRY_UNMEASURED=1 timeout 500 python3 bench/gemm_vs_cublas.py ${GEMM_ARGS:-} --out "$OUT/h200_gemm_vs_cublas_${TAG}.json" --log "$OUT/h200_gemm_vs_cublas_${TAG}.log" \
         --commit "${KILN_COMMIT:-}" 2>&1 | tail -12 ;;
     gdnncu)  # Nsight Compute on the GDN decode kernel: where its ~10 us go
       for f in fused_bv128_w4 fused_bv16_w4; do
