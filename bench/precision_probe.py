@@ -66,9 +66,10 @@ def main() -> int:
     from kiln.api import resolve_model
     from kiln.weights import open_checkpoint
 
-    ids = random_prompt(a.tokens, open_checkpoint(resolve_model(a.model)).config["vocab_size"], a.seed)
-    f32 = hf_logits(a.model, "f32", ids, a.device)
-    bf16 = hf_logits(a.model, "bf16", ids, a.device)
+    path = a.model if a.model.startswith("synth:") else str(resolve_model(a.model))   # a bundled name: its file
+    ids = random_prompt(a.tokens, open_checkpoint(path).config["vocab_size"], a.seed)
+    f32 = hf_logits(path, "f32", ids, a.device)
+    bf16 = hf_logits(path, "bf16", ids, a.device)
     ours = kiln_logits(a.model, ids, a.device, a.backend)
     scale = float(f32.abs().max())
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
