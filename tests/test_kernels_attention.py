@@ -108,6 +108,24 @@ def test_decode_attention_equals_reference(case, dtype):
         assert_attention_close(A.decode_attention(q, cache.k, cache.v, p, d ** -0.5, window, softcap, form), want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_with_a_gate_equals_act_mul_after_it(dtype):
+    """Qwen3.5's output gate in the combine kernel: sigmoid(gate) * o rounded exactly as act_mul on
+    the kernel's own o (the gate a strided view beside q, as the model splits them)."""
+    from kiln.backends.cuda import elementwise as E
+
+    pos, h, kv, d = 100, 4, 2, 32
+    q, _, _, cache = filled_cache(1, pos + 1, h, kv, d, dtype, seed=3)
+    qg = (torch.randn(1, h, 2 * d, generator=torch.Generator().manual_seed(4)) * 3).to(dtype=dtype, device=DEVICE)
+    q, gate = qg.chunk(2, dim=-1)
+    assert A.gate_ok(q, gate) and not gate.is_contiguous()
+    p = torch.tensor([pos], dtype=torch.int64, device=DEVICE)
+    for form in DECODE_FORMS:
+        plain = A.decode_attention(q, cache.k, cache.v, p, d ** -0.5, None, None, form)
+        gated = A.decode_attention(q, cache.k, cache.v, p, d ** -0.5, None, None, form, gate=gate)
+        assert torch.equal(gated, E.act_mul(gate, plain, "sigmoid")), form.name
+
+
 def test_default_variants_and_supports():
     q, k, v, cache = filled_cache(9, 7, 4, 2, 16, torch.float32)
     want = reference(q, k, v, cache, 7, None, None)

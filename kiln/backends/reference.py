@@ -131,13 +131,15 @@ class ReferenceOps:
         return torch.matmul(probs[None], v4)[0].transpose(0, 1)                        # [T, H, D]
 
     def qk_norm_rope_attention(self, q, k, v, q_norm_w, k_norm_w, eps: float, style: str, rope, cache, positions,
-                               scale: float, window: int | None = None, softcap: float | None = None):
+                               scale: float, window: int | None = None, softcap: float | None = None, gate=None):
         """q/k RMSNorm (when the family has it), RoPE, the KV append and attention: one seam, so a
-        backend can fuse the norm, the rotation and the append into one kernel."""
+        backend can fuse the norm, the rotation and the append into one kernel. gate (Qwen3.5's
+        gated attention, [T, H, D] like q): the output is sigmoid(gate) * o, as act_mul rounds it."""
         if q_norm_w is not None:
             q, k = self.rmsnorm(q, q_norm_w, eps, style), self.rmsnorm(k, k_norm_w, eps, style)
         q, k = self.apply_rope(q, *rope), self.apply_rope(k, *rope)
-        return self.attention(q, k, v, cache, positions, scale, window, softcap)
+        o = self.attention(q, k, v, cache, positions, scale, window, softcap)
+        return o if gate is None else self.act_mul(gate, o.view(gate.shape), "sigmoid")
 
     # -- mixture of experts ------------------------------------------------------------------------
     def router_topk(self, logits: torch.Tensor, k: int, renormalize: bool = True):

@@ -147,8 +147,8 @@ class Qwen35(Model):
         q, gate = qg.view(t, -1, 2 * d).chunk(2, dim=-1)                                 # per-head interleave
         k, v = k.view(t, -1, d), v.view(t, -1, d)
         o = ops.qk_norm_rope_attention(q, k, v, w[p + "q_norm.weight"], w[p + "k_norm.weight"], eps, "offset", rope,
-                                       cache, positions, default_scale(d)).reshape(t, -1)
-        return ops.linear(ops.act_mul(gate, o.view(gate.shape), "sigmoid").reshape(t, -1), w[p + "o_proj.weight"])
+                                       cache, positions, default_scale(d), gate=gate)      # sigmoid(gate) * o
+        return ops.linear(o.reshape(t, -1), w[p + "o_proj.weight"])
 
     def mlp(self, i, x):
         w, p = self.w, f"model.layers.{i}.mlp."

@@ -213,31 +213,38 @@ class CudaOps(ReferenceOps):
             cache.length -= t
         return self._attend(q, cache, positions, scale, window, softcap)
 
-    def _attend(self, q, cache, positions, scale, window, softcap):
-        """Attention of q over the cache, whose K/V at `positions` are written (its length not yet advanced)."""
+    def _attend(self, q, cache, positions, scale, window, softcap, gate=None):
+        """Attention of q over the cache, whose K/V at `positions` are written (its length not yet
+        advanced); with a gate, sigmoid(gate) * o (at decode inside the combine kernel)."""
         t, start, (h, kv, d) = q.shape[0], cache.length, (q.shape[1], cache.k.shape[1], q.shape[2])
         cache.length += t
-        if t == 1:
+        if t == 1 and (gate is None or A.gate_ok(q, gate)):
             shape = A.DecodeShape(cache.k.shape[0], h, kv, d, window, softcap)
             return A.decode_attention(q, cache.k, cache.v, positions, scale, window, softcap,
-                                      v=self._choose(A.DECODE_OP, shape))
-        shape = A.PrefillShape(t, h, kv, d, window, softcap, 0)
-        return A.prefill_attention(q, cache.k, cache.v, start, start + t, scale, window, softcap,
-                                   v=self._choose(A.PREFILL_OP, shape))
+                                      v=self._choose(A.DECODE_OP, shape), gate=gate)
+        if t == 1:
+            shape = A.DecodeShape(cache.k.shape[0], h, kv, d, window, softcap)
+            o = A.decode_attention(q, cache.k, cache.v, positions, scale, window, softcap,
+                                   v=self._choose(A.DECODE_OP, shape))
+        else:
+            shape = A.PrefillShape(t, h, kv, d, window, softcap, 0)
+            o = A.prefill_attention(q, cache.k, cache.v, start, start + t, scale, window, softcap,
+                                    v=self._choose(A.PREFILL_OP, shape))
+        return o if gate is None else self.act_mul(gate, o.view(gate.shape), "sigmoid")
 
     def qk_norm_rope_attention(self, q, k, v, q_norm_w, k_norm_w, eps, style, rope, cache, positions, scale,
-                               window=None, softcap=None):
+                               window=None, softcap=None, gate=None):
         cos, sin = rope
         if (ROPE is None or A is None or not isinstance(cache, KVCache) or not self._runs_here(q)
                 or not A.supports(q, cache.k) or not ROPE.supports(q, k, v, cache.k, cos)):
             return super().qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, eps, style, rope, cache, positions,
-                                                  scale, window, softcap)
+                                                  scale, window, softcap, gate)
         t, r = q.shape[0], cos.shape[-1]
         cache.reserve(cache.length + t)
         shape = ROPE.RopeShape(t, q.shape[1], k.shape[1], q.shape[2], r, style if q_norm_w is not None else None)
         q = ROPE.qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, cache.k, cache.v, positions,
                          var=self._choose(ROPE.OP, shape))
-        return self._attend(q, cache, positions, scale, window, softcap)
+        return self._attend(q, cache, positions, scale, window, softcap, gate)
 
     # -- gated deltanet ----------------------------------------------------------------------------
     def gated_deltanet(self, qkv, z, b, a, p, state, dims):

@@ -37,6 +37,10 @@ import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, variant
 from .common import COMMON, SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from .elementwise import ACTS, act_f32
+from .elementwise import __file__ as ACTS_FILE
+
+SIGMOID = tl.constexpr(ACTS["sigmoid"])    # the gate's act (Qwen3.5's gated attention), in the combine
 
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)
 
@@ -223,9 +227,11 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ws, l_ws, acc_ws, stride
 
 @triton.jit(do_not_specialize=["chunk", "splits"])
 def decode_combine_kernel(m_ws, l_ws, acc_ws, pos_ptr, o_ptr, chunk, splits, D: tl.constexpr, WINDOW: tl.constexpr,
-                          SPLIT_BLOCK: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
+                          SPLIT_BLOCK: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False, g_ptr=None,
+                          G_STRIDE: tl.constexpr = 0):
     """Program per query head: o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the splits
-    that hold keys <= pos (and in the window), SPLIT_BLOCK splits at a time."""
+    that hold keys <= pos (and in the window), SPLIT_BLOCK splits at a time. G_STRIDE > 0: the
+    output is sigmoid(g) * o (head h's gate at g_ptr + h * G_STRIDE), rounded as act_mul rounds."""
     pdl_wait(PDL)
     h = tl.program_id(0)
     d = tl.arange(0, D)
@@ -251,8 +257,13 @@ def decode_combine_kernel(m_ws, l_ws, acc_ws, pos_ptr, o_ptr, chunk, splits, D: 
         l_run = l_run * alpha + tl.sum(w * l, axis=0)
         acc = acc * alpha + tl.sum(w[:, None] * a, axis=0)
         m_run = m_new
-    out = acc / l_run
-    tl.store(o_ptr + h.to(tl.int64) * D + d, round_to(out, o_ptr.dtype.element_ty, RNE))
+    dtype = o_ptr.dtype.element_ty
+    out = round_to(acc / l_run, dtype, RNE)
+    if G_STRIDE > 0:
+        g = tl.load(g_ptr + h.to(tl.int64) * G_STRIDE + d).to(tl.float32)
+        a = round_to(act_f32(g, SIGMOID), dtype, RNE).to(tl.float32)
+        out = round_to(a * out.to(tl.float32), dtype, RNE)
+    tl.store(o_ptr + h.to(tl.int64) * D + d, out)
 
 
 # -- launching -------------------------------------------------------------------------------------
@@ -303,10 +314,15 @@ def decode_rows(v: Variant, group: int) -> int:
     return next_pow2(group) if v.p.get("scalar") else max(16, next_pow2(group))
 
 
+def gate_ok(q: torch.Tensor, gate: torch.Tensor) -> bool:
+    """A gate the combine kernel takes: q's shape and dtype, one row, heads at a fixed stride."""
+    return gate.shape == q.shape and gate.dtype == q.dtype and gate.shape[0] == 1 and gate.stride(-1) == 1
+
+
 def run_decode(q, k_buf, v_buf, pos: torch.Tensor, scale: float, window, softcap, v: Variant,
-               out: torch.Tensor) -> torch.Tensor:
-    """decode_attention into `out` [1, H, D] contiguous. The f32 partials are allocated here
-    (torch.empty is fine under graph capture: the graph's pool owns them)."""
+               out: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_attention into `out` [1, H, D] contiguous (times sigmoid(gate) with a gate). The f32
+    partials are allocated here (torch.empty is fine under graph capture: the graph's pool owns them)."""
     _, h, d = q.shape
     kv = k_buf.shape[1]
     p = v.p
@@ -320,8 +336,9 @@ def run_decode(q, k_buf, v_buf, pos: torch.Tensor, scale: float, window, softcap
                                       ROWS=decode_rows(v, h // kv), BLOCK_N=p["bn"], SCALAR=p.get("scalar", False),
                                       RNE=rne, **dot_flags(q.dtype), num_warps=p["w"], num_stages=p.get("s", 2),
                                       **pdl(q))
+    gated = {} if gate is None else {"g_ptr": gate, "G_STRIDE": gate.stride(1)}
     decode_combine_kernel[(h,)](m_ws, l_ws, acc_ws, pos, out, chunk, splits, D=d, WINDOW=window or 0,
-                                SPLIT_BLOCK=combine_block(d), RNE=rne, num_warps=4, **pdl(q))
+                                SPLIT_BLOCK=combine_block(d), RNE=rne, num_warps=4, **pdl(q), **gated)
     return out
 
 
@@ -331,15 +348,16 @@ def combine_block(d: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, pos: torch.Tensor, scale: float,
-                     window: int | None, softcap: float | None, v: Variant | None = None) -> torch.Tensor:
+                     window: int | None, softcap: float | None, v: Variant | None = None,
+                     gate: torch.Tensor | None = None) -> torch.Tensor:
     """One query q [1, H, D] at the absolute position held in `pos` (int64 device tensor [1]; k/v
-    at pos already written) over keys 0..pos of the buffers -> [1, H, D]. CUDA-graph capturable:
-    no host sync, the grid depends on k_buf.shape[0] only."""
+    at pos already written) over keys 0..pos of the buffers -> [1, H, D] (sigmoid(gate) * that
+    with a gate: see gate_ok). CUDA-graph capturable: no host sync, the grid depends on k_buf.shape[0] only."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if v is None:
         v = DECODE_OP.default(DecodeShape(k_buf.shape[0], q.shape[1], k_buf.shape[1], q.shape[2], window, softcap),
                               _dev(q))
-    return run_decode(q, k_buf, v_buf, pos, scale, window, softcap, v, out)
+    return run_decode(q, k_buf, v_buf, pos, scale, window, softcap, v, out, gate)
 
 
 def _dev(t: torch.Tensor):
@@ -516,7 +534,7 @@ CPU_DECODE = [(32, 16, 4), (64, 32, 4)]
 
 class DecodeAttentionOp(Op):
     name = "attention_decode"
-    sources = (__file__, COMMON)
+    sources = (__file__, COMMON, ACTS_FILE)   # the combine's gate uses elementwise.act_f32
 
     def shape_str(self, s: DecodeShape) -> str:
         return f"{s.rows}x{attn_str(s)}"
