@@ -229,6 +229,24 @@ def norm_rstd(x_ptr, r_ptr, s_ptr, m, eps, K: tl.constexpr, KP: tl.constexpr, NO
     return tl.math.rsqrt(tl.sum(xf[None, :] * xf[None, :], axis=1) / K + eps)
 
 
+@triton.jit
+def x_normed_row(x_ptr, r_ptr, s_ptr, nw_ptr, m, c, eps, K: tl.constexpr, EVEN: tl.constexpr, NORM: tl.constexpr,
+                 STYLE: tl.constexpr, STORE, RNE: tl.constexpr):
+    """Row m's rmsnorm(x) (NORM 1) or rmsnorm(x + r) (NORM 2; STORE: this program writes s) at
+    columns c, which cover the whole row (padded to a power of two): norm_rstd and x_slice in one
+    pass over x, with the same sums and roundings."""
+    dtype = x_ptr.dtype.element_ty
+    xf = masked_k(x_ptr + m * K + c, c, K, EVEN, False).to(tl.float32)
+    if NORM == 2:
+        sv = round_to(xf + masked_k(r_ptr + m * K + c, c, K, EVEN, False).to(tl.float32), dtype, RNE)
+        if STORE:
+            tl.store(s_ptr + m * K + c, sv, mask=c < K)
+        xf = sv.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf[None, :] * xf[None, :], axis=1) / K + eps)
+    wv = masked_k(nw_ptr + c, c, K, EVEN, False).to(tl.float32)
+    return tl.sum(scale_normed(xf[None, :], rstd, wv, STYLE, dtype, RNE).to(tl.float32), axis=0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
                 BK: tl.constexpr, SPLIT_K: tl.constexpr, RNE: tl.constexpr, WHOLE: tl.constexpr = False,
@@ -255,11 +273,16 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: t
     else:
         w0 = masked_k(wrow, rk, K, EVEN, True)
     pdl_wait(PDL)
+    # A whole-slab program whose span is the whole row norms it in one pass (x read once, not twice)
+    ONE_PASS: tl.constexpr = NORM > 0 and WHOLE and SPLIT_K == 1 and SPAN == KP
     for m in range(0, M):
         rstd = tl.zeros([1], dtype=tl.float32)
-        if NORM > 0:     # every program norms the whole row (K values, from L2); program (0, 0) stores s
+        if NORM > 0 and not ONE_PASS:   # every program norms the whole row (from L2); program (0, 0) stores s
             rstd = norm_rstd(x_ptr, r_ptr, s_ptr, m, eps, K, KP, NORM, (pid_n == 0) & (split == 0), RNE)
-        if WHOLE:
+        if ONE_PASS:
+            xv = x_normed_row(x_ptr, r_ptr, s_ptr, nw_ptr, m, rs, eps, K, EVEN, NORM, STYLE, pid_n == 0, RNE)
+            total = tl.sum(w0.to(tl.float32) * xv[None, :], axis=1)
+        elif WHOLE:
             xv = x_slice(x_ptr, m, rs, K, EVEN, ACT, RNE, NORM, STYLE, r_ptr, nw_ptr, rstd)
             total = tl.sum(w0.to(tl.float32) * xv[None, :], axis=1)
         else:
@@ -560,7 +583,8 @@ class GemmOp(Op):
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("gemv"):
-            return [gemv_kernel, masked_k, x_slice, act_f32, pdl_wait, round_to, last_arrival, norm_rstd, scale_normed]
+            return [gemv_kernel, masked_k, x_slice, x_normed_row, act_f32, pdl_wait, round_to, last_arrival, norm_rstd,
+                    scale_normed]
         if v.p.get("tma"):
             return ([gemm_tma_sk_kernel, tile_of, mma, round_to, splitk_finish, last_arrival] if v.p.get("sk", 1) > 1
                     else [gemm_tma_kernel, tma_tile, tile_of, mma])
