@@ -7,6 +7,10 @@
 #   steps: safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
+# Next session's order (bench/NOTES.md, newest first, says why): bench08 (dd57704's GDN decode, the
+# gated combine and the one-pass norm GEMV are unmeasured: is 0.8b decode at 1,200?), dec08, then
+# GEMM_ARGS=--no-load-stage gemm (its .log holds every split-K candidate of 512x1024xK), bench9, bench35,
+# attn. Before a run: bench/cross_compile.py with Triton 3.6 (docs/compiler.md) on what changed.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KILN_CACHE_DIR=$PWD/.kiln-cache KILN_DEBUG=1
 TAG=${KILN_COMMIT:-run}   # in every result name: copying results home must never overwrite an older one
