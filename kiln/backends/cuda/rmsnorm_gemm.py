@@ -132,7 +132,7 @@ class RmsnormGemmOp(Op):
         forms = [UNFUSED_TRUSTED, UNFUSED] + [fused_variant(*t) for t in tiles]
         if s.rows == 1 and s.add and dev.capability is None:   # (the LM head's shape: the interpreter is slow on it)
             forms += [G.gemv_variant(*g) for g in G.CPU_GEMV]
-        elif s.rows == 1:    # the GEMV with the norm in its prologue (the tuner keeps it only where it wins)
+        elif s.rows == 1 and dev.capability is not None:   # the GEMV with the norm in its prologue (kept where it wins)
             forms += [G.gemv_variant(*g, whole=whole) for g in G.GEMV_FORMS for whole in (False, True)]
         return forms
 
