@@ -218,14 +218,13 @@ class CudaOps(ReferenceOps):
         advanced); with a gate, sigmoid(gate) * o (at decode inside the combine kernel)."""
         t, start, (h, kv, d) = q.shape[0], cache.length, (q.shape[1], cache.k.shape[1], q.shape[2])
         cache.length += t
-        if t == 1 and (gate is None or A.gate_ok(q, gate)):
-            shape = A.DecodeShape(cache.k.shape[0], h, kv, d, window, softcap)
-            return A.decode_attention(q, cache.k, cache.v, positions, scale, window, softcap,
-                                      v=self._choose(A.DECODE_OP, shape), gate=gate)
         if t == 1:
+            inside = gate is not None and A.gate_ok(q, gate)
             shape = A.DecodeShape(cache.k.shape[0], h, kv, d, window, softcap)
             o = A.decode_attention(q, cache.k, cache.v, positions, scale, window, softcap,
-                                   v=self._choose(A.DECODE_OP, shape))
+                                   v=self._choose(A.DECODE_OP, shape), gate=gate if inside else None)
+            if inside:
+                return o
         else:
             shape = A.PrefillShape(t, h, kv, d, window, softcap, 0)
             o = A.prefill_attention(q, cache.k, cache.v, start, start + t, scale, window, softcap,
