@@ -262,3 +262,14 @@ def test_decode_with_a_conv_kernel_other_than_4_runs_unfused():
     s, dev = D.GdnShape(1, 2, 2, 16, 16, 3), device_info("cpu")
     assert D.DECODE.candidates(s, dev) == [D.UNFUSED] and D.DECODE.default(s, dev) == D.UNFUSED
     check(D.gdn_decode, D.DECODE.default(s, dev), 1, torch.float32, seed=11, hk=2, hv=2, dk=16, dv=16, k=3)
+
+
+def test_prefill_with_a_conv_kernel_other_than_4_keeps_its_forms():
+    """Only the fused decode needs a conv kernel of 4: the prefill forms are the same for any size."""
+    from kiln.backends.cuda.common import device_info
+
+    dev = device_info("cpu")
+    three, four = D.GdnShape(70, 2, 4, 16, 32, 3), D.GdnShape(70, 2, 4, 16, 32, 4)
+    assert D.PREFILL.candidates(three, dev) == D.PREFILL.candidates(four, dev)
+    assert D.UNFUSED not in D.PREFILL.candidates(three, dev)
+    check(D.gdn_prefill, D.PREFILL.default(three, dev), 9, torch.float32, seed=12, k=3)

@@ -953,8 +953,6 @@ class GdnPrefillOp(GdnOp):
 
     def catalogue(self, s: GdnShape, dev) -> list[Variant]:
         bvs = [bv for bv in (16, 32, 64, 128) if bv <= s.dv]
-        if s.k != 4:                # the fused kernel holds the conv state as 3 rows (Qwen3.5's kernel of 4)
-            return [UNFUSED]
         if dev.capability is None:
             small = [chunk_variant(16, 4, "ieee"), split_variant(16, 4, 16, 4, "ieee")] if s.dv > 16 else []
             return [RECURRENT, TORCH, chunk_variant(s.dv, 4, "ieee"), split_variant(s.dv, 4, s.dv, 4, "ieee")] + small

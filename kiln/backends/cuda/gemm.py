@@ -214,10 +214,9 @@ def x_slice(x_ptr, m, rk, K: tl.constexpr, EVEN: tl.constexpr, ACT: tl.constexpr
 
 
 @triton.jit
-def norm_rstd(x_ptr, r_ptr, s_ptr, m, eps, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, STORE,
-              RNE: tl.constexpr):
-    """rstd [1] of row m's x (NORM 1) or of s = round(x + r) (NORM 2; STORE: this program writes s)."""
-    c = tl.arange(0, KP)
+def norm_source(x_ptr, r_ptr, s_ptr, m, c, K: tl.constexpr, NORM: tl.constexpr, STORE, RNE: tl.constexpr):
+    """Row m's x (NORM 1) or s = round(x + r) (NORM 2; STORE: this program writes s) at columns c,
+    in f32, zeros past K."""
     inside = c < K
     xf = tl.load(x_ptr + m * K + c, mask=inside, other=0.0).to(tl.float32)
     if NORM == 2:
@@ -226,6 +225,14 @@ def norm_rstd(x_ptr, r_ptr, s_ptr, m, eps, K: tl.constexpr, KP: tl.constexpr, NO
         if STORE:
             tl.store(s_ptr + m * K + c, sv, mask=inside)
         xf = sv.to(tl.float32)
+    return xf
+
+
+@triton.jit
+def norm_rstd(x_ptr, r_ptr, s_ptr, m, eps, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, STORE,
+              RNE: tl.constexpr):
+    """rstd [1] of row m's x (NORM 1) or of s = round(x + r) (NORM 2; STORE: this program writes s)."""
+    xf = norm_source(x_ptr, r_ptr, s_ptr, m, tl.arange(0, KP), K, NORM, STORE, RNE)
     return tl.math.rsqrt(tl.sum(xf[None, :] * xf[None, :], axis=1) / K + eps)
 
 
@@ -235,16 +242,10 @@ def x_normed_row(x_ptr, r_ptr, s_ptr, nw_ptr, m, c, eps, K: tl.constexpr, EVEN: 
     """Row m's rmsnorm(x) (NORM 1) or rmsnorm(x + r) (NORM 2; STORE: this program writes s) at
     columns c, which cover the whole row (padded to a power of two): norm_rstd and x_slice in one
     pass over x, with the same sums and roundings."""
-    dtype = x_ptr.dtype.element_ty
-    xf = masked_k(x_ptr + m * K + c, c, K, EVEN, False).to(tl.float32)
-    if NORM == 2:
-        sv = round_to(xf + masked_k(r_ptr + m * K + c, c, K, EVEN, False).to(tl.float32), dtype, RNE)
-        if STORE:
-            tl.store(s_ptr + m * K + c, sv, mask=c < K)
-        xf = sv.to(tl.float32)
+    xf = norm_source(x_ptr, r_ptr, s_ptr, m, c, K, NORM, STORE, RNE)
     rstd = tl.math.rsqrt(tl.sum(xf[None, :] * xf[None, :], axis=1) / K + eps)
     wv = masked_k(nw_ptr + c, c, K, EVEN, False).to(tl.float32)
-    return tl.sum(scale_normed(xf[None, :], rstd, wv, STYLE, dtype, RNE).to(tl.float32), axis=0)
+    return tl.sum(scale_normed(xf[None, :], rstd, wv, STYLE, x_ptr.dtype.element_ty, RNE).to(tl.float32), axis=0)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -583,8 +584,8 @@ class GemmOp(Op):
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("gemv"):
-            return [gemv_kernel, masked_k, x_slice, x_normed_row, act_f32, pdl_wait, round_to, last_arrival, norm_rstd,
-                    scale_normed]
+            return [gemv_kernel, masked_k, x_slice, x_normed_row, norm_source, act_f32, pdl_wait, round_to, last_arrival,
+                    norm_rstd, scale_normed]
         if v.p.get("tma"):
             return ([gemm_tma_sk_kernel, tile_of, mma, round_to, splitk_finish, last_arrival] if v.p.get("sk", 1) > 1
                     else [gemm_tma_kernel, tma_tile, tile_of, mma])
