@@ -375,7 +375,7 @@ def main(a) -> int:
     report = {"engine": "kiln", "model": _model_label(a.model, llm.path), "dtype": DTYPE_NAMES[llm.engine.dtype],
               "backend": llm.model.ops.name, "device": str(dev), **environment(dev), "date": now_iso(),
               "command": command_line(), "load_s": round(llm.load_s, 3),
-              "load_stages": getattr(llm, "load_stages", None) or None, "tune_s": _backend_fact(llm, "tune_s"),
+              "load_stages": llm.load_stages or None, "tune_s": _backend_fact(llm, "tune_s"),
               "tune_cache": _backend_fact(llm, "tune_cache"), "peak_mem_gb": None,
               "launches_per_token": _backend_fact(llm, "launches_per_token")}
     prompts = random_prompts(llm.model.cfg.vocab_size, a.prompt_lengths, a.seed)
