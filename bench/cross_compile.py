@@ -126,6 +126,15 @@ def main() -> int:
                 why = " | ".join(line.strip() for line in str(e).strip().splitlines()[-3:])[:300]
                 failed.append(f"{w.label}: {v.name}: {type(e).__name__}: {why}")
                 print(f"[cross] FAIL {failed[-1]}", flush=True)
+    if ops is None or "greedy" in ops:     # the decode graph's last kernel (not a tuned op)
+        from kiln.backends.cuda.sample import greedy_next
+        seen.add(("greedy", config["vocab_size"], "greedy_kernel"))
+        try:
+            one = torch.zeros(1, dtype=torch.long)
+            greedy_next(torch.empty(config["vocab_size"], dtype=dtype), one, one.clone())
+        except Exception as e:  # noqa: BLE001
+            failed.append(f"greedy: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+            print(f"[cross] FAIL {failed[-1]}", flush=True)
     print(f"[cross] triton {triton.__version__} sm_{a.arch}: {len(seen)} candidates of {len(workloads)} workloads, "
           f"{len(failed)} failed, {time.perf_counter() - t0:.0f} s", flush=True)
     return 1 if failed else 0

@@ -4,8 +4,11 @@
 
 Loads MODEL on the cuda backend (bf16), prefills a random prompt, decodes a few tokens so that the
 step is captured as a CUDA graph, then records REPS more steps under torch.profiler and sums each
-kernel's GPU time per token. Also: the wall time per token over those steps (with the profiler's own
-overhead) and without the profiler, and the weight bytes a token reads (the bandwidth floor).
+kernel's GPU time per token. Also the time per token three ways: ms_per_token, the engine's greedy
+loop (the device picks each token, the host queues a step ahead: what `kiln bench` and generate()
+run); ms_per_token_sync, the host-synchronous loop (decode_step, argmax, .item() every token);
+graph_ms_per_token, the graph replayed back to back (the GPU's own time, no host in the loop);
+and the weight bytes a token reads (the bandwidth floor).
 Kernel names are Triton's function names (gemm_kernel, ...) with their launch grids folded together;
 the JSON lists the top kernels and the total.
 """
@@ -40,6 +43,18 @@ def decode(eng, state, tok: int, pos: int, n: int, seen: list | None = None) -> 
     return tok, pos
 
 
+def replay_ms(eng) -> float:
+    """The captured step replayed REPS times back to back (each replay feeds itself: ids and pos are
+    the graph's own). Run last: the state's host-side lengths are not advanced."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPS):
+        eng.graph.graph.replay()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / REPS, 4)
+
+
 def main(model: str, prompt: int, out: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -47,7 +62,7 @@ def main(model: str, prompt: int, out: str) -> None:
     eng = llm.engine
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, llm.model.cfg.vocab_size, (prompt,), generator=gen).tolist()
-    state = eng.new_state(prompt + 3 * REPS + 8)
+    state = eng.new_state(prompt + 5 * REPS + 8)
     tok, pos = int(torch.argmax(eng.prefill(ids, state))), prompt
     tokens = [tok]                                                  # the greedy tokens: A/B runs compare them
     tok, pos = decode(eng, state, tok, pos, 4, tokens)              # eager step, capture, replays
@@ -55,13 +70,20 @@ def main(model: str, prompt: int, out: str) -> None:
     t0 = time.perf_counter()
     tok, pos = decode(eng, state, tok, pos, REPS, tokens)
     sync()
+    sync_ms = (time.perf_counter() - t0) * 1e3 / REPS
+    t0 = time.perf_counter()
+    run = list(eng.greedy_tokens(tok, pos, state, REPS))
+    sync()
     plain_ms = (time.perf_counter() - t0) * 1e3 / REPS
+    tokens += run
+    tok, pos = run[-1], pos + REPS          # run to its end, the loop feeds exactly REPS tokens
     acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
         tok, pos = decode(eng, state, tok, pos, REPS)
         sync()
         prof_ms = (time.perf_counter() - t0) * 1e3 / REPS
+    graph_ms = replay_ms(eng) if eng.graph is not None and eng.graph.graph is not None else None
     kernels = {}
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
@@ -74,6 +96,7 @@ def main(model: str, prompt: int, out: str) -> None:
            "command": " ".join(sys.argv), "kiln_env": {k: v for k, v in os.environ.items() if k.startswith("KILN_")},
            "model": model, "prompt_tokens": prompt, "reps": REPS,
            "launches_per_token": eng.launches_per_token, "ms_per_token": round(plain_ms, 4),
+           "ms_per_token_sync": round(sync_ms, 4), "graph_ms_per_token": graph_ms,
            "ms_per_token_profiled": round(prof_ms, 4),
            "kernel_us_per_token": round(sum(k["us_per_token"] for k in kernels.values()), 1),
            "weight_bytes": weight_bytes, "floor_ms_at_4.27TBps": round(weight_bytes / 4.27e9, 4),

@@ -107,10 +107,7 @@ class KilnRunner:
         t0 = time.perf_counter()
         tok = int(torch.argmax(eng.prefill(ids, state)))
         t1 = time.perf_counter()
-        tokens = [tok]
-        for pos in range(len(ids), len(ids) + gen - 1):
-            tok = int(torch.argmax(eng.decode_step(tok, pos, state)))
-            tokens.append(tok)
+        tokens = [tok] + list(eng.greedy_tokens(tok, len(ids), state, gen - 1))   # as generate() runs greedy
         return {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "tokens": tokens}
 
     def measure(self, ids: list[int], gen: int) -> dict:

@@ -101,6 +101,23 @@ class Engine:
         ids = torch.tensor([token], device=self.device)
         return self.model.forward(ids, torch.tensor([pos], device=self.device), state)[-1]
 
+    @torch.inference_mode()
+    def greedy_tokens(self, token: int, pos: int, state, steps: int, fed: list | None = None, before=None):
+        """The tokens of `steps` greedy decode steps after `token` fed at `pos`. On the CUDA-graph
+        state the device picks each token and one step is queued ahead (DecodeGraph.greedy_tokens);
+        `fed` gets the tokens the state was fed, `before(k)` runs before step k is queued."""
+        fed = [] if fed is None else fed
+        if self.graph is not None and state is self._state:
+            yield from self.graph.greedy_tokens(token, pos, state, steps, fed, before, self.quiet)
+            return
+        for k in range(steps):
+            if before is not None:
+                before(k)
+            logits = self.decode_step(token, pos + k, state)
+            fed.append(token)
+            token = int(torch.argmax(logits))
+            yield token
+
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise KilnError("empty prompt")
@@ -150,6 +167,9 @@ class Engine:
         if reuse:
             self._kept = kept
         pos, stream.finish_reason = len(prompt_ids), "length"
+        if params.greedy and params.repetition_penalty == 1.0:
+            yield from self._greedy_loop(logits, state, params, eos, stream, consumed, kept, reuse, t0)
+            return
         for n in range(params.max_new_tokens):
             token = sampler(logits, history)
             now = time.perf_counter()
@@ -164,12 +184,46 @@ class Engine:
                 return
             if pos + 1 >= self.max_context or n == params.max_new_tokens - 1:
                 break  # no decode step for a token nobody will read
-            if (reuse and self._kept is not kept) or (state is self._state and self._owner is not stream):
-                raise RuntimeError("this stream's state was taken over by a newer request")
+            self._check_owner(stream, state, kept, reuse)
             history = torch.cat([history, history.new_tensor([token])])
             logits = self.decode_step(token, pos, state)
             consumed.append(token)
             pos += 1
+        times.decode_s = time.perf_counter() - t0
+
+    def _check_owner(self, stream, state, kept, reuse: bool) -> None:
+        if (reuse and self._kept is not kept) or (state is self._state and self._owner is not stream):
+            raise RuntimeError("this stream's state was taken over by a newer request")
+
+    def _greedy_loop(self, logits, state, params, eos, stream: TokenStream, consumed: list, kept, reuse: bool,
+                     t0: float):
+        """Greedy without a repetition penalty: the same tokens as the sampler's argmax, from
+        greedy_tokens (on a CUDA graph, chosen on the device with a step queued ahead). The state may
+        run up to two steps past a stop: `consumed` still lists exactly what it was fed."""
+        times = stream.times
+        pos = len(consumed)
+        token = int(torch.argmax(logits))
+        times.prefill_s = time.perf_counter() - t0       # includes choosing the first token
+        t0 = time.perf_counter()
+        times.generated_tokens, times.decode_s = 1, 0.0
+        yield token
+        if token in eos:
+            stream.finish_reason = "stop"
+            return
+        # step k feeds the k-th generated token at pos + k: none for a token nobody will read
+        steps = max(0, min(params.max_new_tokens - 1, self.max_context - 1 - pos))
+        tokens = self.greedy_tokens(token, pos, state, steps, consumed,
+                                    lambda k: self._check_owner(stream, state, kept, reuse))
+        try:
+            for token in tokens:
+                times.generated_tokens += 1
+                times.decode_s = time.perf_counter() - t0
+                yield token
+                if token in eos:
+                    stream.finish_reason = "stop"
+                    return
+        finally:
+            tokens.close()      # completes `consumed` with the steps run past the consumer
         times.decode_s = time.perf_counter() - t0
 
 

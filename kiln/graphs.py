@@ -8,6 +8,10 @@ compiles kernels and allocates workspaces), the next one is captured and then re
 
 Python bookkeeping inside the forward (each layer's `.length`) runs once during capture; the runner
 restores it and advances it by one after each replay.
+
+The step ends with the greedy choice (kiln.backends.cuda.sample): argmax into the step's own token
+input, position + 1. Greedy requests then feed the graph from the device and the host queues the
+next step before reading a token (greedy_tokens); other requests fill both inputs from the host.
 """
 
 from __future__ import annotations
@@ -49,23 +53,81 @@ class DecodeGraph:
         self.launches: int | None = None
         self.captures = 0
         self.failed = False               # a capture failed: decode eagerly
+        from .backends.cuda.sample import greedy_next, greedy_next_reference
+        self.greedy = greedy_next if device.type == "cuda" else greedy_next_reference   # (CPU: tests)
 
     def step(self, token: int, pos: int, state: list, quiet: bool = True) -> torch.Tensor:
+        """The logits of one decode step fed `token` at `pos` (the host's inputs)."""
         self.ids.fill_(token)
         self.pos.fill_(pos)
+        return self.run(state, quiet)
+
+    def run(self, state: list, quiet: bool = True) -> torch.Tensor:
+        """One decode step on the graph's own ids/pos: the host's (step) or the last step's greedy
+        choice (the pipelined greedy loop). Asynchronous: nothing is read back."""
         key = signature(state)
         if self.failed:
-            return self.model.forward(self.ids, self.pos, state)[-1]
+            return self._body(state)[-1]
         if self.key != key:
             if self.warm != key:           # first step on these buffers: eager (compiles, allocates)
                 self.warm = key
-                return self.model.forward(self.ids, self.pos, state)[-1]
+                return self._body(state)[-1]
             if not self._try_capture(state, key, quiet):
-                return self.model.forward(self.ids, self.pos, state)[-1]
+                return self._body(state)[-1]
         self.graph.replay()
         for layer in state:
             layer.length += 1
         return self.logits[-1]
+
+    def _body(self, state: list) -> torch.Tensor:
+        """The forward, then the greedy choice written into ids (and pos + 1) for the next step."""
+        logits = self.model.forward(self.ids, self.pos, state)
+        self.greedy(logits[-1], self.ids, self.pos)
+        return logits
+
+    def greedy_tokens(self, token: int, pos: int, state: list, steps: int, fed: list, before=None,
+                      quiet: bool = True):
+        """The tokens of `steps` greedy decode steps after `token` fed at `pos`, chosen on the device;
+        while the host reads one, the next step is already queued, so the GPU never waits for Python.
+        A consumer that stops early leaves up to two more steps run: `fed` gets every token the state
+        was fed, in order (completed when the generator closes). `before(k)` runs before step k."""
+        cuda = self.device.type == "cuda"
+        host = torch.empty(4, dtype=torch.long, pin_memory=cuda)
+        events = [torch.cuda.Event() if cuda else None for _ in range(4)]
+        self.ids.fill_(token)
+        self.pos.fill_(pos)
+        launched, read, known = 0, 0, [token]
+
+        def launch() -> None:
+            nonlocal launched
+            if before is not None:
+                before(launched)
+            self.run(state, quiet)
+            host[launched % 4 : launched % 4 + 1].copy_(self.ids, non_blocking=True)   # the token it chose
+            if cuda:
+                events[launched % 4].record()
+            launched += 1
+
+        def collect() -> int:
+            nonlocal read
+            if cuda:
+                events[read % 4].synchronize()
+            read += 1
+            known.append(int(host[(read - 1) % 4]))
+            return known[-1]
+
+        try:
+            while launched < min(2, steps):
+                launch()
+            while read < steps:
+                tok = collect()
+                if launched < steps:
+                    launch()
+                yield tok
+        finally:
+            while read < launched - 1:       # the steps run past the consumer: their fed tokens
+                collect()
+            fed.extend(known[:launched])
 
     def _try_capture(self, state: list, key: tuple, quiet: bool) -> bool:
         """Capture, or on failure (an op that is not graph-safe) warn once and decode eagerly from now on."""
@@ -91,7 +153,7 @@ class DecodeGraph:
         except TypeError:
             graph, kept = torch.cuda.CUDAGraph(), False
         with torch.cuda.graph(graph):
-            logits = self.model.forward(self.ids, self.pos, state)
+            logits = self._body(state)
         for layer, n in zip(state, lengths):
             layer.length = n
         self.launches = count_nodes(graph) if kept else None
