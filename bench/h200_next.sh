@@ -4,7 +4,7 @@
 # Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
 # With KILN_TRY_UNMEASURED=1 the tune steps also offer the catalogue-only forms (docs/compiler.md), and
 # safetune retunes; a variant that faults is named (KILN_TUNE_SKIP=...) and skipped on the next try.
-#   steps: bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
+#   steps: bench35solo bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 # Next session's order (bench/NOTES.md, newest first, says why): bench08 (dd57704's GDN decode, the
@@ -36,6 +36,9 @@ for step in "$@"; do
         --dtype bf16 --prompt-lengths 81920 --gen 64 --runs 1 --json "$OUT/$n" 2>&1 | quiet | tail -12 ;;
     bench9) bench synth:qwen3.5-9b 512,8192 32 420 ;;
     bench35) bench synth:qwen3.5-35b-a3b 512,8192 32 500 ;;
+    bench35solo)  # kiln alone: 35B-A3B's 70 GB twice (kiln and the transformers worker) exceeds the H200's 139 GB
+      timeout 450 python3 -m kiln.cli bench synth:qwen3.5-35b-a3b --dtype bf16 --prompt-lengths 512,8192 --gen 32 --runs 1 \
+        --json "$OUT/h200_bench_qwen3.5-35b-a3b_solo_cuda_${TAG}.json" 2>&1 | quiet | tail -10 ;;
     bench2) bench synth:qwen3.5-2b 512,8192 64 240 ;;
     bench27) bench synth:qwen3.5-27b 512 32 400 ;;
     bench9long)  # issue 7: 9B decode after 32,768 tokens keeps >= 90% of its short-context speed (kiln only)
