@@ -4,7 +4,7 @@
 # Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
 # With KILN_TRY_UNMEASURED=1 the tune steps also offer the catalogue-only forms (docs/compiler.md), and
 # safetune retunes; a variant that faults is named (KILN_TUNE_SKIP=...) and skipped on the next try.
-#   steps: bench35solo bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
+#   steps: dec35 bench35solo bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 # Next session's order (bench/NOTES.md, newest first, says why): bench08 (dd57704's GDN decode, the
@@ -81,6 +81,7 @@ for step in "$@"; do
         "$OUT/h200_decode_kernels_qwen3.5-0.8b_try_${TAG}.json" 2>&1 | tail -24 ;;
     dec08) timeout 240 python3 bench/decode_kernels.py synth:qwen3.5-0.8b 512 "$OUT/h200_decode_kernels_qwen3.5-0.8b_${TAG}.json" 2>&1 | tail -24 ;;
     dec08nopdl) KILN_PDL=0 timeout 240 python3 bench/decode_kernels.py synth:qwen3.5-0.8b 512 "$OUT/h200_decode_kernels_qwen3.5-0.8b_nopdl_${TAG}.json" 2>&1 | tail -24 ;;
+    dec35) timeout 300 python3 bench/decode_kernels.py synth:qwen3.5-35b-a3b 512 "$OUT/h200_decode_kernels_qwen3.5-35b-a3b_${TAG}.json" 2>&1 | tail -24 ;;
     dec9) timeout 300 python3 bench/decode_kernels.py synth:qwen3.5-9b 512 "$OUT/h200_decode_kernels_qwen3.5-9b_${TAG}.json" 2>&1 | tail -24 ;;
     gemm) KILN_TRY_UNMEASURED=1 timeout 500 python3 bench/gemm_vs_cublas.py ${GEMM_ARGS:-} --out "$OUT/h200_gemm_vs_cublas_${TAG}.json" --log "$OUT/h200_gemm_vs_cublas_${TAG}.log" \
         --commit "${KILN_COMMIT:-}" 2>&1 | tail -12 ;;
