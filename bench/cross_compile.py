@@ -78,6 +78,20 @@ def pretend_gpu(arch: int, sms: int) -> None:
                 setattr(mod, name, fake)
 
 
+def untuned_kernels(config: dict, dtype) -> list:
+    """(name, launch) of the kernels that are not tuned ops: the greedy choice, and for a Qwen MoE
+    the router and the shared-expert gate, at the model's decode shapes."""
+    from kiln.backends.cuda import moe, sample
+    one, h = torch.zeros(1, dtype=torch.long), config["hidden_size"]
+    out = [("greedy", lambda: sample.greedy_next(torch.empty(config["vocab_size"], dtype=dtype), one, one.clone()))]
+    if config.get("num_experts") and config.get("num_experts_per_tok"):
+        e, k = config["num_experts"], config["num_experts_per_tok"]
+        x = torch.empty(1, h, dtype=dtype)
+        out += [("router", lambda: moe.router_topk(torch.empty(1, e, dtype=dtype), k)),
+                ("shared_gate", lambda: moe.shared_gate_add(x, x, torch.empty(1, h, dtype=dtype), x))]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", help="a synth:NAME spec or a model folder with config.json")
@@ -126,14 +140,14 @@ def main() -> int:
                 why = " | ".join(line.strip() for line in str(e).strip().splitlines()[-3:])[:300]
                 failed.append(f"{w.label}: {v.name}: {type(e).__name__}: {why}")
                 print(f"[cross] FAIL {failed[-1]}", flush=True)
-    if ops is None or "greedy" in ops:     # the decode graph's last kernel (not a tuned op)
-        from kiln.backends.cuda.sample import greedy_next
-        seen.add(("greedy", config["vocab_size"], "greedy_kernel"))
+    for name, launch in untuned_kernels(config, dtype):    # the plain kernels the decode step launches
+        if ops is not None and name not in ops:
+            continue
+        seen.add(("untuned", name, name))
         try:
-            one = torch.zeros(1, dtype=torch.long)
-            greedy_next(torch.empty(config["vocab_size"], dtype=dtype), one, one.clone())
+            launch()
         except Exception as e:  # noqa: BLE001
-            failed.append(f"greedy: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+            failed.append(f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
             print(f"[cross] FAIL {failed[-1]}", flush=True)
     print(f"[cross] triton {triton.__version__} sm_{a.arch}: {len(seen)} candidates of {len(workloads)} workloads, "
           f"{len(failed)} failed, {time.perf_counter() - t0:.0f} s", flush=True)

@@ -192,3 +192,55 @@ def test_gpu_moe_captures_in_a_cuda_graph(form):
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out, reference(d), 8, exact_fraction=0.9)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,e,k,renorm", [(1, 256, 8, True), (3, 60, 4, True), (17, 8, 2, False), (2, 128, 1, True)])
+def test_router_topk_kernel_equals_reference(t, e, k, renorm, dtype):
+    """Softmax, top-k and renormalisation in one launch: the reference's experts in its order, weights
+    within an ulp of the activation dtype. Distinct logits (a shuffled grid of k/16, exact in bf16):
+    at a tie torch.topk keeps an order of its own (the test below fixes ours)."""
+    g = torch.Generator().manual_seed(t * e + k)
+    grid = torch.stack([torch.randperm(e, generator=g) for _ in range(t)]).float() - e / 2
+    logits = (grid / 16).to(device=DEVICE, dtype=dtype)
+    want_w, want_i = REF.router_topk(logits, k, renorm)
+    got_w, got_i = M.router_topk(logits, k, renorm)
+    assert got_i.dtype == torch.long and got_w.dtype == dtype
+    assert torch.equal(got_i, want_i)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6
+    assert (got_w.float() - want_w.float()).abs().max() <= ulp * want_w.float().abs().max()
+
+
+def test_router_topk_ties_go_to_the_lower_expert():
+    logits = torch.zeros(1, 16, device=DEVICE)
+    logits[0, [3, 9, 12]] = 1.0
+    w, idx = M.router_topk(logits, 4)
+    assert idx[0].tolist()[:3] == [3, 9, 12] and idx[0, 3] == 0
+    assert torch.allclose(w.sum(), torch.tensor(1.0, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,h", [(1, 64), (3, 48), (5, 300)])
+def test_shared_gate_add_equals_reference(t, h, dtype):
+    """routed + sigmoid(x . g) * shared with the reference's roundings; the gate's dot is summed in
+    another order than the reference's linear, so a bf16 logit may land one ulp away: tolerance of
+    one ulp of the output."""
+    g = torch.Generator().manual_seed(t * h)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(device=DEVICE, dtype=dtype)  # noqa: E731
+    routed, x, shared, gate_w = rnd(t, h), rnd(t, h), rnd(t, h), rnd(1, h) * h ** -0.5
+    want = REF.shared_gate_add(routed, x, gate_w, shared)
+    got = M.shared_gate_add(routed, x, gate_w, shared)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
+    assert got.dtype == dtype and (got.float() - want.float()).abs().max() <= ulp * want.float().abs().max()
+
+
+def test_cuda_ops_route_router_and_shared_gate_to_the_kernels(monkeypatch):
+    from kiln.backends.cuda import CudaOps
+
+    ops, calls = CudaOps(DEVICE), []
+    monkeypatch.setattr(M, "router_topk", lambda *a: calls.append("router") or REF.router_topk(*a))
+    monkeypatch.setattr(M, "shared_gate_add", lambda *a: calls.append("gate") or REF.shared_gate_add(*a))
+    x = torch.randn(2, 32, device=DEVICE, dtype=torch.bfloat16)
+    ops.router_topk(torch.randn(2, 64, device=DEVICE, dtype=torch.bfloat16), 4)
+    ops.shared_gate_add(x, x, x[:1], x)
+    assert calls == ["router", "gate"]

@@ -142,6 +142,10 @@ class ReferenceOps:
         return o if gate is None else self.act_mul(gate, o.view(gate.shape), "sigmoid")
 
     # -- mixture of experts ------------------------------------------------------------------------
+    def shared_gate_add(self, routed, x, gate_w, shared) -> torch.Tensor:
+        """Qwen's shared expert, scaled by a sigmoid gate [1, H] and added to the routed experts."""
+        return routed + self.linear(x, gate_w).sigmoid() * shared
+
     def router_topk(self, logits: torch.Tensor, k: int, renormalize: bool = True):
         """Softmax in f32, top-k, optional renormalisation in f32, weights cast back to the logits dtype."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

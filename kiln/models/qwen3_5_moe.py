@@ -41,4 +41,4 @@ class Qwen35Moe(Qwen35):
         weights, idx = ops.router_topk(ops.linear(x, w[p + "gate.weight"]), c.num_experts_per_tok, c.norm_topk_prob)
         routed = ops.moe_experts(x, idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
                                  c.hidden_act)
-        return routed + ops.linear(x, w[p + "shared_expert_gate.weight"]).sigmoid() * shared
+        return ops.shared_gate_add(routed, x, w[p + "shared_expert_gate.weight"], shared)

@@ -271,6 +271,19 @@ class CudaOps(ReferenceOps):
         return y
 
     # -- mixture of experts ------------------------------------------------------------------------
+    def router_topk(self, logits, k, renormalize=True):
+        if (MOE is not None and self._runs_here(logits) and logits.dim() == 2 and logits.dtype in MOE.SUPPORTED
+                and logits.shape[1] <= MOE.ROUTER_MAX_EXPERTS and k <= logits.shape[1]):
+            return MOE.router_topk(logits, k, renormalize)
+        return super().router_topk(logits, k, renormalize)
+
+    def shared_gate_add(self, routed, x, gate_w, shared):
+        if (MOE is not None and self._runs_here(x) and x.dim() == 2 and gate_w.shape[0] == 1
+                and x.dtype in MOE.SUPPORTED and routed.dtype == shared.dtype == gate_w.dtype == x.dtype
+                and routed.shape == shared.shape == x.shape):
+            return MOE.shared_gate_add(routed, x, gate_w, shared)
+        return super().shared_gate_add(routed, x, gate_w, shared)
+
     def moe_experts(self, x, idx, weights, gate_up, down, act):
         if MOE is not None and self._runs_here(x) and MOE.supports(x, gate_up, down, act):
             shape = MOE.MoeShape(x.shape[0], gate_up.shape[0], idx.shape[1], x.shape[1], down.shape[2], act)

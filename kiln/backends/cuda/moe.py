@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, variant
 from . import gemm as G
-from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, next_pow2, rne_flag, round_to
+from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
 
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 COMBINE_BH = 256     # columns per combine program: the combine reads k rows, it is never the bottleneck
@@ -220,6 +220,82 @@ def combine_kernel(y_ptr, idx_ptr, out_ptr, T, KTOP: tl.constexpr, KP: tl.conste
         y = tl.load(y_ptr + (t * KTOP + slot) * H + cols, mask=cols < H, other=0.0).to(tl.float32)
         acc = round_to(acc + y, dtype, RNE).to(tl.float32)
     tl.store(out_ptr + t * H + cols, acc.to(dtype), mask=cols < H)
+
+
+# -- router and shared-expert gate (one launch each instead of torch's 6 and 4) --------------------
+
+@triton.jit(do_not_specialize=["T"])
+def router_kernel(l_ptr, w_ptr, i_ptr, T, E: tl.constexpr, EP: tl.constexpr, KTOP: tl.constexpr,
+                  KP: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
+    """Row t: softmax of the router logits in f32 (exp(x - max) / sum, as torch), the k largest in
+    descending order (a tie to the lower expert id), renormalised by their f32 sum, cast to w's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    pdl_wait(PDL)
+    e = tl.arange(0, EP)
+    x = tl.load(l_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    work = tl.where(e < E, p, -1.0)          # padding is never chosen (p >= 0)
+    slots = tl.arange(0, KP)
+    top = tl.zeros((KP,), dtype=tl.float32)
+    idx = tl.zeros((KP,), dtype=tl.int32)
+    for j in tl.static_range(KTOP):
+        best = tl.max(work, axis=0)
+        first = tl.min(tl.where(work == best, e, EP), axis=0)
+        top = tl.where(slots == j, best, top)
+        idx = tl.where(slots == j, first, idx)
+        work = tl.where(e == first, -2.0, work)
+    if RENORM:
+        top = top / tl.sum(top, axis=0)      # slots past k hold 0
+    tl.store(w_ptr + t * KTOP + slots, top.to(w_ptr.dtype.element_ty), mask=slots < KTOP)
+    tl.store(i_ptr + t * KTOP + slots, idx.to(tl.int64), mask=slots < KTOP)
+
+
+@triton.jit(do_not_specialize=["T"])
+def gate_add_kernel(r_ptr, x_ptr, g_ptr, s_ptr, out_ptr, T, H: tl.constexpr, HP: tl.constexpr, BH: tl.constexpr,
+                    RNE: tl.constexpr, PDL: tl.constexpr = False):
+    """out = routed + sigmoid(x . g) * shared, rounded where the reference's linear, sigmoid, product
+    and sum each round to the activation dtype. Every program recomputes the H-long dot (a few KB)."""
+    t = tl.program_id(0).to(tl.int64)
+    dtype = out_ptr.dtype.element_ty
+    k = tl.arange(0, HP)
+    g = tl.load(g_ptr + k, mask=k < H, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
+    xv = tl.load(x_ptr + t * H + k, mask=k < H, other=0.0).to(tl.float32)
+    logit = round_to(tl.sum(xv * g, axis=0), dtype, RNE).to(tl.float32)
+    sig = round_to(1.0 / (1.0 + tl.exp(-logit)), dtype, RNE).to(tl.float32)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    sh = tl.load(s_ptr + t * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + t * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+    prod = round_to(sig * sh, dtype, RNE).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, round_to(r + prod, dtype, RNE), mask=cols < H)
+
+
+ROUTER_MAX_EXPERTS = 1024   # one program holds a row of logits
+
+
+def router_topk(logits: torch.Tensor, k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReferenceOps.router_topk in one launch: logits [T, E] -> (weights [T, k] logits' dtype, ids [T, k] int64)."""
+    t, e = logits.shape
+    logits = logits.contiguous()
+    w = torch.empty((t, k), dtype=logits.dtype, device=logits.device)
+    idx = torch.empty((t, k), dtype=torch.long, device=logits.device)
+    if t:
+        router_kernel[(t,)](logits, w, idx, t, E=e, EP=next_pow2(e), KTOP=k, KP=next_pow2(k), RENORM=renormalize,
+                            num_warps=4, **pdl(logits))
+    return w, idx
+
+
+def shared_gate_add(routed: torch.Tensor, x: torch.Tensor, gate_w: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """routed + sigmoid(x @ gate_w.T) * shared for a [1, H] gate weight; all [T, H], one dtype."""
+    t, h = x.shape
+    out = torch.empty_like(routed)
+    if t:
+        bh = min(COMBINE_BH, next_pow2(h))
+        gate_add_kernel[(t, cdiv(h, bh))](routed.contiguous(), x.contiguous(), gate_w.contiguous(), shared.contiguous(),
+                                          out, t, H=h, HP=next_pow2(h), BH=bh, RNE=rne_flag(x.dtype), num_warps=4,
+                                          **pdl(x))
+    return out
 
 
 # -- launching ---------------------------------------------------------------------------------------
