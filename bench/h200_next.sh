@@ -7,10 +7,11 @@
 #   steps: dec35 bench35solo bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
-# Next session's order (bench/NOTES.md, newest first, says why): bench08 (dd57704's GDN decode, the
-# gated combine and the one-pass norm GEMV are unmeasured: is 0.8b decode at 1,200?), dec08, then
-# GEMM_ARGS=--no-load-stage gemm (its .log holds every split-K candidate of 512x1024xK), bench9, bench35,
-# attn. Before a run: bench/cross_compile.py with Triton 3.6 (docs/compiler.md) on what changed.
+# Next session's order (bench/NOTES.md, newest first, says why): GEMM_ARGS=--no-load-stage gemm (the wide
+# split-K tiles for issue 4's 512x1024xK minimum; its .log holds every candidate), dec35 + bench35 (the BN 8
+# MoE gemv forms; bench35 runs transformers after kiln), then compare08 once the team has settled the
+# near-tie criterion (docs/synth.md). Before a run: bench/cross_compile.py with Triton 3.6 (docs/compiler.md)
+# on what changed.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KILN_CACHE_DIR=$PWD/.kiln-cache KILN_DEBUG=1
 TAG=${KILN_COMMIT:-run}   # in every result name: copying results home must never overwrite an older one
@@ -36,7 +37,7 @@ for step in "$@"; do
         --dtype bf16 --prompt-lengths 81920 --gen 64 --runs 1 --json "$OUT/$n" 2>&1 | quiet | tail -12 ;;
     bench9) bench synth:qwen3.5-9b 512,8192 32 420 ;;
     bench35) bench synth:qwen3.5-35b-a3b 512,8192 32 500 ;;
-    bench35solo)  # kiln alone: 35B-A3B's 70 GB twice (kiln and the transformers worker) exceeds the H200's 139 GB
+    bench35solo)  # kiln alone (bench35 adds transformers, run after kiln: both do not fit; its 35B decode is slow)
       timeout 450 python3 -m kiln.cli bench synth:qwen3.5-35b-a3b --dtype bf16 --prompt-lengths 512,8192 --gen 32 --runs 1 \
         --json "$OUT/h200_bench_qwen3.5-35b-a3b_solo_cuda_${TAG}.json" 2>&1 | quiet | tail -10 ;;
     bench2) bench synth:qwen3.5-2b 512,8192 64 240 ;;

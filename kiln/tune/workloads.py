@@ -40,6 +40,8 @@ def model_workloads(cls, cfg, model_type: str, m_values=(PREFILL_CHUNK, DECODE_R
     grouped = {n for names in projection_groups(shapes) for n in names}   # run as one concatenated GEMM
     out: list[Workload] = []
     for name, shape in shapes.items():
+        if name.endswith("shared_expert_gate.weight"):
+            continue        # [1, H]: inside gate_add_kernel (ops.shared_gate_add), no GEMM of its own
         if len(shape) == 2 and "embed" not in name and name not in grouped:
             ms = (DECODE_ROWS,) if name == "lm_head.weight" else m_values
             out += [Workload(G.OP, G.GemmShape(m, shape[0], shape[1])) for m in ms]
