@@ -8,7 +8,7 @@ kernel's GPU time per token. Also the time per token three ways: ms_per_token, t
 loop (the device picks each token, the host queues a step ahead: what `kiln bench` and generate()
 run); ms_per_token_sync, the host-synchronous loop (decode_step, argmax, .item() every token);
 graph_ms_per_token, the graph replayed back to back (the GPU's own time, no host in the loop);
-and the weight bytes a token reads (the bandwidth floor).
+and the weight bytes a token reads (the bandwidth floor: k / E of the routed experts).
 Kernel names are Triton's function names (gemm_kernel, ...) with their launch grids folded together;
 the JSON lists the top kernels and the total.
 """
@@ -41,6 +41,23 @@ def decode(eng, state, tok: int, pos: int, n: int, seen: list | None = None) -> 
         if seen is not None:
             seen.append(tok)
     return tok, pos
+
+
+def token_bytes(model) -> tuple[int, int]:
+    """(all weight bytes, the bytes one decode token reads): routed experts ([E, ...] tensors under
+    `.experts.`) count k / E of their bytes, the embedding one row; the KV cache is not counted."""
+    cfg = model.cfg
+    k, e = getattr(cfg, "num_experts_per_tok", 0), getattr(cfg, "num_experts", 0)
+    total = active = 0
+    for name, w in model.w.items():
+        b = w.numel() * w.element_size()
+        total += b
+        if ".experts." in name and e:
+            b = b * k // e
+        elif "embed_tokens" in name and "lm_head.weight" in model.w:
+            b = w.shape[-1] * w.element_size()
+        active += b
+    return total, active
 
 
 def replay_ms(eng) -> float:
@@ -90,7 +107,7 @@ def main(model: str, prompt: int, out: str) -> None:
         if us:
             kernels[e.key[:90]] = {"us_per_token": round(us / REPS, 2), "calls_per_token": round(e.count / REPS, 2)}
     ranked = dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us_per_token"]))
-    weight_bytes = sum(w.numel() * w.element_size() for w in llm.model.w.values())
+    weight_bytes, active_bytes = token_bytes(llm.model)
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "triton": triton.__version__, "kiln_commit": os.environ.get("KILN_COMMIT"),
            "command": " ".join(sys.argv), "kiln_env": {k: v for k, v in os.environ.items() if k.startswith("KILN_")},
@@ -99,7 +116,8 @@ def main(model: str, prompt: int, out: str) -> None:
            "ms_per_token_sync": round(sync_ms, 4), "graph_ms_per_token": graph_ms,
            "ms_per_token_profiled": round(prof_ms, 4),
            "kernel_us_per_token": round(sum(k["us_per_token"] for k in kernels.values()), 1),
-           "weight_bytes": weight_bytes, "floor_ms_at_4.27TBps": round(weight_bytes / 4.27e9, 4),
+           "weight_bytes": weight_bytes, "active_weight_bytes": active_bytes,
+           "floor_ms_at_4.27TBps": round(active_bytes / 4.27e9, 4),
            "kernels": dict(list(ranked.items())[:40]), "tokens": tokens}
     with open(out, "w") as f:
         json.dump(res, f, indent=1)

@@ -1016,8 +1016,9 @@ class GdnDecodeOp(GdnOp):
             return [UNFUSED, fused_variant(s.dv, 4)] + small
         # at most 128 state floats a thread: more only spills
         forms = [fused_variant(bv, w) for bv in bvs for w in (1, 2, 4, 8) if bv * s.dk <= 128 * 32 * w]
-        if try_unmeasured():     # the last-arrival norm: not yet run on a GPU
-            forms += [fused_variant(bv, w, last=True) for bv in bvs[:-1] for w in (1, 2, 4) if bv * s.dk <= 128 * 32 * w]
+        # the gated norm by the head's last arrival instead of norm_kernel: one launch fewer a layer
+        # where BV < dv wins (9B and up: fused_bv32_w1); measured clean on the H200 (NOTES, efbe234)
+        forms += [fused_variant(bv, w, last=True) for bv in bvs[:-1] for w in (1, 2, 4) if bv * s.dk <= 128 * 32 * w]
         return [UNFUSED] + forms
 
     def trusted(self, s, dev) -> Variant:
