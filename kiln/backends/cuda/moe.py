@@ -224,8 +224,8 @@ def combine_kernel(y_ptr, idx_ptr, out_ptr, T, KTOP: tl.constexpr, KP: tl.conste
 
 # -- router and shared-expert gate (one launch each instead of torch's 6 and 4) --------------------
 
-@triton.jit(do_not_specialize=["T"])
-def router_kernel(l_ptr, w_ptr, i_ptr, T, E: tl.constexpr, EP: tl.constexpr, KTOP: tl.constexpr,
+@triton.jit
+def router_kernel(l_ptr, w_ptr, i_ptr, E: tl.constexpr, EP: tl.constexpr, KTOP: tl.constexpr,
                   KP: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
     """Row t: softmax of the router logits in f32 (exp(x - max) / sum, as torch), the k largest in
     descending order (a tie to the lower expert id), renormalised by their f32 sum, cast to w's dtype."""
@@ -251,8 +251,8 @@ def router_kernel(l_ptr, w_ptr, i_ptr, T, E: tl.constexpr, EP: tl.constexpr, KTO
     tl.store(i_ptr + t * KTOP + slots, idx.to(tl.int64), mask=slots < KTOP)
 
 
-@triton.jit(do_not_specialize=["T"])
-def gate_add_kernel(r_ptr, x_ptr, g_ptr, s_ptr, out_ptr, T, H: tl.constexpr, HP: tl.constexpr, BH: tl.constexpr,
+@triton.jit
+def gate_add_kernel(r_ptr, x_ptr, g_ptr, s_ptr, out_ptr, H: tl.constexpr, HP: tl.constexpr, BH: tl.constexpr,
                     RNE: tl.constexpr, PDL: tl.constexpr = False):
     """out = routed + sigmoid(x . g) * shared, rounded where the reference's linear, sigmoid, product
     and sum each round to the activation dtype. Every program recomputes the H-long dot (a few KB)."""
@@ -281,7 +281,7 @@ def router_topk(logits: torch.Tensor, k: int, renormalize: bool = True) -> tuple
     w = torch.empty((t, k), dtype=logits.dtype, device=logits.device)
     idx = torch.empty((t, k), dtype=torch.long, device=logits.device)
     if t:
-        router_kernel[(t,)](logits, w, idx, t, E=e, EP=next_pow2(e), KTOP=k, KP=next_pow2(k), RENORM=renormalize,
+        router_kernel[(t,)](logits, w, idx, E=e, EP=next_pow2(e), KTOP=k, KP=next_pow2(k), RENORM=renormalize,
                             num_warps=4, **pdl(logits))
     return w, idx
 
@@ -293,7 +293,7 @@ def shared_gate_add(routed: torch.Tensor, x: torch.Tensor, gate_w: torch.Tensor,
     if t:
         bh = min(COMBINE_BH, next_pow2(h))
         gate_add_kernel[(t, cdiv(h, bh))](routed.contiguous(), x.contiguous(), gate_w.contiguous(), shared.contiguous(),
-                                          out, t, H=h, HP=next_pow2(h), BH=bh, RNE=rne_flag(x.dtype), num_warps=4,
+                                          out, H=h, HP=next_pow2(h), BH=bh, RNE=rne_flag(x.dtype), num_warps=4,
                                           **pdl(x))
     return out
 
