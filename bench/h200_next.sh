@@ -4,7 +4,7 @@
 # Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
 # With KILN_TRY_UNMEASURED=1 the tune steps also offer the catalogue-only forms (docs/compiler.md), and
 # safetune retunes; a variant that faults is named (KILN_TUNE_SKIP=...) and skipped on the next try.
-#   steps: dec35 bench35solo bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
+#   steps: gemmncu dec35 bench35solo bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 # Next session's order (bench/NOTES.md, newest first, says why): GEMM_ARGS=--no-load-stage gemm (the wide
@@ -86,6 +86,12 @@ for step in "$@"; do
     dec9) timeout 300 python3 bench/decode_kernels.py synth:qwen3.5-9b 512 "$OUT/h200_decode_kernels_qwen3.5-9b_${TAG}.json" 2>&1 | tail -24 ;;
     gemm) KILN_TRY_UNMEASURED=1 timeout 500 python3 bench/gemm_vs_cublas.py ${GEMM_ARGS:-} --out "$OUT/h200_gemm_vs_cublas_${TAG}.json" --log "$OUT/h200_gemm_vs_cublas_${TAG}.log" \
         --commit "${KILN_COMMIT:-}" 2>&1 | tail -12 ;;
+    gemmncu)  # Nsight Compute on issue 4's slowest GEMM shape: kiln's best forms against cuBLAS
+      timeout 240 ncu --nvtx --nvtx-include "measure/" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy --section WarpStateStats \
+        python3 bench/gemm_ncu.py 512 1024 3584 > "$OUT/h200_gemm_ncu_512x1024x3584_${TAG}.txt" 2>&1
+      grep -E "^  [a-z_].*\(|ran |Duration|L2 Cache Throughput|DRAM Throughput|Compute \(SM\) Throughput|Registers Per|Grid Size|Achieved Occupancy" \
+        "$OUT/h200_gemm_ncu_512x1024x3584_${TAG}.txt" | head -60 ;;
     gdnncu)  # Nsight Compute on the GDN decode kernel: where its ~10 us go
       for f in fused_bv128_w4 fused_bv16_w4; do
         timeout 150 ncu --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \
