@@ -244,3 +244,22 @@ def test_cuda_ops_route_router_and_shared_gate_to_the_kernels(monkeypatch):
     ops.router_topk(torch.randn(2, 64, device=DEVICE, dtype=torch.bfloat16), 4)
     ops.shared_gate_add(x, x, x[:1], x)
     assert calls == ["router", "gate"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("t", [1, 512])
+def test_gpu_router_and_shared_gate_at_qwen35_35b_shapes(t):
+    """Qwen3.5-35B-A3B: 256 experts, top 8, hidden 2048; distinct router logits (see above)."""
+    g = torch.Generator().manual_seed(t)
+    grid = torch.stack([torch.randperm(256, generator=g) for _ in range(t)]).float() - 128
+    logits = (grid / 16).to(device=DEVICE, dtype=torch.bfloat16)
+    want_w, want_i = REF.router_topk(logits, 8)
+    got_w, got_i = M.router_topk(logits, 8)
+    assert torch.equal(got_i, want_i)
+    assert (got_w.float() - want_w.float()).abs().max() <= 2.0 ** -7 * want_w.float().abs().max()
+    rnd = lambda *s: torch.randn(*s, generator=g).to(device=DEVICE, dtype=torch.bfloat16)  # noqa: E731
+    routed, x, shared, gate_w = rnd(t, 2048), rnd(t, 2048), rnd(t, 2048), rnd(1, 2048) * 2048 ** -0.5
+    want = REF.shared_gate_add(routed, x, gate_w, shared).float()
+    got = M.shared_gate_add(routed, x, gate_w, shared).float()
+    assert (got - want).abs().max() <= 2.0 ** -7 * want.abs().max()
