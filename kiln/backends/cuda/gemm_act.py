@@ -49,20 +49,31 @@ def gemm_act_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, 
     xs = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * K + rk[None, :]
     wg = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[None, :] * K + rk[:, None]
     wu = wg + N * K
-    if EVEN:
-        bg0 = tl.load(wg)
-        bu0 = tl.load(wu)
+    # Row tiles of 64 and up run on wgmma only when every dot sits in the loop: a first K step peeled
+    # off before pdl_wait (its weight loads overlapping the kernel before) made Triton 3.6 fall back
+    # to mma.sync for the whole kernel. Narrow tiles (decode rows) are mma.sync anyway: they peel.
+    PEEL: tl.constexpr = BM < 64
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    start = 0
+    if PEEL:
+        if EVEN:
+            bg0 = tl.load(wg)
+            bu0 = tl.load(wu)
+        else:
+            bg0 = tl.load(wg, mask=(rk < K)[:, None], other=0.0)
+            bu0 = tl.load(wu, mask=(rk < K)[:, None], other=0.0)
+        pdl_wait(PDL)
+        a = G.masked_k(xs, rk, K, EVEN, True)
+        acc_g = G.mma(acc_g, a, bg0, UPCAST, IEEE)
+        acc_u = G.mma(acc_u, a, bu0, UPCAST, IEEE)
+        xs += BK
+        wg += BK
+        wu += BK
+        start = BK
     else:
-        bg0 = tl.load(wg, mask=(rk < K)[:, None], other=0.0)
-        bu0 = tl.load(wu, mask=(rk < K)[:, None], other=0.0)
-    pdl_wait(PDL)
-    a = G.masked_k(xs, rk, K, EVEN, True)
-    acc_g = G.mma(tl.zeros((BM, BN), dtype=tl.float32), a, bg0, UPCAST, IEEE)
-    acc_u = G.mma(tl.zeros((BM, BN), dtype=tl.float32), a, bu0, UPCAST, IEEE)
-    xs += BK
-    wg += BK
-    wu += BK
-    for k in range(BK, SPAN, BK):
+        pdl_wait(PDL)
+    for k in range(start, SPAN, BK):
         if EVEN:
             a = tl.load(xs)
             bg = tl.load(wg)
