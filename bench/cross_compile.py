@@ -88,7 +88,10 @@ def untuned_kernels(config: dict, dtype) -> list:
         e, k = config["num_experts"], config["num_experts_per_tok"]
         x = torch.empty(1, h, dtype=dtype)
         out += [("router", lambda: moe.router_topk(torch.empty(1, e, dtype=dtype), k)),
-                ("shared_gate", lambda: moe.shared_gate_add(x, x, torch.empty(1, h, dtype=dtype), x))]
+                ("shared_gate", lambda: moe.shared_gate_add(x, x, torch.empty(1, h, dtype=dtype), x)),
+                ("gated_combine", lambda: moe.combine(torch.empty(k, h, dtype=dtype), torch.zeros(1, k, dtype=torch.long),
+                                                      torch.empty(1, h, dtype=dtype), x,
+                                                      (torch.empty(1, h, dtype=dtype), x)))]
     return out
 
 

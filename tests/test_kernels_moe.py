@@ -263,3 +263,33 @@ def test_gpu_router_and_shared_gate_at_qwen35_35b_shapes(t):
     want = REF.shared_gate_add(routed, x, gate_w, shared).float()
     got = M.shared_gate_add(routed, x, gate_w, shared).float()
     assert (got - want).abs().max() <= 2.0 ** -7 * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,k,h,i,act", CASES[:3])
+def test_moe_experts_gated_equals_reference(t, k, h, i, act, dtype):
+    """The combine with the shared expert's sigmoid gate added (one launch instead of two) against
+    ReferenceOps.moe_experts_gated, for the gemv and a grouped form; the gate's dot is summed in another
+    order than the reference's linear, so one ulp of the output is allowed, as for gate_add."""
+    d = inputs(t, k, h, i, act, dtype)
+    g = torch.Generator().manual_seed(t * h)
+    shared = torch.randn(t, h, generator=g).to(device=DEVICE, dtype=dtype)
+    gate_w = (torch.randn(1, h, generator=g) * h ** -0.5).to(device=DEVICE, dtype=dtype)
+    args = (d["x"], d["idx"], d["weights"], d["gate_up"], d["down"], act)
+    want = REF.moe_experts_gated(*args, gate_w, shared).float()
+    for form in (M.gemv_variant(64, 64, 4), M.grouped_variant(32, 32, 64, 4, 1)):
+        got = M.moe_experts(*args, v=form, gate=(gate_w, shared)).float()
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
+        assert (got - want).abs().max() <= ulp * want.abs().max(), form.name
+
+
+def test_cuda_ops_fuse_the_shared_gate_into_the_combine(monkeypatch):
+    from kiln.backends.cuda import CudaOps
+
+    ops, seen = CudaOps(DEVICE), []
+    real = M.moe_experts
+    monkeypatch.setattr(M, "moe_experts", lambda *a, **kw: seen.append(kw.get("gate") is not None) or real(*a, **kw))
+    d = inputs(2, 2, 64, 32, "silu", torch.bfloat16)
+    x = d["x"]
+    ops.moe_experts_gated(x, d["idx"], d["weights"], d["gate_up"], d["down"], "silu", x[:1], x)
+    assert seen == [True]

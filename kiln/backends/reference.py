@@ -146,6 +146,10 @@ class ReferenceOps:
         """Qwen's shared expert, scaled by a sigmoid gate [1, H] and added to the routed experts."""
         return routed + self.linear(x, gate_w).sigmoid() * shared
 
+    def moe_experts_gated(self, x, idx, weights, gate_up, down, act: str, gate_w, shared) -> torch.Tensor:
+        """The routed experts plus the sigmoid-gated shared expert (Qwen's sparse MoE block output)."""
+        return self.shared_gate_add(self.moe_experts(x, idx, weights, gate_up, down, act), x, gate_w, shared)
+
     def router_topk(self, logits: torch.Tensor, k: int, renormalize: bool = True):
         """Softmax in f32, top-k, optional renormalisation in f32, weights cast back to the logits dtype."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)

@@ -39,6 +39,5 @@ class Qwen35Moe(Qwen35):
         shared = ops.gated_mlp(x, w[p + "shared_expert.gate_proj.weight"], w[p + "shared_expert.up_proj.weight"],
                                w[p + "shared_expert.down_proj.weight"], c.hidden_act)
         weights, idx = ops.router_topk(ops.linear(x, w[p + "gate.weight"]), c.num_experts_per_tok, c.norm_topk_prob)
-        routed = ops.moe_experts(x, idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
-                                 c.hidden_act)
-        return ops.shared_gate_add(routed, x, w[p + "shared_expert_gate.weight"], shared)
+        return ops.moe_experts_gated(x, idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
+                                     c.hidden_act, w[p + "shared_expert_gate.weight"], shared)

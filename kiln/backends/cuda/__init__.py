@@ -284,6 +284,15 @@ class CudaOps(ReferenceOps):
             return MOE.shared_gate_add(routed, x, gate_w, shared)
         return super().shared_gate_add(routed, x, gate_w, shared)
 
+    def moe_experts_gated(self, x, idx, weights, gate_up, down, act, gate_w, shared):
+        """The routed experts' combine also adds sigmoid(x . gate_w) * shared (one launch fewer)."""
+        if (MOE is not None and self._runs_here(x) and MOE.supports(x, gate_up, down, act) and gate_w.shape[0] == 1
+                and gate_w.dtype == shared.dtype == x.dtype and shared.shape == x.shape and x.dim() == 2):
+            shape = MOE.MoeShape(x.shape[0], gate_up.shape[0], idx.shape[1], x.shape[1], down.shape[2], act)
+            return MOE.moe_experts(x, idx, weights, gate_up, down, act, v=self._choose(MOE.OP, shape),
+                                   gate=(gate_w, shared))
+        return super().moe_experts_gated(x, idx, weights, gate_up, down, act, gate_w, shared)
+
     def moe_experts(self, x, idx, weights, gate_up, down, act):
         if MOE is not None and self._runs_here(x) and MOE.supports(x, gate_up, down, act):
             shape = MOE.MoeShape(x.shape[0], gate_up.shape[0], idx.shape[1], x.shape[1], down.shape[2], act)

@@ -203,10 +203,12 @@ def gemv_down_kernel(h_ptr, w_ptr, idx_ptr, rw_ptr, y_ptr, P, H: tl.constexpr, I
 # -- combine -----------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["T"])
-def combine_kernel(y_ptr, idx_ptr, out_ptr, T, KTOP: tl.constexpr, KP: tl.constexpr, H: tl.constexpr,
-                   BH: tl.constexpr, RNE: tl.constexpr):
+def combine_kernel(y_ptr, idx_ptr, out_ptr, x_ptr, g_ptr, s_ptr, T, KTOP: tl.constexpr, KP: tl.constexpr,
+                   H: tl.constexpr, BH: tl.constexpr, RNE: tl.constexpr, GATE: tl.constexpr = False,
+                   HP: tl.constexpr = 16):
     """out[t] = the token's k contributions y[t * k + slot], added in ascending expert id with a
-    rounding to out's dtype after each add. NOTE: assumes a token's k expert ids are distinct."""
+    rounding to out's dtype after each add; with GATE then + sigmoid(x[t] . g) * shared[t], rounded as
+    gate_add_kernel. NOTE: assumes a token's k expert ids are distinct."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     slots = tl.arange(0, KP)
@@ -219,6 +221,8 @@ def combine_kernel(y_ptr, idx_ptr, out_ptr, T, KTOP: tl.constexpr, KP: tl.conste
         slot = tl.sum(tl.where(rank == j, slots, 0), axis=0)
         y = tl.load(y_ptr + (t * KTOP + slot) * H + cols, mask=cols < H, other=0.0).to(tl.float32)
         acc = round_to(acc + y, dtype, RNE).to(tl.float32)
+    if GATE:
+        acc = round_to(acc + gate_term(x_ptr, g_ptr, s_ptr, t, cols, H, HP, dtype, RNE), dtype, RNE).to(tl.float32)
     tl.store(out_ptr + t * H + cols, acc.to(dtype), mask=cols < H)
 
 
@@ -252,22 +256,31 @@ def router_kernel(l_ptr, w_ptr, i_ptr, E: tl.constexpr, EP: tl.constexpr, KTOP: 
 
 
 @triton.jit
-def gate_add_kernel(r_ptr, x_ptr, g_ptr, s_ptr, out_ptr, H: tl.constexpr, HP: tl.constexpr, BH: tl.constexpr,
-                    RNE: tl.constexpr, PDL: tl.constexpr = False):
-    """out = routed + sigmoid(x . g) * shared, rounded where the reference's linear, sigmoid, product
-    and sum each round to the activation dtype. Every program recomputes the H-long dot (a few KB)."""
-    t = tl.program_id(0).to(tl.int64)
-    dtype = out_ptr.dtype.element_ty
+def gate_term(x_ptr, g_ptr, s_ptr, t, cols, H: tl.constexpr, HP: tl.constexpr, dtype: tl.constexpr,
+              RNE: tl.constexpr):
+    """round(sigmoid(x[t] . g) * shared[t, cols]) in f32, the logit and the sigmoid each rounded to the
+    activation dtype as the reference's linear and sigmoid round. Every caller recomputes the H-long
+    dot (a few KB)."""
     k = tl.arange(0, HP)
     g = tl.load(g_ptr + k, mask=k < H, other=0.0).to(tl.float32)
-    pdl_wait(PDL)
     xv = tl.load(x_ptr + t * H + k, mask=k < H, other=0.0).to(tl.float32)
     logit = round_to(tl.sum(xv * g, axis=0), dtype, RNE).to(tl.float32)
     sig = round_to(1.0 / (1.0 + tl.exp(-logit)), dtype, RNE).to(tl.float32)
-    cols = tl.program_id(1) * BH + tl.arange(0, BH)
     sh = tl.load(s_ptr + t * H + cols, mask=cols < H, other=0.0).to(tl.float32)
+    return round_to(sig * sh, dtype, RNE).to(tl.float32)
+
+
+@triton.jit
+def gate_add_kernel(r_ptr, x_ptr, g_ptr, s_ptr, out_ptr, H: tl.constexpr, HP: tl.constexpr, BH: tl.constexpr,
+                    RNE: tl.constexpr, PDL: tl.constexpr = False):
+    """out = routed + sigmoid(x . g) * shared, rounded where the reference's linear, sigmoid, product
+    and sum each round to the activation dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    dtype = out_ptr.dtype.element_ty
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    pdl_wait(PDL)
+    prod = gate_term(x_ptr, g_ptr, s_ptr, t, cols, H, HP, dtype, RNE)
     r = tl.load(r_ptr + t * H + cols, mask=cols < H, other=0.0).to(tl.float32)
-    prod = round_to(sig * sh, dtype, RNE).to(tl.float32)
     tl.store(out_ptr + t * H + cols, round_to(r + prod, dtype, RNE), mask=cols < H)
 
 
@@ -336,18 +349,25 @@ def run_gemv(x, idx, rw, gate_up, down, act, p: dict, y: torch.Tensor) -> None:
                                                  RNE=rne, **opts)
 
 
-def combine(y: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
+def combine(y: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, x: torch.Tensor | None = None,
+            gate: tuple | None = None) -> None:
+    """out = the experts' rows added per token; with gate = (gate_w [1, H], shared [T, H]) also
+    + sigmoid(x . gate_w) * shared."""
     (t, hd), k = out.shape, idx.shape[1]
     bh = min(COMBINE_BH, next_pow2(hd))
-    combine_kernel[(t, cdiv(hd, bh))](y, idx, out, t, KTOP=k, KP=next_pow2(k), H=hd, BH=bh, RNE=rne_flag(out.dtype),
-                                      num_warps=4)
+    g, s = (gate[0].contiguous(), gate[1].contiguous()) if gate is not None else (out, out)
+    combine_kernel[(t, cdiv(hd, bh))](y, idx, out, x if gate is not None else out, g, s, t, KTOP=k, KP=next_pow2(k),
+                                      H=hd, BH=bh, RNE=rne_flag(out.dtype), GATE=gate is not None,
+                                      HP=next_pow2(hd) if gate is not None else 16, num_warps=4)
 
 
 def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, act: str, v: Variant | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                down: torch.Tensor, act: str, v: Variant | None = None, out: torch.Tensor | None = None,
+                gate: tuple | None = None) -> torch.Tensor:
     """ReferenceOps.moe_experts with variant `v` (None: the op's default). x [T, H]; idx [T, k]
     (distinct expert ids per token); weights [T, k] (x's dtype or f32); gate_up [E, 2I, H] (gate
-    rows first); down [E, H, I]. Returns (or fills `out`) [T, H] in x's dtype."""
+    rows first); down [E, H, I]. Returns (or fills `out`) [T, H] in x's dtype. gate = (gate_w [1, H],
+    shared [T, H]): the combine adds sigmoid(x . gate_w) * shared too (ReferenceOps.moe_experts_gated)."""
     t, k = idx.shape
     out = torch.empty_like(x) if out is None else out
     if t == 0:
@@ -357,7 +377,7 @@ def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_
     x, idx, weights = x.contiguous(), idx.contiguous(), weights.contiguous()
     y = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)     # [T*k, H], pair order
     (run_gemv if v.p.get("gemv") else run_grouped)(x, idx, weights, gate_up, down, act, v.p, y)
-    combine(y, idx, out)
+    combine(y, idx, out, x, gate)
     return out
 
 
@@ -449,7 +469,7 @@ class MoeOp(Op):
         a = torch.empty(64, dtype=dtype, device=device)
         i64 = torch.empty(64, dtype=torch.int64, device=device)
         p, k, grid = v.p, s.k, (1,)
-        kernels = [combine_kernel.warmup(a, i64, a, 1, KTOP=k, KP=next_pow2(k), H=s.h, BH=min(COMBINE_BH, next_pow2(s.h)),
+        kernels = [combine_kernel.warmup(a, i64, a, a, a, a, 1, KTOP=k, KP=next_pow2(k), H=s.h, BH=min(COMBINE_BH, next_pow2(s.h)),
                                          RNE=False, num_warps=4, grid=grid)]
         if p.get("gemv"):
             opts = dict(BN=p["bn"], BK=p["bk"], RNE=False, num_warps=p["w"], num_stages=1, grid=grid)
@@ -463,7 +483,7 @@ class MoeOp(Op):
         return kernels
 
     def kernel_sources(self, v: Variant) -> list:
-        shared = [combine_kernel, glu, activate, weighted, round_to]
+        shared = [combine_kernel, gate_term, glu, activate, weighted, round_to]
         if v.p.get("gemv"):
             return [gemv_gate_up_kernel, gemv_down_kernel] + shared
         return [grouped_gate_up_kernel, grouped_down_kernel, expert_block, G.mma] + shared
