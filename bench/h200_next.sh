@@ -8,10 +8,11 @@
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 # Next session's order (bench/NOTES.md, newest first, says why): GEMM_ARGS=--no-load-stage gemm (the wide
-# split-K tiles for issue 4's 512x1024xK minimum; its .log holds every candidate), dec35 + bench35 (the BN 8
-# MoE gemv forms; bench35 runs transformers after kiln), then compare08 once the team has settled the
-# near-tie criterion (docs/synth.md). Before a run: bench/cross_compile.py with Triton 3.6 (docs/compiler.md)
-# on what changed.
+# split-K tiles and gemm_act on wgmma; its .log holds every candidate) and gemmncu (issue 4's 512x1024x3584
+# under Nsight Compute), then dec35 + bench35 (the BN 8 MoE gemv forms, the gate inside the combine, the
+# GDN `_last` forms; bench35 runs transformers after kiln), bench9, gputests; compare08 once the team has
+# settled the near-tie criterion (docs/synth.md). Before a run: bench/cross_compile.py with Triton 3.6
+# (docs/compiler.md) on what changed.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KILN_CACHE_DIR=$PWD/.kiln-cache KILN_DEBUG=1
 TAG=${KILN_COMMIT:-run}   # in every result name: copying results home must never overwrite an older one
