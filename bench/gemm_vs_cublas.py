@@ -60,7 +60,8 @@ def projections(model: str) -> dict[tuple[int, int], list[str]]:
     return out
 
 
-def grid(log, budget: float, device: str = "cuda", models=MODELS, ms=MS, dtype=None) -> tuple[list[dict], object]:
+def grid(log, budget: float, device: str = "cuda", models=MODELS, ms=MS, dtype=None,
+         only: set | None = None) -> tuple[list[dict], object]:
     import torch
 
     from kiln.backends.cuda import gemm as G
@@ -73,6 +74,8 @@ def grid(log, budget: float, device: str = "cuda", models=MODELS, ms=MS, dtype=N
         for (n, k), projs in projections(model).items():
             names.setdefault((n, k), set()).update(f"{model}:{p}" for p in projs)
     for (n, k) in names:
+        if only and (n, k) not in only:
+            continue
         work += [Workload(G.OP, G.GemmShape(m, n, k)) for m in ms]
     dev, dtype = torch.device(device), dtype or torch.bfloat16
     tuner = Tuner(dev, dtype, cache=TuneCache(Path(tempfile.mkdtemp()) / "tune"), budget_s=budget,
@@ -111,6 +114,9 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--no-load-stage", action="store_true",
                     help="skip the full and warm 0.8b tunes (kiln bench reports the load's tune stage too)")
+    ap.add_argument("--only", default=None, help="NxK[,NxK...]: only these projection shapes (a sweep, not the issue's grid)")
+    ap.add_argument("--ms", default=None, help="row counts, comma-separated (default 512,2048,8192)")
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold tune of the 0.8b GEMMs")
     ap.add_argument("--caches", default=None, help="folder for the Triton and kiln caches (default: a new temp dir)")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -120,7 +126,9 @@ def main() -> int:
     os.environ["TRITON_CACHE_DIR"] = env["TRITON_CACHE_DIR"]     # the grid reuses the kernels compiled below
     log = open(a.log or os.devnull, "w")
     t0 = time.perf_counter()
-    cold = kiln_tune(["synth:qwen3.5-0.8b", "--ops", "gemm"], env, log)           # empty caches
+    ms = tuple(int(m) for m in a.ms.split(",")) if a.ms else MS
+    only = {tuple(int(d) for d in nk.split("x")) for nk in a.only.split(",")} if a.only else None
+    cold = {} if a.no_cold else kiln_tune(["synth:qwen3.5-0.8b", "--ops", "gemm"], env, log)   # empty caches
     print(f"cold tune of qwen3.5-0.8b GEMMs: {cold}", flush=True)
     full = warm = None
     if not a.no_load_stage:
@@ -133,7 +141,7 @@ def main() -> int:
 
     from kiln.benchutil import _nvidia_driver
 
-    rows, report = grid(log, a.budget)
+    rows, report = grid(log, a.budget, ms=ms, only=only)
     log.close()
     ratios = [r["ratio"] for r in rows]
     result = {
@@ -144,7 +152,7 @@ def main() -> int:
         "cold_tune_08b_gemms": cold, "full_tune_08b": full, "warm_load_stage_08b": warm,
         "grid_tune": {"kernels": report.compiled, "compile_s": round(report.compile_s, 1), "tune_s": round(report.tune_s, 1)},
         "median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
-        "median_ratio_by_m": {m: statistics.median(r["ratio"] for r in rows if r["m"] == m) for m in MS},
+        "median_ratio_by_m": {m: statistics.median(r["ratio"] for r in rows if r["m"] == m) for m in ms},
         "rows": rows, "wall_s": round(time.perf_counter() - t0, 1),
     }
     Path(a.out).write_text(json.dumps(result, indent=1))
