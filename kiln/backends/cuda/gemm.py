@@ -443,6 +443,9 @@ TRUSTED = tile_variant(128, 128, 32, 4, 1)   # plain tiles, no split, no pipelin
 GPU_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
              (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
              (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (128, 32, 64, 4, 4), (64, 32, 128, 4, 4),
+             # one 64 x 64 tile per SM over a long K needs a deep pipeline (as cuBLAS: 13 stages at
+             # 512 x 1024 x 3584): 10.7 us against 15.3 for the best split-K (bench/NOTES.md)
+             (64, 64, 128, 4, 5), (64, 64, 128, 4, 6), (64, 64, 64, 4, 8), (64, 64, 64, 4, 10),
              (128, 16, 128, 4, 4), (64, 16, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
              (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 32, 256, 4, 3), (16, 256, 64, 4, 3),
              (32, 16, 256, 4, 3), (32, 32, 128, 4, 4), (16, 16, 256, 4, 3)]
@@ -453,18 +456,8 @@ SPLIT_TILES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (
 # operand is re-read from L2 N/BN or M/BM times, so wider tiles move ~25% fewer bytes than 128 x 128
 # (issue 4's slowest shapes; not yet measured on a GPU).
 WIDE_SPLIT_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3)]
-# Deeper pipelines for one tile per SM over a long K (512 x 1024 x 3584: cuBLAS runs 128 tiles of
-# 64 x 64 over the whole K, 13 stages deep, 13.6 us under ncu against kiln's 19.5): offered only on
-# request (KILN_TRY_UNMEASURED=1) until measured.
-DEEP_TILES = [(64, 64, 64, 4, 6), (64, 64, 64, 4, 8), (64, 64, 64, 4, 10), (64, 64, 128, 4, 4), (64, 64, 128, 4, 5),
-              (64, 64, 128, 4, 6), (64, 32, 128, 4, 6), (64, 32, 128, 4, 8)]
-DEEP_SPLITS = [((128, 64, 64, 4, 6), 2), ((128, 64, 64, 4, 8), 2), ((64, 128, 64, 4, 6), 2), ((64, 64, 64, 4, 6), 2),
-               ((64, 64, 64, 4, 8), 2), ((64, 64, 128, 4, 4), 2), ((128, 128, 64, 8, 5), 4), ((128, 128, 64, 8, 6), 4)]
-DEEP_TMA = [(64, 64, 64, 4, 4), (64, 64, 64, 4, 6), (64, 64, 64, 4, 8), (64, 64, 64, 4, 10), (64, 64, 128, 4, 4),
-            (64, 64, 128, 4, 5)]
-DEEP_TMA_SPLITS = [((128, 64, 64, 4, 6), 2), ((64, 64, 64, 4, 8), 2), ((64, 128, 64, 4, 6), 2)]
 TMA_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5),
-             (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4)]
+             (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 128, 4, 5)]
 TMA_SPLIT_TILES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
 GEMV_FORMS = [(bn, bk, sk, 4) for bn in (8, 16, 32) for bk in (256, 512) for sk in (1, 2, 4, 8)]
 GEMV_FORMS += [(64, 128, 1, 8), (128, 64, 1, 8), (64, 256, 1, 8)]   # wide blocks: the LM head's 248k columns
@@ -525,10 +518,6 @@ class GemmOp(Op):
                 forms += [tile_variant(*t, tma=True, persistent=pers) for pers in (False, True) for t in TMA_TILES]
                 if try_unmeasured():      # not yet run on a GPU: offered only on request
                     forms += [tile_variant(*t, sk=k, tma=True) for t in TMA_SPLIT_TILES for k in (2, 4)]
-                    forms += [tile_variant(*t, tma=True) for t in DEEP_TMA]
-                    forms += [tile_variant(*t, sk=k, tma=True) for t, k in DEEP_TMA_SPLITS]
-            if try_unmeasured():
-                forms += [tile_variant(*t) for t in DEEP_TILES] + [tile_variant(*t, sk=k) for t, k in DEEP_SPLITS]
             if s.rows == 1:
                 forms += [gemv_variant(*g, whole=whole) for g in GEMV_FORMS for whole in (False, True)]
         return forms
