@@ -4,7 +4,7 @@
 # Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
 # With KILN_TRY_UNMEASURED=1 the tune steps also offer the catalogue-only forms (docs/compiler.md), and
 # safetune retunes; a variant that faults is named (KILN_TUNE_SKIP=...) and skipped on the next try.
-#   steps: gemmncu dec35 bench35solo bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
+#   steps: compare35 gemmncu dec35 bench35solo bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 # Next session's order (bench/NOTES.md, newest first, says why): GEMM_ARGS=--no-load-stage gemm (the wide
@@ -48,6 +48,8 @@ for step in "$@"; do
         --json "$OUT/h200_bench_qwen3.5-9b_long_cuda_${TAG}.json" 2>&1 | quiet | tail -8 ;;
     compare08) timeout 300 python3 -m kiln.cli compare synth:qwen3.5-0.8b --dtype bf16 --random-prompt 512 \
         --random-prompt 600 --random-prompt 8192 --tokens 48 --json "$OUT/h200_compare_qwen3.5-0.8b_cuda_${TAG}.json" 2>&1 | quiet | tail -10 ;;
+    compare35) timeout 400 python3 -m kiln.cli compare synth:qwen3.5-35b-a3b --dtype bf16 --random-prompt 512 --tokens 16 \
+        --json "$OUT/h200_compare_qwen3.5-35b-a3b_cuda_${TAG}.json" 2>&1 | quiet | tail -14 ;;
     profile08) timeout 240 python3 -m kiln.cli profile synth:qwen3.5-0.8b --dtype bf16 --prompt-length 4096 \
         --repeats 2 --json "$OUT/h200_profile_qwen3.5-0.8b_cuda_${TAG}.json" 2>&1 | quiet | tail -16 ;;
     gdn) timeout 200 python3 bench/gdn_gpu.py "$OUT/h200_gdn_ops_${TAG}.json" 2>&1 | tail -20 ;;
