@@ -4,15 +4,17 @@
 # Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
 # With KILN_TRY_UNMEASURED=1 the tune steps also offer the catalogue-only forms (docs/compiler.md), and
 # safetune retunes; a variant that faults is named (KILN_TUNE_SKIP=...) and skipped on the next try.
-#   steps: compare35 gemmncu dec35 bench35solo bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
+#   steps: stage bundled compare08f16 compareg4 benchg4 compare35 gemmncu dec35 bench35solo bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
-# Next session's order (bench/NOTES.md, newest first, says why): GEMM_ARGS=--no-load-stage gemm (the wide
-# split-K tiles and gemm_act on wgmma; its .log holds every candidate) and gemmncu (issue 4's 512x1024x3584
-# under Nsight Compute), then dec35 + bench35 (the BN 8 MoE gemv forms, the gate inside the combine, the
-# GDN `_last` forms; bench35 runs transformers after kiln), bench9, gputests; compare08 once the team has
-# settled the near-tie criterion (docs/synth.md). Before a run: bench/cross_compile.py with Triton 3.6
-# (docs/compiler.md) on what changed.
+# Next session's order (bench/NOTES.md, newest first, says why): the bundled models' compares on the cuda
+# backend (issue 6): `bash bench/stage_models.sh prepare` once here, then for each of its 7 chunks
+# `bash bench/stage_models.sh next` and a call `h200_next.sh stage` carrying .stage (each call right after
+# the last: /tmp there lives only while the machine stays warm), the last one with `stage bundled`; then
+# compareg4 + benchg4 (Gemma 4 26B-A4B has never run on the GPU; its kernels cross-compile for sm_90),
+# compare08f16 (issue 7's f16), bench9 (the deep GEMM forms at prefill). The tokens criterion on
+# random-weight models waits on the team (docs/synth.md: transformers' own bf16 is as far from its f32).
+# Before a run: bench/cross_compile.py with Triton 3.6 (docs/compiler.md) on what changed.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KILN_CACHE_DIR=$PWD/.kiln-cache KILN_DEBUG=1
 TAG=${KILN_COMMIT:-run}   # in every result name: copying results home must never overwrite an older one
@@ -50,6 +52,25 @@ for step in "$@"; do
         --random-prompt 600 --random-prompt 8192 --tokens 48 --json "$OUT/h200_compare_qwen3.5-0.8b_cuda_${TAG}.json" 2>&1 | quiet | tail -10 ;;
     compare35) timeout 400 python3 -m kiln.cli compare synth:qwen3.5-35b-a3b --dtype bf16 --random-prompt 512 --tokens 16 \
         --json "$OUT/h200_compare_qwen3.5-35b-a3b_cuda_${TAG}.json" 2>&1 | quiet | tail -14 ;;
+    compare08f16) timeout 300 python3 -m kiln.cli compare synth:qwen3.5-0.8b --dtype f16 --random-prompt 512 \
+        --random-prompt 600 --random-prompt 8192 --tokens 48 --json "$OUT/h200_compare_qwen3.5-0.8b_f16_cuda_${TAG}.json" 2>&1 | quiet | tail -10 ;;
+    compareg4) timeout 400 python3 -m kiln.cli compare synth:gemma4-26b-a4b --dtype bf16 --random-prompt 512 --tokens 16 \
+        --json "$OUT/h200_compare_gemma4-26b-a4b_cuda_${TAG}.json" 2>&1 | quiet | tail -14 ;;
+    benchg4) bench synth:gemma4-26b-a4b 512,8192 32 450 ;;
+    stage)  # one chunk of the bundled GGUF models (bench/stage_models.sh next, carry .stage): kept in /tmp
+      mkdir -p /tmp/kiln-models && cp .stage/SIZES /tmp/kiln-models/ && for p in .stage/*.part*; do
+        cp "$p" /tmp/kiln-models/ && echo "staged $(basename "$p")"; done ;;
+    bundled)  # the bundled models' compares on the cuda backend (issue 6), once every chunk is staged
+      mkdir -p "$KILN_CACHE_DIR/models"
+      while read -r name file size; do
+        mkdir -p "$KILN_CACHE_DIR/models/$name"; f="$KILN_CACHE_DIR/models/$name/$file"
+        cat /tmp/kiln-models/${name}__${file}.part* > "$f"
+        [ "$(stat -c %s "$f")" = "$size" ] || { echo "$name: $(stat -c %s "$f") of $size bytes staged"; rm -f "$f"; }
+      done < /tmp/kiln-models/SIZES
+      for m in smollm2-135m:8100 gemma3-270m:8192; do   # SmolLM2's context is 8192: its long prompt leaves room for 48
+        timeout 200 python3 -m kiln.cli compare ${m%:*} --dtype bf16 --random-prompt 512 --random-prompt 600 \
+          --random-prompt ${m#*:} --tokens 48 --json "$OUT/h200_compare_${m%:*}_cuda_${TAG}.json" 2>&1 | quiet | tail -8
+      done ;;
     profile08) timeout 240 python3 -m kiln.cli profile synth:qwen3.5-0.8b --dtype bf16 --prompt-length 4096 \
         --repeats 2 --json "$OUT/h200_profile_qwen3.5-0.8b_cuda_${TAG}.json" 2>&1 | quiet | tail -16 ;;
     gdn) timeout 200 python3 bench/gdn_gpu.py "$OUT/h200_gdn_ops_${TAG}.json" 2>&1 | tail -20 ;;
