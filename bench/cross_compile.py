@@ -95,6 +95,19 @@ def untuned_kernels(config: dict, dtype) -> list:
     return out
 
 
+def attention_workloads(specs: list[str], m_values) -> list:
+    """Prefill (each m > 1) and decode (a 4096-token context) attention workloads for H:KV:D[:WINDOW]."""
+    from kiln.backends.cuda import attention as A
+    from kiln.tune.tuner import Workload
+    out = []
+    for spec in specs:
+        h, kv, d, *w = (int(x) for x in spec.split(":"))
+        window = w[0] if w else None
+        out += [Workload(A.PREFILL_OP, A.PrefillShape(m, h, kv, d, window)) for m in m_values if m > 1]
+        out.append(Workload(A.DECODE_OP, A.DecodeShape(4096, h, kv, d, window)))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", help="a synth:NAME spec or a model folder with config.json")
@@ -103,6 +116,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "f16"))
     ap.add_argument("--ops", default=None, help="comma-separated ops (default: all the model runs)")
     ap.add_argument("--m", type=int, action="append", default=None, help="rows to compile for (default 512 and 1)")
+    ap.add_argument("--attention", action="append", default=[], metavar="H:KV:D[:WINDOW]",
+                    help="also the attention ops at this head shape (models whose attention is not a tuned op, "
+                         "e.g. Gemma 4's 16:2:512 global and 16:8:256:1024 sliding layers)")
     a = ap.parse_args()
 
     driver.set_active(CrossDriver(a.arch))
@@ -123,6 +139,7 @@ def main() -> int:
     ops = tuple(a.ops.split(",")) if a.ops else None
     m_values = tuple(a.m) if a.m else (PREFILL_CHUNK, DECODE_ROWS)
     workloads = config_workloads(config, m_values, ops) if ops else config_workloads(config, m_values)
+    workloads += attention_workloads(a.attention, m_values)
     from kiln.backends.cuda import common
     dev = common.device_info()
     gen = torch.Generator().manual_seed(0)

@@ -452,10 +452,6 @@ GPU_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (
 SPLIT_TILES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
                (64, 32, 128, 4, 4), (64, 16, 128, 4, 4), (32, 16, 256, 4, 3), (16, 64, 128, 4, 4),
                (16, 128, 128, 4, 3), (16, 16, 256, 4, 3)]
-# Wide tiles split 2 or 4 ways, for few tiles over a long K (512 x 1024 x 3584: 16 tiles): each
-# operand is re-read from L2 N/BN or M/BM times, so wider tiles move ~25% fewer bytes than 128 x 128
-# (issue 4's slowest shapes; not yet measured on a GPU).
-WIDE_SPLIT_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3)]
 TMA_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5),
              (128, 128, 64, 4, 4), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 128, 4, 5)]
 TMA_SPLIT_TILES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
@@ -513,7 +509,6 @@ class GemmOp(Op):
             forms = [TRUSTED] + [tile_variant(*t) for t in GPU_TILES]
             forms += [tile_variant(*t, sk=k, sum_kernel=sum_kernel) for t in SPLIT_TILES for k in (2, 4, 8)
                       for sum_kernel in (False, True)]
-            forms += [tile_variant(*t, sk=k) for t in WIDE_SPLIT_TILES for k in (2, 4)]
             if dev.tma and s.n % 8 == 0 and s.k % 8 == 0:
                 forms += [tile_variant(*t, tma=True, persistent=pers) for pers in (False, True) for t in TMA_TILES]
                 if try_unmeasured():      # not yet run on a GPU: offered only on request
