@@ -127,10 +127,11 @@ for step in "$@"; do
     gdnprof) GDN_DIAG_STEPS=profile GDN_DIAG_FORMS=split_h16w4_o128w8_pw4_bf16,split_h16w4_o128w8_pw4_bf16_inv-tf32x3,fla \
         timeout 200 python3 bench/gdn_diag.py "$OUT/h200_gdn_kernels_${TAG}.json" 2>&1 | cut -c1-900 | tail -8 ;;
     gdndiag) timeout ${GDN_DIAG_TIMEOUT:-560} python3 bench/gdn_diag.py "$OUT/h200_gdn_forms_${TAG}.json" 2>&1 | cut -c1-700 | tail -30 ;;
-    gputests)  # one process a file: an illegal memory access poisons the CUDA context for the rest
+    gputests)  # one process a file: an illegal memory access poisons the CUDA context for the rest;
+      # up to GPU_TEST_TIMEOUT (100) s a file: the call's own limit must cover them all, or nothing comes back
       for f in ${GPU_TEST_FILES:-tests/test_cuda_backend.py tests/test_kernels_gdn.py tests/test_kernels_attention.py \
           tests/test_kernels_moe.py tests/test_kernels_rope.py tests/test_kernels.py}; do
-        timeout 100 python3 -m pytest -q -m gpu -rf --tb=line -p no:cacheprovider "$f" 2>&1 | grep -v "^\s*$" | tail -6
+        timeout ${GPU_TEST_TIMEOUT:-100} python3 -m pytest -q -m gpu -rf --tb=line -p no:cacheprovider "$f" 2>&1 | grep -v "^\s*$" | tail -6
       done ;;
     *) echo "unknown step $step" ;;
   esac
