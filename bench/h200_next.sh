@@ -70,6 +70,8 @@ for step in "$@"; do
       for m in smollm2-135m:8100 gemma3-270m:8192; do   # SmolLM2's context is 8192: its long prompt leaves room for 48
         timeout 200 python3 -m kiln.cli compare ${m%:*} --dtype bf16 --random-prompt 512 --random-prompt 600 \
           --random-prompt ${m#*:} --tokens 48 --json "$OUT/h200_compare_${m%:*}_cuda_${TAG}.json" 2>&1 | quiet | tail -8
+        timeout 120 python3 bench/precision_probe.py ${m%:*} --tokens 512 --device cuda --backend cuda \
+          --json "$OUT/h200_precision_probe_${m%:*}_cuda_${TAG}.json" 2>&1 | grep -A3 "vs" | tail -12   # the reference's own bf16 spread
       done ;;
     profile08) timeout 240 python3 -m kiln.cli profile synth:qwen3.5-0.8b --dtype bf16 --prompt-length 4096 \
         --repeats 2 --json "$OUT/h200_profile_qwen3.5-0.8b_cuda_${TAG}.json" 2>&1 | quiet | tail -16 ;;
