@@ -214,6 +214,48 @@ def test_changed_versions_invalidate_the_cache(tmp_path, monkeypatch):
     assert not report.hit and any("torch" in line for line in lines if "stale" in line)
 
 
+def _measured(monkeypatch) -> list:
+    measured = []
+    real = Tuner.measure
+    monkeypatch.setattr(Tuner, "measure", lambda self, w, *a, **k: measured.append(w.label) or real(self, w, *a, **k))
+    return measured
+
+
+def test_a_shape_tuned_for_one_model_is_not_measured_again_for_another(tmp_path, monkeypatch):
+    """Another model (or context) that runs a shape already tuned under the same GPU, versions and
+    kernel sources takes that choice from the other file; only its new shapes are measured, and
+    its own file then holds everything (the next load is a plain hit)."""
+    other = Workload(G.OP, G.GemmShape(24, 48, 40))
+    plan1, first, _ = tune(tmp_path, [WORK])
+    measured = _measured(monkeypatch)
+    plan2, second, lines = tune(tmp_path, [WORK, other])
+    assert measured == [other.label] and not second.hit and second.path != first.path
+    assert any(line.startswith("[kiln] 1 choices from other models' tune caches") for line in lines)
+    assert plan2.choices[WORK.label] == plan1.choices[WORK.label]
+    measured.clear()
+    _, third, lines = tune(tmp_path, [other])          # a third model: everything borrowed, a hit
+    assert third.hit and measured == [] and third.path.exists()
+    assert SUMMARY.match(lines[-1])[4] == "hit"
+
+
+def test_choices_are_not_borrowed_across_versions_or_changed_sources(tmp_path, monkeypatch):
+    src = tmp_path / "kernel.py"
+    src.write_text("# version 1\n")
+    op = EditableGemm()
+    op.sources = (str(src),)
+    mine, other = Workload(op, SHAPE), Workload(op, G.GemmShape(24, 48, 40))
+    tune(tmp_path, [mine])
+    measured = _measured(monkeypatch)
+    src.write_text("# version 2\n")
+    tune(tmp_path, [mine, other])                      # the first file's gemm sources differ
+    assert sorted(measured) == sorted([mine.label, other.label])
+    measured.clear()
+    env = C.environment
+    monkeypatch.setattr(C, "environment", lambda dev: {**env(dev), "triton": "0.0.0-test"})
+    tune(tmp_path, [mine])                             # other versions: nothing to borrow
+    assert measured == [mine.label]
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "wrong_shape", "empty"])
 def test_corrupt_or_partial_cache_file_is_ignored_with_a_warning(tmp_path, damage):
     _, report, _ = tune(tmp_path)

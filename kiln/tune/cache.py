@@ -3,7 +3,10 @@
 GPU name, SM count, compute capability, driver, CUDA, torch and Triton versions, a hash of each
 op's kernel sources, the shape signature and the dtype. A file whose key differs (stale), or that
 cannot be read as a whole (corrupt or partial), is ignored with a warning; where only some ops'
-sources changed, those ops' entries are dropped (and measured again) and the rest are kept. Writers write a
+sources changed, those ops' entries are dropped (and measured again) and the rest are kept. A
+workload missing from its model's file is looked up in the other files of the same GPU, dtype,
+versions and op sources (`borrow`): a shape tuned for one model or context is not measured again
+for another. Writers write a
 temporary file and rename it, so a reader never sees half a file and concurrent writers cannot
 corrupt it (the last rename wins).
 """
@@ -87,6 +90,16 @@ def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", s).strip("-").lower() or "device"
 
 
+def read(path: Path) -> dict:
+    """A cache file's {key, entries}; ValueError if it is not a whole, well-formed one."""
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("key"), dict) or not isinstance(data.get("entries"), dict):
+        raise ValueError("not a kiln tune cache")
+    if not all(isinstance(e, dict) and isinstance(e.get("variant"), str) for e in data["entries"].values()):
+        raise ValueError("malformed entries")
+    return data
+
+
 class TuneCache:
     def __init__(self, root: Path | None = None, warn: Callable[[str], None] | None = None):
         self.root = Path(root) if root is not None else cache_root()
@@ -101,11 +114,7 @@ class TuneCache:
         if not path.exists():
             return None
         try:
-            data = json.loads(path.read_text())
-            if not isinstance(data, dict) or not isinstance(data.get("key"), dict) or not isinstance(data.get("entries"), dict):
-                raise ValueError("not a kiln tune cache")
-            if not all(isinstance(e, dict) and isinstance(e.get("variant"), str) for e in data["entries"].values()):
-                raise ValueError("malformed entries")
+            data = read(path)
         except (OSError, UnicodeDecodeError, ValueError) as e:
             self.warn(f"[kiln] warning: ignoring corrupt tune cache {path} ({type(e).__name__}: {e})")
             return None
@@ -120,6 +129,29 @@ class TuneCache:
             self.warn(f"[kiln] warning: stale tune cache entries in {path} (sources of {', '.join(changed)} "
                       f"changed): those ops are measured again")
         return {label: e for label, e in data["entries"].items() if label.split(" ", 1)[0] not in changed}
+
+    def borrow(self, key: dict, labels: set[str]) -> dict:
+        """Entries for `labels` measured for other models (other files) on this GPU, in this dtype,
+        under the same versions and the same kernel sources of their op: a workload's label names
+        its op and whole shape, so its choice does not depend on the model around it. Files that
+        cannot be read are skipped silently (their own model warns when it loads them)."""
+        out: dict = {}
+        same = lambda k: all(k.get(n) == v for n, v in key.items() if n not in ("sources", "model"))  # noqa: E731
+        for path in sorted(self.root.glob(f"{_slug(key['gpu'])}_*_{key['dtype']}.json")):
+            if path == self.path(key) or not labels - out.keys():
+                continue
+            try:
+                data = read(path)
+            except (OSError, UnicodeDecodeError, ValueError):
+                continue
+            sources = data["key"].get("sources")
+            if not same(data["key"]) or not isinstance(sources, dict):
+                continue
+            for label, e in data["entries"].items():
+                op = label.split(" ", 1)[0]
+                if label in labels and label not in out and sources.get(op) == key["sources"].get(op):
+                    out[label] = e
+        return out
 
     def save(self, key: dict, entries: dict) -> Path:
         path = self.path(key)

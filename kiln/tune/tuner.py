@@ -108,6 +108,12 @@ class Tuner:
         key = make_key(self.dev, self.dtype, {w.op for w in workloads}, [w.label for w in workloads])
         report.path = self.cache.path(key)
         entries = {} if self.retune else (self.cache.load(key) or {})
+        missing = set() if self.retune else {w.label for w in workloads if w.label not in entries}
+        borrowed = self.cache.borrow(key, missing) if missing else {}
+        if borrowed:
+            entries.update(borrowed)
+            self.log(f"[kiln] {len(borrowed)} choices from other models' tune caches with the same GPU, "
+                     f"versions and kernels")
         pinned = {w: self.pinned(w) for w in workloads if w.op.name in self.pins}
         cached = {w: v for w in workloads if w not in pinned and (v := self.cached(w, entries)) is not None}
         todo = [w for w in workloads if w not in pinned and w not in cached]
@@ -135,7 +141,7 @@ class Tuner:
             how[w] = "pinned"
         report.rows = [(w.label, plan.choices[w.label].name, plan.times.get(w.label), how[w]) for w in workloads]
         report.tune_s = time.perf_counter() - t0
-        if todo:
+        if todo or borrowed:
             report.path = self.cache.save(key, {k: e for k, e in entries.items() if k in {w.label for w in workloads}})
         self.log(report.summary())
         return plan, report
