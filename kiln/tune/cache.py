@@ -100,6 +100,23 @@ def read(path: Path) -> dict:
     return data
 
 
+def key_changes(old: dict, key: dict, ignore: tuple[str, ...]) -> list[str]:
+    """The key fields (but `ignore`) that differ between a file's key and ours; "sources" too if the
+    file's per-op source hashes are missing."""
+    changed = sorted(k for k in set(key) | set(old) if k not in ignore and key.get(k) != old.get(k))
+    return changed if isinstance(old.get("sources"), dict) else changed + ["sources"]
+
+
+def changed_ops(old: dict, sources: dict) -> list[str]:
+    """Ops whose kernel sources hash differently now."""
+    return sorted(op for op, h in sources.items() if old.get(op) != h)
+
+
+def without_ops(entries: dict, ops: list[str]) -> dict:
+    """Entries whose label ("OP SHAPE") is not of one of `ops`."""
+    return {label: e for label, e in entries.items() if label.split(" ", 1)[0] not in ops}
+
+
 class TuneCache:
     def __init__(self, root: Path | None = None, warn: Callable[[str], None] | None = None):
         self.root = Path(root) if root is not None else cache_root()
@@ -118,17 +135,14 @@ class TuneCache:
         except (OSError, UnicodeDecodeError, ValueError) as e:
             self.warn(f"[kiln] warning: ignoring corrupt tune cache {path} ({type(e).__name__}: {e})")
             return None
-        other = lambda k: {n: v for n, v in k.items() if n != "sources"}  # noqa: E731
-        if other(data["key"]) != other(key) or not isinstance(data["key"].get("sources"), dict):
-            changed = sorted(k for k in set(key) | set(data["key"]) if key.get(k) != data["key"].get(k))
-            self.warn(f"[kiln] warning: ignoring stale tune cache {path} ({', '.join(changed)} changed)")
+        if changes := key_changes(data["key"], key, ignore=("sources",)):
+            self.warn(f"[kiln] warning: ignoring stale tune cache {path} ({', '.join(changes)} changed)")
             return None
-        old = data["key"]["sources"]
-        changed = sorted(op for op, h in key["sources"].items() if old.get(op) != h)
+        changed = changed_ops(data["key"]["sources"], key["sources"])
         if changed:
             self.warn(f"[kiln] warning: stale tune cache entries in {path} (sources of {', '.join(changed)} "
                       f"changed): those ops are measured again")
-        return {label: e for label, e in data["entries"].items() if label.split(" ", 1)[0] not in changed}
+        return without_ops(data["entries"], changed)
 
     def borrow(self, key: dict, labels: set[str]) -> dict:
         """Entries for `labels` measured for other models (other files) on this GPU, in this dtype,
@@ -136,7 +150,6 @@ class TuneCache:
         its op and whole shape, so its choice does not depend on the model around it. Files that
         cannot be read are skipped silently (their own model warns when it loads them)."""
         out: dict = {}
-        same = lambda k: all(k.get(n) == v for n, v in key.items() if n not in ("sources", "model"))  # noqa: E731
         for path in sorted(self.root.glob(f"{_slug(key['gpu'])}_*_{key['dtype']}.json")):
             if path == self.path(key) or not labels - out.keys():
                 continue
@@ -144,13 +157,10 @@ class TuneCache:
                 data = read(path)
             except (OSError, UnicodeDecodeError, ValueError):
                 continue
-            sources = data["key"].get("sources")
-            if not same(data["key"]) or not isinstance(sources, dict):
+            if key_changes(data["key"], key, ignore=("sources", "model")):
                 continue
-            for label, e in data["entries"].items():
-                op = label.split(" ", 1)[0]
-                if label in labels and label not in out and sources.get(op) == key["sources"].get(op):
-                    out[label] = e
+            fresh = without_ops(data["entries"], changed_ops(data["key"]["sources"], key["sources"]))
+            out.update({label: e for label, e in fresh.items() if label in labels and label not in out})
         return out
 
     def save(self, key: dict, entries: dict) -> Path:
