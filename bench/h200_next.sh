@@ -8,12 +8,10 @@
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 # Next session's order (bench/NOTES.md, newest first, says why): the bundled models' compares on the cuda
-# backend (issue 6): `bash bench/stage_models.sh prepare` once here, then for each of its 7 chunks
-# `bash bench/stage_models.sh next` and a call `h200_next.sh stage` carrying .stage (each call right after
-# the last: /tmp there lives only while the machine stays warm), the last one with `stage bundled`; then
-# compareg4 + benchg4 (Gemma 4 26B-A4B has never run on the GPU; its kernels cross-compile for sm_90),
-# compare08f16 (issue 7's f16), bench9 (the deep GEMM forms at prefill). The tokens criterion on
-# random-weight models waits on the team (docs/synth.md: transformers' own bf16 is as far from its f32).
+# backend (issue 6): `bash bench/stage_models.sh prepare` once here splits them into 6 chunks; each call
+# carries one (.models-all/partNN and .models-all/SIZES) and runs `stage` before its real work, calls back
+# to back (/tmp there lives only while the machine stays warm); the call with the last chunk runs `bundled`.
+# Then compareg4 + benchg4 (Gemma 4 26B-A4B), compare08f16 (issue 7's f16), gputests, bench9.
 # Before a run: bench/cross_compile.py with Triton 3.6 (docs/compiler.md) on what changed.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KILN_CACHE_DIR=$PWD/.kiln-cache KILN_DEBUG=1
@@ -57,14 +55,15 @@ for step in "$@"; do
     compareg4) timeout 400 python3 -m kiln.cli compare synth:gemma4-26b-a4b --dtype bf16 --random-prompt 512 --tokens 16 \
         --json "$OUT/h200_compare_gemma4-26b-a4b_cuda_${TAG}.json" 2>&1 | quiet | tail -14 ;;
     benchg4) bench synth:gemma4-26b-a4b 512,8192 32 450 ;;
-    stage)  # one chunk of the bundled GGUF models (bench/stage_models.sh next, carry .stage): kept in /tmp
-      mkdir -p /tmp/kiln-models && cp .stage/SIZES /tmp/kiln-models/ && for p in .stage/*.part*; do
-        cp "$p" /tmp/kiln-models/ && echo "staged $(basename "$p")"; done ;;
+    stage)  # the chunks of the bundled GGUF models this call carries (bench/stage_models.sh), kept in /tmp
+      mkdir -p /tmp/kiln-models && cp .models-all/SIZES /tmp/kiln-models/ && for p in .models-all/part*; do
+        cmp -s "$p" "/tmp/kiln-models/${p##*/}" || { cp "$p" /tmp/kiln-models/ && echo "staged ${p##*/}"; }; done
+      echo "on the machine: $(cd /tmp/kiln-models && ls part* | tr '\n' ' ')" ;;
     bundled)  # the bundled models' compares on the cuda backend (issue 6), once every chunk is staged
-      mkdir -p "$KILN_CACHE_DIR/models"
+      mkdir -p "$KILN_CACHE_DIR/models"; cat /tmp/kiln-models/part* > /tmp/kiln-models/stream; at=1
       while read -r name file size; do
         mkdir -p "$KILN_CACHE_DIR/models/$name"; f="$KILN_CACHE_DIR/models/$name/$file"
-        cat /tmp/kiln-models/${name}__${file}.part* > "$f"
+        tail -c +$at /tmp/kiln-models/stream | head -c "$size" > "$f"; at=$((at + size))
         [ "$(stat -c %s "$f")" = "$size" ] || { echo "$name: $(stat -c %s "$f") of $size bytes staged"; rm -f "$f"; }
       done < /tmp/kiln-models/SIZES
       for m in smollm2-135m:8100 gemma3-270m:8192; do   # SmolLM2's context is 8192: its long prompt leaves room for 48
@@ -132,7 +131,7 @@ for step in "$@"; do
     gputests)  # one process a file: an illegal memory access poisons the CUDA context for the rest;
       # up to GPU_TEST_TIMEOUT (100) s a file: the call's own limit must cover them all, or nothing comes back
       for f in ${GPU_TEST_FILES:-tests/test_cuda_backend.py tests/test_kernels_gdn.py tests/test_kernels_attention.py \
-          tests/test_kernels_moe.py tests/test_kernels_rope.py tests/test_kernels.py}; do
+          tests/test_kernels_moe.py tests/test_kernels_rope.py tests/test_kernels.py tests/test_kernels_sample.py tests/test_upload.py}; do
         timeout ${GPU_TEST_TIMEOUT:-100} python3 -m pytest -q -m gpu -rf --tb=line -p no:cacheprovider "$f" 2>&1 | grep -v "^\s*$" | tail -6
       done ;;
     *) echo "unknown step $step" ;;
