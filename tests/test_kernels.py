@@ -322,6 +322,22 @@ def test_gpu_every_gemm_variant_equals_cublas(m, n, k):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_gemm_forms_past_2_31_output_elements():
+    """An LM head of 262,144 columns over 8,200 rows writes 2.15e9 elements: row offsets past 2^31
+    must not wrap (the GEMV's did, an illegal access on gemma3-270m's teacher-forced compare)."""
+    dev, (m, n, k) = device_info(DEVICE), (8200, 262144, 64)
+    x, w = rand(m, k, dtype=torch.bfloat16), rand(n, k, dtype=torch.bfloat16, seed=1, scale=k ** -0.5)
+    tail = slice(m - 3, m)   # the rows whose offsets pass 2^31
+    want = F.linear(x[tail].float(), w.float())
+    for v in (G.gemv_variant(16, 64, 1, 4), G.gemv_variant(16, 64, 2, 4), G.OP.default(G.GemmShape(m, n, k), dev)):
+        y = G.gemm(x, w, v, sms=dev.sms)[tail].float()
+        assert (y - want).abs().max().item() <= 2e-2 * want.abs().max().item(), v.name
+        del y
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("style", STYLES)
 def test_gpu_rmsnorm_variants_equal_reference(style):
     x = rand(513, 1024, dtype=torch.bfloat16, scale=3.0)

@@ -91,7 +91,10 @@ def test_logits_match_transformers(tiny):
     with torch.no_grad():
         ours = llm.model.forward(ids, torch.arange(11), state, last_only=False)
         theirs = ref(ids[None]).logits[0]
+        # an int n: the LM head for the last n rows only (kiln compare's teacher-forced positions)
+        tail = llm.model.forward(ids, torch.arange(11), llm.model.make_state(torch.float32, "cpu"), last_only=4)
     assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
+    assert tail.shape == (4, ours.shape[1]) and torch.allclose(tail, ours[-4:], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("chunk, new", [(512, 48), (3, 12)])

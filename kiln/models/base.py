@@ -153,5 +153,7 @@ class Model:
     def make_state(self, dtype, device) -> list:
         raise NotImplementedError
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, state: list, last_only: bool = True):
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, state: list, last_only: bool | int = True):
+        """Logits of the last row (True), of the last n rows (an int n >= 1), or of every row (False):
+        the LM head runs only for those rows."""
         raise NotImplementedError

@@ -109,6 +109,6 @@ class Gemma3(Model):
                               w[p + "mlp.down_proj.weight"], c.hidden_activation)
             x = x + ops.rmsnorm(h, w[p + "post_feedforward_layernorm.weight"], eps, "offset")
         if last_only:
-            x = x[-1:]
+            x = x[-last_only:]
         x = ops.rmsnorm(x, w["model.norm.weight"], eps, "offset")
         return ops.logits(x, self.lm_head, c.final_logit_softcapping)

@@ -292,6 +292,6 @@ class Gemma4(Model):
                 ropes = {t: (cos[-1:], sin[-1:]) for t, (cos, sin) in ropes.items()}
             x = self.layer(i, x, positions, state[i], ropes[c.layer_types[i]], None if ple is None else ple[:, i])
         if last_only:
-            x = x[-1:]
+            x = x[-last_only:]
         x = ops.rmsnorm(x, w["model.norm.weight"], c.rms_norm_eps, "plain")
         return ops.logits(x, self.lm_head, c.final_logit_softcapping)

@@ -82,5 +82,5 @@ class Llama(Model):
             if i + 1 < n:
                 x, h = ops.add_rmsnorm(x, m, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, style)
         if last_only:
-            x, m = x[-1:], m[-1:]  # the LM head only for the rows whose logits are needed
+            x, m = x[-last_only:], m[-last_only:]  # the LM head only for the rows whose logits are needed
         return ops.logits(ops.add_rmsnorm(x, m, w["model.norm.weight"], eps, style)[1], self.lm_head)

@@ -198,5 +198,5 @@ class Qwen35(Model):
             if i + 1 < len(c.layer_types):
                 x, h, proj = self.norm_next(i + 1, x, m)
         if last_only:
-            x, m = x[-1:], m[-1:]
+            x, m = x[-last_only:], m[-last_only:]
         return ops.logits(ops.add_rmsnorm(x, m, w["model.norm.weight"], eps, "offset")[1], self.lm_head)

@@ -276,7 +276,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: t
     pdl_wait(PDL)
     # A whole-slab program whose span is the whole row norms it in one pass (x read once, not twice)
     ONE_PASS: tl.constexpr = NORM > 0 and WHOLE and SPLIT_K == 1 and SPAN == KP
-    for m in range(0, M):
+    for m32 in range(0, M):
+        m = tl.cast(m32, tl.int64)   # row offsets m * N pass 2^31 on a 262,144-wide LM head past 8,192 rows
         rstd = tl.zeros([1], dtype=tl.float32)
         if NORM > 0 and not ONE_PASS:   # every program norms the whole row (from L2); program (0, 0) stores s
             rstd = norm_rstd(x_ptr, r_ptr, s_ptr, m, eps, K, KP, NORM, (pid_n == 0) & (split == 0), RNE)
@@ -299,7 +300,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: t
             tl.store(ws_ptr + (split * M + m).to(tl.int64) * N + rn, total, mask=nmask)
     if SPLIT_K > 1:
         if last_arrival(count_ptr, pid_n, SPLIT_K):
-            for m in range(0, M):
+            for m32 in range(0, M):
+                m = tl.cast(m32, tl.int64)
                 total = tl.zeros((BN,), dtype=tl.float32)
                 for sp in tl.static_range(SPLIT_K):
                     total += tl.load(ws_ptr + (sp * M + m).to(tl.int64) * N + rn, mask=nmask, other=0.0,
