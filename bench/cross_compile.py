@@ -17,6 +17,7 @@ import argparse
 import importlib
 import os
 import pkgutil
+import re
 import sys
 import time
 
@@ -48,12 +49,22 @@ class CrossDriver:
         return torch.device("cpu")
 
 
+FMA16 = re.compile(r"\bfma\.rn(?:\.ftz)?(?:\.sat)?\.(?:bf16|f16)(?:x2)?\b")
+fused_16bit: dict[str, int] = {}   # kernel name -> 16-bit FMAs in its PTX
+
+
 def compile_only() -> None:
-    """Every kernel[grid](...) launch compiles and returns (nothing runs)."""
+    """Every kernel[grid](...) launch compiles and returns (nothing runs). Each compiled kernel's PTX
+    is searched for 16-bit FMAs: the compiler narrows `round16(a * b)` then `+ c` to 16-bit ops and
+    contracts them into one FMA, dropping a rounding the source (and the reference) does."""
     run = JITFunction.run
 
     def run_compile_only(self, *args, grid, warmup, **kwargs):
-        return run(self, *args, grid=grid, warmup=True, **kwargs)
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        n = len(FMA16.findall(getattr(kernel, "asm", {}).get("ptx", "")))
+        if n:
+            fused_16bit[self.fn.__name__] = max(n, fused_16bit.get(self.fn.__name__, 0))
+        return kernel
     JITFunction.run = run_compile_only
 
 
@@ -169,6 +180,9 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             failed.append(f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
             print(f"[cross] FAIL {failed[-1]}", flush=True)
+    for name, n in sorted(fused_16bit.items()):
+        failed.append(f"{name}: {n} 16-bit FMA(s) in its PTX (a product's rounding contracted away)")
+        print(f"[cross] FAIL {failed[-1]}", flush=True)
     print(f"[cross] triton {triton.__version__} sm_{a.arch}: {len(seen)} candidates of {len(workloads)} workloads, "
           f"{len(failed)} failed, {time.perf_counter() - t0:.0f} s", flush=True)
     return 1 if failed else 0

@@ -26,6 +26,7 @@ import triton.language as tl
 from ...tune.registry import Op, Variant, register, variant
 from . import gemm as G
 from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from .options import EXACT_ROUNDING
 
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 COMBINE_BH = 256     # columns per combine program: the combine reads k rows, it is never the bottleneck
@@ -307,7 +308,7 @@ def shared_gate_add(routed: torch.Tensor, x: torch.Tensor, gate_w: torch.Tensor,
         bh = min(COMBINE_BH, next_pow2(h))
         gate_add_kernel[(t, cdiv(h, bh))](routed.contiguous(), x.contiguous(), gate_w.contiguous(), shared.contiguous(),
                                           out, H=h, HP=next_pow2(h), BH=bh, RNE=rne_flag(x.dtype), num_warps=4,
-                                          **pdl(x))
+                                          **pdl(x), **EXACT_ROUNDING)
     return out
 
 
@@ -358,7 +359,8 @@ def combine(y: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, x: torch.Tens
     g, s = (gate[0].contiguous(), gate[1].contiguous()) if gate is not None else (out, out)
     combine_kernel[(t, cdiv(hd, bh))](y, idx, out, x if gate is not None else out, g, s, t, KTOP=k, KP=next_pow2(k),
                                       H=hd, BH=bh, RNE=rne_flag(out.dtype), GATE=gate is not None,
-                                      HP=next_pow2(hd) if gate is not None else 16, num_warps=4)
+                                      HP=next_pow2(hd) if gate is not None else 16, num_warps=4,
+                                      **EXACT_ROUNDING)
 
 
 def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -469,8 +471,9 @@ class MoeOp(Op):
         a = torch.empty(64, dtype=dtype, device=device)
         i64 = torch.empty(64, dtype=torch.int64, device=device)
         p, k, grid = v.p, s.k, (1,)
-        kernels = [combine_kernel.warmup(a, i64, a, a, a, a, 1, KTOP=k, KP=next_pow2(k), H=s.h, BH=min(COMBINE_BH, next_pow2(s.h)),
-                                         RNE=False, num_warps=4, grid=grid)]
+        kernels = [combine_kernel.warmup(a, i64, a, a, a, a, 1, KTOP=k, KP=next_pow2(k), H=s.h,
+                                         BH=min(COMBINE_BH, next_pow2(s.h)), RNE=False, num_warps=4, grid=grid,
+                                         **EXACT_ROUNDING)]
         if p.get("gemv"):
             opts = dict(BN=p["bn"], BK=p["bk"], RNE=False, num_warps=p["w"], num_stages=1, grid=grid)
             kernels += [gemv_gate_up_kernel.warmup(a, a, i64, a, 1, KTOP=k, H=s.h, I=s.i, ACT=ACTS[s.act], **opts),

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ...tune.registry import Op, Variant, register, variant
 from .common import COMMON, SUPPORTED, cdiv, device_info, interpreting, pdl, pdl_wait, rne_flag, round_to
+from .options import EXACT_ROUNDING
 from .rmsnorm import STYLES, scale_normed
 from .rmsnorm import __file__ as NORM_FILE
 
@@ -103,7 +104,7 @@ def qk_rope_into(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf
     qk_rope_kernel[(cdiv(t, p["rows"]), h + kv)](
         q, k, v, w_q, w_k, cos, sin, positions, q_out, k_buf, v_buf, t, eps, *strides(q), *strides(k), *strides(v),
         cos.stride(0), H=h, KV=kv, D=d, R=r, ROWS=p["rows"], NORM=norm, STYLE=STYLES[style] if norm else 0,
-        RNE=rne_flag(q.dtype), num_warps=p["w"], **pdl(q))
+        RNE=rne_flag(q.dtype), num_warps=p["w"], **pdl(q), **EXACT_ROUNDING)
 
 
 def qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf, positions,
