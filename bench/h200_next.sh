@@ -7,11 +7,12 @@
 #   steps: stage bundled compare08f16 compareg4 benchg4 compare35 gemmncu dec35 bench35solo bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
-# Next session's order (bench/NOTES.md, newest first, says why): the bundled models' compares on the cuda
-# backend (issue 6): `bash bench/stage_models.sh prepare` once here splits them into 6 chunks; each call
-# carries one (.models-all/partNN and .models-all/SIZES) and runs `stage` before its real work, calls back
-# to back (/tmp there lives only while the machine stays warm); the call with the last chunk runs `bundled`.
-# Then compareg4 + benchg4 (Gemma 4 26B-A4B), compare08f16 (issue 7's f16), gputests, bench9.
+# Next session's order (bench/NOTES.md, newest first, says why): gputests with GPU_TEST_TIMEOUT=150 and a
+# call limit over 8 x 150 s (split in two calls: 55 s a file was too short for 4 of the 8 files on
+# acc5a15; test_kernels_rope must now pass with FP fusion off in qk_rope, f0f15b5); then gemma3-270m's
+# 8192-token compare (the int64 GEMV fix, c8ba661): `bash bench/stage_models.sh prepare` here, one
+# chunk per call (.models-all/partNN + .models-all/SIZES in carry) riding along with other steps, then
+# `stage bundled`; compareg4 again (the MoE combine's rounding fix); bench9; bench08 (re-tunes rope/moe).
 # Before a run: bench/cross_compile.py with Triton 3.6 (docs/compiler.md) on what changed.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KILN_CACHE_DIR=$PWD/.kiln-cache KILN_DEBUG=1
