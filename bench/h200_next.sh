@@ -4,7 +4,7 @@
 # Usage (GPU machine, repo root): KILN_COMMIT=<hash> bash bench/h200_next.sh STEP...
 # With KILN_TRY_UNMEASURED=1 the tune steps also offer the catalogue-only forms (docs/compiler.md), and
 # safetune retunes; a variant that faults is named (KILN_TUNE_SKIP=...) and skipped on the next try.
-#   steps: stage bundled compare08f16 compareg4 benchg4 compare35 gemmncu dec35 bench35solo bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
+#   steps: nofusion08 stage bundled compare08f16 compareg4 benchg4 compare35 gemmncu dec35 bench35solo bench2 bench27 bench9long safetune load9 load9ab dec08 dec08try dec08nopdl dec9 gemm gdndiag gdnncu gdnprof bench08 bench08long bench9 bench35 compare08 profile08 gdn attn moe gputests
 # Wheels for the GDN peer (flash-linear-attention 0.6.0) travel in .whl (carry it). The tune cache
 # lives in .kiln-cache and is copied to $OUT at the end: carry it back to skip re-tuning next time.
 # Next session's order (bench/NOTES.md, newest first, says why): gputests with GPU_TEST_TIMEOUT=150 and a
@@ -12,7 +12,8 @@
 # acc5a15; test_kernels_rope must now pass with FP fusion off in qk_rope, f0f15b5); then gemma3-270m's
 # 8192-token compare (the int64 GEMV fix, c8ba661): `bash bench/stage_models.sh prepare` here, one
 # chunk per call (.models-all/partNN + .models-all/SIZES in carry) riding along with other steps, then
-# `stage bundled`; compareg4 again (the MoE combine's rounding fix); bench9; bench08 (re-tunes rope/moe).
+# `stage bundled`; compareg4 again (the MoE combine's rounding fix); bench08 (re-tunes rope/moe) and
+# nofusion08 (if FP fusion off everywhere costs nothing, turn it off for every kernel: GPU = interpreter); bench9.
 # Before a run: bench/cross_compile.py with Triton 3.6 (docs/compiler.md) on what changed.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 KILN_CACHE_DIR=$PWD/.kiln-cache KILN_DEBUG=1
@@ -35,6 +36,10 @@ for step in "$@"; do
   echo "=== $step"
   case $step in
     bench08) bench synth:qwen3.5-0.8b 512,8192 64 300 ;;
+    nofusion08)  # every kernel without FP fusion (as the interpreter that the CPU tests check runs them): speed cost?
+      TRITON_DEFAULT_FP_FUSION=0 KILN_CACHE_DIR=/tmp/kiln-nofusion timeout 400 python3 -m kiln.cli bench synth:qwen3.5-0.8b \
+        --dtype bf16 --prompt-lengths 512,8192 --gen 64 --runs 1 --json "$OUT/h200_bench_qwen3.5-0.8b_nofusion_cuda_${TAG}.json" \
+        2>&1 | quiet | tail -8 ;;
     bench08long) n=h200_bench_qwen3.5-0.8b_long_cuda_${TAG}.json; timeout 300 python3 -m kiln.cli bench synth:qwen3.5-0.8b \
         --dtype bf16 --prompt-lengths 81920 --gen 64 --runs 1 --json "$OUT/$n" 2>&1 | quiet | tail -12 ;;
     bench9) bench synth:qwen3.5-9b 512,8192 32 420 ;;
