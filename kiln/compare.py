@@ -75,8 +75,10 @@ def reference_greedy(model, ids: list[int], n: int) -> Greedy:
         out.tokens.append(int(row.argmax()))
         out.top2.append(top2(row))
         x = torch.tensor([[out.tokens[-1]]], device=dev)
-    seq = torch.tensor([ids + out.tokens[:-1]], device=dev)
-    out.forced = model(input_ids=seq, use_cache=False).logits[0, len(ids) - 1:].float().cpu()
+    # the LM head only at the n generated positions, as kiln_greedy asks (the same rows on both sides:
+    # on CPU a GEMM's rounding depends on its row count)
+    seq, keep = torch.tensor([ids + out.tokens[:-1]], device=dev), {"logits_to_keep": n} if keep else {}
+    out.forced = model(input_ids=seq, use_cache=False, **keep).logits[0, -n:].float().cpu()
     return out
 
 
@@ -93,9 +95,9 @@ def kiln_greedy(llm, ids: list[int], n: int, reference: list[int]) -> Greedy:
         if k + 1 < n:
             logits = eng.decode_step(out.tokens[-1], len(ids) + k, state)
     seq = ids + reference[:-1]
-    # logits only at the generated positions: every row of a 262,144-token vocabulary is 4 GB at 8k
+    # logits only at the n generated positions: every row of a 262,144-token vocabulary is 4 GB at 8k
     forced = model.forward(torch.tensor(seq, device=eng.device), torch.arange(len(seq), device=eng.device),
-                           model.make_state(eng.dtype, eng.device), last_only=len(seq) - len(ids) + 1)
+                           model.make_state(eng.dtype, eng.device), last_only=n)
     out.forced = forced.float().cpu()
     return out
 
