@@ -72,7 +72,35 @@ def times_line(lines, label="gemm 100x100x40"):
     return found[0]
 
 
-def test_gate_rejects_wrong_faster_candidates_on_full_and_partial_blocks(tmp_path):
+def planted_timer(monkeypatch, ms: dict[str, float]) -> list:
+    """Replace the tuner's clock (timing.time_ms) with a planted one: each call still runs what it
+    was handed once (as the real timer does), notes which variant that was, and returns ms[name]
+    for it (1 ms for any variant not named: slower than every planted one). The wall clock of a
+    CPU, loaded or not, decides nothing. Returns the variants timed, in order."""
+    timed, ran, run = [], [], G.OP.run
+
+    def run_noting(v, inputs, outputs, plan=None):
+        ran.append(v)
+        return run(v, inputs, outputs, plan)
+
+    def time_ms(runs, device, reps=None):
+        ran.clear()
+        for r in runs:
+            r()
+        assert len(set(ran)) == 1, ran      # one variant per timing call
+        timed.append(ran[0])
+        return ms.get(ran[0].name, 1.0)
+
+    monkeypatch.setattr(G.OP, "run", run_noting)
+    monkeypatch.setattr(timing, "time_ms", time_ms)
+    return timed
+
+
+def test_gate_rejects_wrong_faster_candidates_on_full_and_partial_blocks(tmp_path, monkeypatch):
+    """The two wrong candidates are the fastest by a planted timer (WRONG 1 us, PARTIAL 2 us, the
+    right planted FAST 10 us, every other candidate 1 ms), so only the gate can keep them out: they
+    are never timed and FAST wins. With the gate switched off, the same timer picks WRONG."""
+    timed = planted_timer(monkeypatch, {WRONG.name: 0.001, PARTIAL.name: 0.002, FAST.name: 0.01})
     with extra_variant("gemm", WRONG), extra_variant("gemm", PARTIAL), extra_variant("gemm", FAST):
         plan, report, lines = tune(tmp_path)
     for name in (WRONG.name, PARTIAL.name):
@@ -82,19 +110,19 @@ def test_gate_rejects_wrong_faster_candidates_on_full_and_partial_blocks(tmp_pat
                             r"\(max err (\d\.\de[+-]\d\d|nan) of \d\.\de[+-]\d\d\)", wrong[0]), wrong[0]
     assert "max err nan" in next(line for line in lines if PARTIAL.name in line)     # unwritten rows stay NaN
     m = times_line(lines)
-    timed = [part.rsplit(" ", 2)[0].rstrip("*") for part in m[3].split(", ")]
-    assert WRONG.name not in timed and PARTIAL.name not in timed                     # never timed
+    logged = [part.rsplit(" ", 2)[0].rstrip("*") for part in m[3].split(", ")]
+    assert logged == [v.name for v in timed] and FAST in timed                       # what was timed is logged
+    assert WRONG not in timed and PARTIAL not in timed                                # never timed
     chosen = plan.choices["gemm 100x100x40"]
-    assert m[4] == chosen.name in timed and report.rows == [("gemm 100x100x40", chosen.name,
-                                                             plan.times["gemm 100x100x40"], "measured")]
-    if DEVICE.type == "cpu":
-        # The planted right variant is timed and wins over the interpreter's kernels, and the wrong
-        # one is faster still: only the gate kept it out. (On a GPU both are launch-bound at this size.)
-        assert chosen == FAST
-        inputs = G.OP.inputs(SHAPE, DTYPE, DEVICE, torch.Generator(device=DEVICE).manual_seed(3))
-        out = G.OP.outputs(SHAPE, inputs)
-        speed = {v: timing.time_ms([lambda v=v: G.OP.run(v, inputs, out, plan)], DEVICE, reps=25) for v in (WRONG, chosen)}
-        assert speed[WRONG] < speed[chosen], speed
+    assert chosen == FAST and m[4] == FAST.name and plan.times["gemm 100x100x40"] == 0.01
+    assert report.rows == [("gemm 100x100x40", FAST.name, 0.01, "measured")]
+    # The control: the same candidates and timer with every candidate passed by the gate. The wrong
+    # one is timed and picked, so above it was the gate, not its speed, that kept it out.
+    timed.clear()
+    monkeypatch.setattr(gate, "check", lambda op, v, cases, plan=None: gate.Verdict(True, 0.0, 0.0))
+    with extra_variant("gemm", WRONG), extra_variant("gemm", PARTIAL), extra_variant("gemm", FAST):
+        plan, _, lines = tune(tmp_path / "ungated")
+    assert WRONG in timed and PARTIAL in timed and plan.choices["gemm 100x100x40"] == WRONG, lines
 
 
 def test_partial_block_catches_what_the_full_block_misses():
