@@ -1,4 +1,5 @@
-"""The Python API: `kiln.load(...) -> LLM`; `LLM.generate / stream / chat / chat_stream`."""
+"""The Python API: `kiln.load(...) -> LLM`; `LLM.generate / stream / chat / chat_stream`, and
+`Generation`, one running request, for callers that need both its text pieces and its finish."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from .errors import KilnError
 from .models import build_model
 from .models.base import eos_ids
 from .sampling import SamplingParams, StopMatcher
+from .tokenizer import StreamDecoder, Tokenizer
 from .weights import open_checkpoint
+from .weights.synth import parse_spec
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -49,7 +52,6 @@ def resolve_model(model: str | Path | None, quiet: bool = False) -> Path:
     if model is None:
         return hub.ensure(hub.DEFAULT_MODEL, quiet=quiet)
     if str(model).startswith("synth:"):  # synth:NAME[:layers=N][:seed=S], drawn in memory (kiln.synth)
-        from .synth import parse_spec
         parse_spec(str(model))
         return Path(str(model))
     if str(model) in hub.BUNDLED:
@@ -80,9 +82,7 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _load_tokenizer(ckpt):
-    from .tokenizer import Tokenizer
-
+def load_tokenizer(ckpt):
     if ckpt.format == "synth":
         return None
     if ckpt.gguf_metadata is not None:
@@ -102,7 +102,10 @@ class LLM:
         self.config = model.cfg
 
     # -- prompts -------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids: text through the tokenizer (with the model's BOS unless
+        `add_special_tokens` is False), or a list of ids checked against the vocabulary. KilnError on
+        an empty prompt, text for a model without a tokenizer, or ids that are not in the vocabulary."""
         if isinstance(prompt, str):
             if not prompt:
                 raise KilnError("empty prompt")
@@ -124,27 +127,31 @@ class LLM:
     # -- generation ------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], **sampling) -> Iterator[str]:
         """Text pieces as they are generated, each valid UTF-8; stop strings excluded."""
-        run = _Run(self, self._prompt_ids(prompt), SamplingParams(**sampling))
-        yield from run
+        yield from Generation(self, self.encode(prompt), SamplingParams(**sampling))
 
     def generate(self, prompt: str | list[int], **sampling) -> Completion:
-        run = _Run(self, self._prompt_ids(prompt), SamplingParams(**sampling))
-        return run.complete()
+        return Generation(self, self.encode(prompt), SamplingParams(**sampling)).complete()
 
     def chat(self, messages: list[dict], tools: list | None = None, **sampling) -> Completion:
-        run = _Run(self, self.chat_prompt(messages, tools), SamplingParams(**sampling))
-        return run.complete()
+        return Generation(self, self.chat_prompt(messages, tools), SamplingParams(**sampling)).complete()
 
     def chat_stream(self, messages: list[dict], tools: list | None = None, **sampling) -> Iterator[str]:
-        yield from _Run(self, self.chat_prompt(messages, tools), SamplingParams(**sampling))
+        yield from Generation(self, self.chat_prompt(messages, tools), SamplingParams(**sampling))
 
 
-class _Run:
-    """One request: token ids from the engine -> text pieces -> stop-string filter."""
+class Generation:
+    """One request as it runs: the engine's token ids -> text pieces -> the stop-string filter.
 
-    def __init__(self, llm: LLM, ids: list[int], params: SamplingParams):
-        self.llm, self.params, self.prompt_ids = llm, params, ids
-        self.stream: TokenStream = llm.engine.generate(ids, params, llm.eos_ids)
+    `Generation(llm, llm.encode(prompt), SamplingParams(...))` starts it (`prompt_ids` as `LLM.encode`
+    or `LLM.chat_prompt` give them). Iterate it for the text pieces (each valid UTF-8, stop strings
+    cut), or `complete()` it. `token_ids` collects every generated id, an end-of-turn id included;
+    `finish_reason` ("stop" | "length") and `stats()` are final once it is exhausted. `stream` is the
+    engine's TokenStream: its `ids` give the raw token ids (for a model without a tokenizer), its
+    `times` the counts and timings."""
+
+    def __init__(self, llm: LLM, prompt_ids: list[int], params: SamplingParams):
+        self.llm, self.params, self.prompt_ids = llm, params, prompt_ids
+        self.stream: TokenStream = llm.engine.generate(prompt_ids, params, llm.eos_ids)
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
         self.finish_reason: str | None = None
@@ -153,7 +160,6 @@ class _Run:
         tok = self.llm.tokenizer
         decoder = None
         if tok is not None:
-            from .tokenizer import StreamDecoder
             decoder = StreamDecoder(tok)
         stops = StopMatcher(self.params.stop)
         eos = set(self.llm.eos_ids)
@@ -173,6 +179,10 @@ class _Run:
         if tail:
             self.text_parts.append(tail)
             yield tail
+
+    def close(self) -> None:
+        """End the engine's loop now, not whenever this object is collected (a request left unfinished)."""
+        self.stream.ids.close()
 
     def complete(self) -> Completion:
         for _ in self:
@@ -225,7 +235,7 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
         if max_context < 2:
             raise KilnError(f"max context must be at least 2 tokens, got {max_context}")
         limit = min(limit, max_context)
-    tokenizer = _load_tokenizer(ckpt)
+    tokenizer = load_tokenizer(ckpt)
     eos = eos_ids(ckpt.config, ckpt.generation)
     if tokenizer is not None:
         eos += [i for i in tokenizer.eos_ids if i not in eos]

@@ -1,16 +1,20 @@
 """The generation loop: chunked prefill, then one token per decode step over the per-layer state.
 
 Plain Python bookkeeping around the model runner; no token is re-run once its state is cached.
+Each request chooses its token source once (the host's sampler over decode steps, or the greedy
+choice made on the device); one loop around it keeps time, stops, and checks the request still owns
+its state.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
+from .backends.graphs import DecodeGraph, graphable
 from .errors import KilnError
 from .sampling import Sampler, SamplingParams
 
@@ -32,6 +36,21 @@ class TokenStream:
     finish_reason: str | None = None
 
 
+class GraphState(list):
+    """The per-layer state the CUDA graph runs on: one per engine, reset for each request. Decode
+    steps on it replay the graph; on any other state they run eagerly."""
+
+
+@dataclass
+class _Request:
+    """One generate() call: its stream, its state and what that state was fed."""
+    stream: TokenStream
+    state: list
+    consumed: list[int]     # the ids the state holds, grown as decode steps feed it (prefix reuse)
+    reuse: bool
+    on_graph: bool          # the state is the engine's GraphState
+
+
 MIN_BUCKET = 2048   # smallest KV reservation when decode runs as a CUDA graph
 
 
@@ -41,29 +60,31 @@ class Engine:
         self.model, self.dtype, self.device = model, dtype, torch.device(device)
         self.max_context, self.prefill_chunk = max_context, prefill_chunk
         self.quiet = quiet
-        # Prefix reuse (off unless asked for): the state of the last reusing request and the ids it
-        # has consumed, so a prompt that shares a prefix with them prefills only the rest.
+        # Prefix reuse (off unless asked for): the last reusing request, whose state and consumed ids
+        # serve a prompt that shares a prefix with them, so only the rest is prefilled.
         self.reuse_prefix = False
-        self._kept: tuple[list[int], list] | None = None
-        # CUDA-graph decode: one persistent state, reset per request (kiln.graphs).
+        self._kept: _Request | None = None
+        # CUDA-graph decode: one persistent state, reset per request (kiln/backends/graphs.py).
         self.graph = None
-        self._state = None
-        self._owner = None
+        self._state: GraphState | None = None
+        self._owner: _Request | None = None
         if graphs and self.device.type == "cuda":   # dropped at the first state if it is not graphable
-            from .graphs import DecodeGraph
             self.graph = DecodeGraph(model, self.device)
 
     def new_state(self, tokens: int) -> list:
         """Per-layer state for a request of up to `tokens` positions: fresh, or with CUDA graphs the
-        persistent one, reset, its KV reserved for the context bucket holding `tokens`."""
+        persistent GraphState, reset, its KV reserved for the context bucket holding `tokens`."""
         if self.graph is not None and self._state is None:
             # (not probed on the meta device at construction: meta tensors import torch._refs, ~2 s)
-            from .graphs import graphable
-            self._state = self.model.make_state(self.dtype, self.device)
-            if not graphable(self._state):
-                self.graph, self._state = None, None
+            state = self.model.make_state(self.dtype, self.device)
+            if graphable(state):
+                self._state = GraphState(state)
+            else:
+                self.graph = None
         if self.graph is None:
             return self.model.make_state(self.dtype, self.device)
+        if self._kept is not None and self._kept.state is self._state:
+            self._kept = None       # its prefix is about to be overwritten: nothing is left to reuse
         for layer in self._state:
             layer.reset()
         self.reserve(self._state, tokens)
@@ -79,10 +100,6 @@ class Engine:
     def launches_per_token(self) -> int | None:
         return None if self.graph is None else self.graph.launches
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     @torch.inference_mode()
     def prefill(self, ids: list[int], state, offset: int = 0) -> torch.Tensor:
         """Run the prompt through the model in chunks, from position `offset` on (the state already
@@ -96,10 +113,9 @@ class Engine:
 
     @torch.inference_mode()
     def decode_step(self, token: int, pos: int, state) -> torch.Tensor:
-        if self.graph is not None and state is self._state:
-            return self.graph.step(token, pos, state, self.quiet)
-        ids = torch.tensor([token], device=self.device)
-        return self.model.forward(ids, torch.tensor([pos], device=self.device), state)[-1]
+        """The logits of one decode step fed `token` at `pos`."""
+        step = self._graph_step if isinstance(state, GraphState) else self._eager_step
+        return step(token, pos, state)
 
     @torch.inference_mode()
     def greedy_tokens(self, token: int, pos: int, state, steps: int, fed: list | None = None, before=None):
@@ -107,13 +123,24 @@ class Engine:
         state the device picks each token and one step is queued ahead (DecodeGraph.greedy_tokens);
         `fed` gets the tokens the state was fed, `before(k)` runs before step k is queued."""
         fed = [] if fed is None else fed
-        if self.graph is not None and state is self._state:
-            yield from self.graph.greedy_tokens(token, pos, state, steps, fed, before, self.quiet)
-            return
+        tokens = self._graph_greedy if isinstance(state, GraphState) else self._eager_greedy
+        yield from tokens(token, pos, state, steps, fed, before)
+
+    def _graph_step(self, token: int, pos: int, state) -> torch.Tensor:
+        return self.graph.step(token, pos, state, self.quiet)
+
+    def _eager_step(self, token: int, pos: int, state) -> torch.Tensor:
+        ids = torch.tensor([token], device=self.device)
+        return self.model.forward(ids, torch.tensor([pos], device=self.device), state)[-1]
+
+    def _graph_greedy(self, token: int, pos: int, state, steps: int, fed: list, before):
+        return self.graph.greedy_tokens(token, pos, state, steps, fed, before, self.quiet)
+
+    def _eager_greedy(self, token: int, pos: int, state, steps: int, fed: list, before):
         for k in range(steps):
             if before is not None:
                 before(k)
-            logits = self.decode_step(token, pos + k, state)
+            logits = self._eager_step(token, pos + k, state)
             fed.append(token)
             token = int(torch.argmax(logits))
             yield token
@@ -137,94 +164,93 @@ class Engine:
                                 self.reuse_prefix if reuse is None else reuse)
         return stream
 
-    def _reused_state(self, ids: list[int], max_new: int) -> tuple[list, int]:
-        """The kept state rewound to the prefix it shares with `ids` (leaving at least one token to
-        prefill, for the logits), or a fresh state when nothing is shared or a layer cannot rewind."""
-        kept, self._kept = self._kept, None
-        if kept is not None:
-            old, state = kept
-            n = min(_common_prefix(old, ids), len(ids) - 1)
-            if n > 0 and all(layer.truncate(n) for layer in state):
-                if self.graph is not None:
-                    self.reserve(state, len(ids) + max_new)
-                return state, n
-        return self.new_state(len(ids) + max_new), 0
-
+    @torch.inference_mode()     # the token sources call the step functions directly, not the public ones
     def _loop(self, prompt_ids, params, eos, stream: TokenStream, reuse: bool):
-        times, sampler = stream.times, Sampler(params, self.device)
-        times.prompt_tokens = len(prompt_ids)
-        if reuse:
-            state, cached = self._reused_state(prompt_ids, params.max_new_tokens)
-        else:
-            state, cached = self.new_state(len(prompt_ids) + params.max_new_tokens), 0
-        self._owner = stream
-        times.cached_tokens = cached
-        history = torch.tensor(prompt_ids, device=self.device)
-        t0 = time.perf_counter()
-        logits = self.prefill(prompt_ids[cached:], state, offset=cached)
-        consumed = list(prompt_ids)  # the ids the state holds, grown as decode steps feed it
-        kept = (consumed, state)
-        if reuse:
-            self._kept = kept
-        pos, stream.finish_reason = len(prompt_ids), "length"
-        if params.greedy and params.repetition_penalty == 1.0:
-            yield from self._greedy_loop(logits, state, params, eos, stream, consumed, kept, reuse, t0)
-            return
-        for n in range(params.max_new_tokens):
-            token = sampler(logits, history)
-            now = time.perf_counter()
-            if n == 0:
-                times.prefill_s = now - t0  # includes sampling the first token
-                t0 = now
-            times.generated_tokens += 1
-            times.decode_s = now - t0
-            yield token
-            if token in eos:
-                stream.finish_reason = "stop"
-                return
-            if pos + 1 >= self.max_context or n == params.max_new_tokens - 1:
-                break  # no decode step for a token nobody will read
-            self._check_owner(stream, state, kept, reuse)
-            history = torch.cat([history, history.new_tensor([token])])
-            logits = self.decode_step(token, pos, state)
-            consumed.append(token)
-            pos += 1
-        times.decode_s = time.perf_counter() - t0
-
-    def _check_owner(self, stream, state, kept, reuse: bool) -> None:
-        if (reuse and self._kept is not kept) or (state is self._state and self._owner is not stream):
-            raise RuntimeError("this stream's state was taken over by a newer request")
-
-    def _greedy_loop(self, logits, state, params, eos, stream: TokenStream, consumed: list, kept, reuse: bool,
-                     t0: float):
-        """Greedy without a repetition penalty: the same tokens as the sampler's argmax, from
-        greedy_tokens (on a CUDA graph, chosen on the device with a step queued ahead). The state may
-        run up to two steps past a stop: `consumed` still lists exactly what it was fed."""
+        """The one decode loop, around the token source the request chose: timing, the eos, length and
+        max-context stops. It lets the source run no decode step for a token nobody will read."""
         times = stream.times
-        pos = len(consumed)
-        token = int(torch.argmax(logits))
-        times.prefill_s = time.perf_counter() - t0       # includes choosing the first token
+        times.prompt_tokens = len(prompt_ids)
+        req, times.cached_tokens = self._start(prompt_ids, params.max_new_tokens, stream, reuse)
+        source = self._source(req, params)
         t0 = time.perf_counter()
-        times.generated_tokens, times.decode_s = 1, 0.0
-        yield token
-        if token in eos:
-            stream.finish_reason = "stop"
-            return
-        # step k feeds the k-th generated token at pos + k: none for a token nobody will read
-        steps = max(0, min(params.max_new_tokens - 1, self.max_context - 1 - pos))
-        tokens = self.greedy_tokens(token, pos, state, steps, consumed,
-                                    lambda k: self._check_owner(stream, state, kept, reuse))
+        logits = self.prefill(prompt_ids[times.cached_tokens:], req.state, offset=times.cached_tokens)
+        if reuse:
+            self._kept = req
+        stream.finish_reason = "length"
+        # decode step k feeds the k-th generated token at position len(prompt) + k
+        steps = min(params.max_new_tokens - 1, self.max_context - 1 - len(prompt_ids))
+        tokens = source(logits, max(steps, 0))
         try:
             for token in tokens:
+                now = time.perf_counter()
+                if times.generated_tokens == 0:
+                    times.prefill_s, t0 = now - t0, now     # prefill includes choosing the first token
                 times.generated_tokens += 1
-                times.decode_s = time.perf_counter() - t0
+                times.decode_s = now - t0
                 yield token
                 if token in eos:
                     stream.finish_reason = "stop"
                     return
         finally:
-            tokens.close()      # completes `consumed` with the steps run past the consumer
+            tokens.close()      # the pipelined source completes `consumed` with the steps run past us
         times.decode_s = time.perf_counter() - t0
+
+    def _start(self, ids: list[int], max_new: int, stream: TokenStream, reuse: bool) -> tuple[_Request, int]:
+        """The request, owning its state, and how many prompt tokens that state already holds."""
+        if reuse:
+            state, cached = self._reused_state(ids, max_new)
+        else:
+            state, cached = self.new_state(len(ids) + max_new), 0
+        req = _Request(stream, state, list(ids), reuse, on_graph=isinstance(state, GraphState))
+        self._owner = req
+        return req, cached
+
+    def _reused_state(self, ids: list[int], max_new: int) -> tuple[list, int]:
+        """The kept state rewound to the prefix it shares with `ids` (leaving at least one token to
+        prefill, for the logits), or a fresh state when nothing is shared or a layer cannot rewind."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            n = min(_common_prefix(kept.consumed, ids), len(ids) - 1)
+            if n > 0 and all(layer.truncate(n) for layer in kept.state):
+                if kept.on_graph:
+                    self.reserve(kept.state, len(ids) + max_new)
+                return kept.state, n
+        return self.new_state(len(ids) + max_new), 0
+
+    def _source(self, req: _Request, params: SamplingParams) -> Callable[[torch.Tensor, int], Iterator[int]]:
+        """The request's token source, chosen once: given the prefill's logits and how many decode
+        steps it may run, its tokens. Greedy without a repetition penalty takes the device's choice
+        (one step queued ahead on the CUDA graph); every other request the host's sampler."""
+        if params.greedy and params.repetition_penalty == 1.0:
+            more = self._graph_greedy if req.on_graph else self._eager_greedy
+            return lambda logits, steps: self._greedy(req, logits, steps, more)
+        step = self._graph_step if req.on_graph else self._eager_step
+        sampler, history = Sampler(params, self.device), torch.tensor(req.consumed, device=self.device)
+        return lambda logits, steps: self._sampled(req, logits, steps, step, sampler, history)
+
+    def _greedy(self, req: _Request, logits, steps: int, more) -> Iterator[int]:
+        """The argmax of the prefill's logits, then `more` greedy tokens. On the graph the state may
+        run up to two steps past a stop: `consumed` still lists exactly what it was fed."""
+        token, pos = int(torch.argmax(logits)), len(req.consumed)
+        yield token
+        yield from more(token, pos, req.state, steps, req.consumed, lambda k: self._check_owner(req))
+
+    def _sampled(self, req: _Request, logits, steps: int, step, sampler: Sampler, history) -> Iterator[int]:
+        """The sampler's choice from each step's logits; `history` (the fed ids) is for its repetition penalty."""
+        pos = len(req.consumed)
+        token = sampler(logits, history)
+        for k in range(steps):
+            yield token
+            self._check_owner(req)
+            history = torch.cat([history, history.new_tensor([token])])
+            logits = step(token, pos + k, req.state)
+            req.consumed.append(token)
+            token = sampler(logits, history)
+        yield token
+
+    def _check_owner(self, req: _Request) -> None:
+        if (req.reuse and self._kept is not req) or (req.on_graph and self._owner is not req):
+            raise RuntimeError("this stream's state was taken over by a newer request")
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,4 +1,5 @@
-"""Files written so a reader sees the old version or the whole new one, never a half."""
+"""Where kiln keeps its files, and how it writes them: a reader sees the old version or the whole new
+one, never a half."""
 
 from __future__ import annotations
 
@@ -20,3 +21,8 @@ def write_atomic(path: str | Path, write) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def cache_dir() -> Path:
+    """kiln's cache: models, tune choices, compiled kernels, tokenizers ($KILN_CACHE_DIR)."""
+    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")

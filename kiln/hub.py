@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import KilnError
+from .fsutil import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -57,10 +58,6 @@ BUNDLED = {
         ),
     ]
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
 
 
 def model_path(name: str) -> Path:

@@ -24,11 +24,14 @@ import tempfile
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
 from .errors import KilnError
+from .fsutil import cache_dir
 
 # The names transformers hands a chat template (its SPECIAL_TOKENS_ATTRIBUTES), in its order.
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -149,6 +152,12 @@ class Tokenizer:
         return i in self._byte_ids
 
     # -- chat -----------------------------------------------------------------------------
+    @property
+    def templates(self) -> Mapping[str, str]:
+        """The chat templates by name, read-only: "default", and any the model ships beside it
+        (e.g. "tool_use", which apply_chat_template takes when it is given tools)."""
+        return MappingProxyType(self._templates)
+
     @property
     def chat_template(self) -> str | None:
         return self._templates.get("default")
@@ -373,8 +382,6 @@ BUILD_VERSION = 1  # bump whenever the GGUF tokenizer build changes: it names th
 
 
 def _cache_path(cache_key: str) -> Path:
-    from .hub import cache_dir
-
     return cache_dir() / "tokenizers" / f"{cache_key}-v{BUILD_VERSION}.json"
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from kiln.server import tools
 from kiln.server.tools import ToolCall, ToolStream
-from test_server_support import ANSWER, TOOLS, Server, build_tool_model
+from test_server_support import ANSWER, TEMPLATE, TOOLS, Server, build_tool_model
 
 # What the models write (from their model cards and chat templates), and the calls in it.
 REAL = {
@@ -132,6 +132,19 @@ def test_a_template_without_tools_has_no_format():
               "'<|im_end|>' + '\n'}}{% endfor %}"
               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
     assert tools.detect(smollm) is None and tools.detect(None) is None
+
+
+def test_the_server_reads_the_call_format_from_a_tool_use_template(tmp_path):
+    """A model whose default template ignores tools but that ships a "tool_use" template beside it."""
+    import kiln
+    from kiln.server.app import Service
+
+    path = build_tool_model(tmp_path)
+    (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert Service(kiln.load(path, device="cpu", dtype="f32"), "m", None, 1).tool_format is None
+    (path / "additional_chat_templates").mkdir()
+    (path / "additional_chat_templates" / "tool_use.jinja").write_text(TEMPLATE)
+    assert Service(kiln.load(path, device="cpu", dtype="f32"), "m", None, 1).tool_format.name == "hermes"
 
 
 def test_tool_call_arguments_are_a_json_object_string():

@@ -222,6 +222,25 @@ def test_hf_dir_without_tokenizer_json_is_a_kiln_error(tmp_path):
         Tokenizer.from_hf_dir(tmp_path)
 
 
+def test_named_templates_are_public_and_read_only(tmp_path):
+    """A folder's default template and its extra ones (additional_chat_templates/NAME.jinja), by
+    name; apply_chat_template renders "tool_use" when it is given tools."""
+    from tokenizers import Tokenizer as Backend, models
+
+    Backend(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    assert Tokenizer.from_hf_dir(tmp_path).templates == {}
+    (tmp_path / "chat_template.jinja").write_text("plain")
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools | length }} tools")
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    assert tok.templates == {"default": "plain", "tool_use": "{{ tools | length }} tools"}
+    assert tok.chat_template == tok.templates["default"]
+    conv = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(conv) == "plain" and tok.apply_chat_template(conv, tools=[{}]) == "1 tools"
+    with pytest.raises(TypeError):
+        tok.templates["default"] = "changed"
+
+
 # -- chat templates -------------------------------------------------------------------------------
 
 CONVERSATIONS = [

@@ -1,18 +1,20 @@
-"""Backends implement the `ops` seam that model files call. `reference` is plain PyTorch; `cuda` runs
-Triton kernels tuned for the model (kiln.tune), falling back to the reference for the rest."""
+"""Backends behind the `ops` seam: `reference` (plain PyTorch, the specification) and `cuda` (the
+tuned Triton kernels of kiln.ops, decode as one CUDA graph)."""
 
 from __future__ import annotations
 
+import torch
+
 from ..errors import KilnError
+from .reference import ReferenceOps
 
 BACKENDS = ("reference", "cuda")
 
 
-def get_ops(name: str, device):
+def get_ops(name: str, device: torch.device):
     if name == "reference":
-        from .reference import ReferenceOps
         return ReferenceOps(device)
     if name == "cuda":
-        from .cuda import CudaOps
+        from .cuda import CudaOps  # Triton: imported only where the cuda backend is asked for
         return CudaOps(device)
-    raise KilnError(f"unknown backend {name!r} (available: {', '.join(BACKENDS)})")
+    raise KilnError(f"unknown backend {name!r} (use one of: {', '.join(BACKENDS)})")

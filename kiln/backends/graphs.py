@@ -9,7 +9,7 @@ compiles kernels and allocates workspaces), the next one is captured and then re
 Python bookkeeping inside the forward (each layer's `.length`) runs once during capture; the runner
 restores it and advances it by one after each replay.
 
-The step ends with the greedy choice (kiln.backends.cuda.sample): argmax into the step's own token
+The step ends with the greedy choice (ops.greedy_next, kiln/ops/sample): argmax into the step's own token
 input, position + 1. Greedy requests then feed the graph from the device and the host queues the
 next step before reading a token (greedy_tokens); other requests fill both inputs from the host.
 """
@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from .cache import GDNState, KVCache
+from ..cache import GDNState, KVCache
 
 GRAPHABLE = (KVCache, GDNState)
 
@@ -53,8 +53,6 @@ class DecodeGraph:
         self.launches: int | None = None
         self.captures = 0
         self.failed = False               # a capture failed: decode eagerly
-        from .backends.cuda.sample import greedy_next, greedy_next_reference
-        self.greedy = greedy_next if device.type == "cuda" else greedy_next_reference   # (CPU: tests)
 
     def step(self, token: int, pos: int, state: list, quiet: bool = True) -> torch.Tensor:
         """The logits of one decode step fed `token` at `pos` (the host's inputs)."""
@@ -82,7 +80,7 @@ class DecodeGraph:
     def _body(self, state: list) -> torch.Tensor:
         """The forward, then the greedy choice written into ids (and pos + 1) for the next step."""
         logits = self.model.forward(self.ids, self.pos, state)
-        self.greedy(logits[-1], self.ids, self.pos)
+        self.model.ops.greedy_next(logits[-1], self.ids, self.pos)
         return logits
 
     def greedy_tokens(self, token: int, pos: int, state: list, steps: int, fed: list, before=None,

@@ -9,7 +9,9 @@ import socket
 import sys
 from pathlib import Path
 
+from .. import hub
 from ..errors import KilnError
+from .flags import add_runtime_flags, load_announced, positive_int
 
 
 def _port(s: str) -> int:
@@ -23,8 +25,6 @@ def _port(s: str) -> int:
 
 
 def add_parser(subparsers) -> None:
-    from ..cli import _positive_int, add_runtime_flags
-
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
     add_runtime_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
@@ -32,14 +32,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $KILN_API_KEY if set)")
     p.add_argument("--model-id", default=None, help="the model's name in the API (default: from MODEL)")
-    p.add_argument("--queue-limit", type=_positive_int, default=64,
+    p.add_argument("--queue-limit", type=positive_int, default=64,
                    help="requests that may wait for the engine; more get 429 (default 64)")
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
+    p.set_defaults(main=main)
 
 
 def default_model_id(model: str | None) -> str:
-    from .. import hub
-
     if model is None:
         return hub.DEFAULT_MODEL
     if model in hub.BUNDLED:
@@ -82,10 +81,9 @@ def main(a) -> int:
     with bind(a.host, a.port) as sock:
         import uvicorn
 
-        from ..cli import _load
-        from .app import create_app
+        from ..server.app import create_app  # FastAPI: imported only when serving
 
-        llm = _load(a)
+        llm = load_announced(a)
         model_id = a.model_id or default_model_id(a.model)
         app = create_app(llm, model_id, api_key=key, queue_limit=a.queue_limit)
         host, port = sock.getsockname()[:2]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 
 from ..errors import KilnError
-from .base import config_from_dict, load_strict
+from ..weights.synth import Synthesis, synth_config
+from .base import config_from_dict, load_strict, merge_packed
 
 # model_type -> (module, class); one file per family
 MODEL_TYPES = {
@@ -26,10 +27,31 @@ def model_class(model_type: str):
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
+def model_config(config: dict):
+    """(model class, its config dataclass) for an HF-style config dict."""
+    cls = model_class(config.get("model_type"))
+    return cls, config_from_dict(cls.config_class, config)
+
+
+def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The tensors a checkpoint of this config holds, by name (tied weights left out)."""
+    cls, cfg = model_config(config)
+    return cls.checkpoint_shapes(cfg)
+
+
+def synthesis(name: str, layers: int | None = None, seed: int = 0) -> Synthesis:
+    """The named synthesized configuration (cut to its first `layers` layers) with the tensors its
+    model declares: what `kiln synth` writes."""
+    config = synth_config(name, layers)
+    cls, cfg = model_config(config)
+    return Synthesis(config, cls.checkpoint_shapes(cfg), cls.norm_style == "offset", seed)
+
+
 def build_model(ckpt, ops, dtype, device, progress: bool = False):
-    """Config from the checkpoint, weights loaded strictly, forward bound to `ops`."""
-    cls = model_class(ckpt.config.get("model_type"))
-    cfg = config_from_dict(cls.config_class, ckpt.config)
-    ckpt = cls.sanitize(ckpt)
+    """Config from the checkpoint, weights loaded strictly, packed projections merged, forward bound
+    to `ops`."""
+    cls, cfg = model_config(ckpt.config)
+    ckpt = cls.sanitize(ckpt.for_model(cls.checkpoint_shapes(cfg), cls.norm_style == "offset"))
     weights = load_strict(ckpt, cls.weight_shapes(cfg), dtype, device, tied=cls.tied_names(cfg), progress=progress)
+    merge_packed(weights, cls.packed_groups(cfg))
     return cls(cfg, weights, ops)

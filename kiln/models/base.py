@@ -1,14 +1,18 @@
-"""What every model file shares: config from a dict, strict weight loading, the Model protocol."""
+"""What every model file shares: config from a dict, strict weight loading with packed projections
+merged, the Model base (the facts a model declares about itself), and KernelShape."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ..errors import KilnError
+from ..weights.upload import Uploader, file_reads_on, pinned_upload_on
 
 
 def config_from_dict(cls, d: dict[str, Any]):
@@ -25,12 +29,6 @@ def load_strict(ckpt, expected: dict[str, tuple[int, ...]], dtype, device, tied:
                 progress: bool = False):
     """Tensors for exactly the `expected` names: anything missing, extra or mis-shaped is an error.
     `tied` names may be absent (they alias another weight)."""
-    import sys
-
-    from tqdm import tqdm
-
-    from ..weights.upload import Uploader, pinned_upload_on
-
     extra = sorted(set(ckpt.shapes) - set(expected))
     if extra:
         raise KilnError(f"unexpected tensor in checkpoint: {extra[0]}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
@@ -55,8 +53,6 @@ def load_strict(ckpt, expected: dict[str, tuple[int, ...]], dtype, device, tied:
 def _load_one(ckpt, name: str, dtype, device, uploader):
     """One tensor on `device` in `dtype`: read from its file into pinned buffers where the checkpoint
     can say where its bytes lie, else through the reader (a view of the file's memory map)."""
-    from ..weights.upload import file_reads_on
-
     if uploader is not None and file_reads_on() and (span := ckpt.locate(name)) is not None:
         return uploader.upload_span(span, dtype)
     stored = ckpt.load(name)
@@ -66,6 +62,15 @@ def _load_one(ckpt, name: str, dtype, device, uploader):
     if w.data_ptr() == stored.data_ptr() and w.device.type == "cpu":
         w = w.clone()        # a read-only view of the file (same device and dtype): own a copy
     return w
+
+
+def merge_packed(weights: dict[str, torch.Tensor], groups: dict[str, list[str]]) -> None:
+    """Each group's parts replaced, in place, by one tensor of their rows in order (one GEMM serves
+    them all); a part's memory is freed as soon as it is copied."""
+    for merged, parts in groups.items():
+        weights[merged] = torch.cat([weights[n] for n in parts])
+        for n in parts:
+            del weights[n]
 
 
 def eos_ids(config: dict, generation: dict) -> list[int]:
@@ -128,10 +133,72 @@ def decoder_layer_shapes(c, extra_attn: dict | None = None) -> dict[str, tuple[i
     return {**shapes, **(extra_attn or {})}
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelShape:
+    """One shape a kernel runs for a model, in its op's terms: `op` names a tuned op
+    (kiln.tune.registry: "gemm", "rmsnorm", ...), `dims` its shape's fields. The cuda backend tunes
+    each one at load; a model declares them from its config alone (`kiln tune` loads no weights)."""
+    op: str
+    dims: tuple[tuple[str, Any], ...]
+
+
+def kernel(op: str, **dims) -> KernelShape:
+    return KernelShape(op, tuple(dims.items()))
+
+
+def gemms(rows, *nk: tuple[int, int]) -> list[KernelShape]:
+    """Projections y[m, n] = x[m, k] @ w[n, k]^T at each row count."""
+    return [kernel("gemm", rows=m, n=n, k=k) for m in rows for n, k in nk]
+
+
+def norms(rows, d: int, style: str, per_row: int = 1) -> list[KernelShape]:
+    """RMSNorm over d at each row count (times `per_row` heads for a per-head q/k norm)."""
+    return [kernel("rmsnorm", rows=m * per_row, d=d, style=style) for m in rows]
+
+
+def gated_mlp_shapes(rows, hidden: int, ffn: int, act: str, style: str, norm_inside: bool) -> list[KernelShape]:
+    """A gated MLP: gate|up as one GEMM (or with its activation in the epilogue), the down projection;
+    at decode also the down projection reading act(g) * u as it loads, and with `norm_inside` the
+    residual add and the post-attention norm inside the gate|up GEMV."""
+    out = gemms(rows, (2 * ffn, hidden), (hidden, ffn))
+    out += [kernel("gemm_act", rows=m, n=ffn, k=hidden, act=act) for m in rows]
+    if 1 in rows:
+        out.append(kernel("act_gemm", rows=1, n=hidden, k=ffn, act=act))
+        if norm_inside:
+            out.append(kernel("rmsnorm_gemm", rows=1, n=2 * ffn, k=hidden, style=style, add=True))
+    return out
+
+
+def attention_shapes(rows, contexts, heads: int, kv: int, d: int, rotary: int, qk_style: str | None) -> list:
+    """Causal attention at each prompt chunk and, at decode, at each context length; the q/k norm +
+    RoPE + KV append in front of it."""
+    out = [kernel("qk_rope", rows=m, h=heads, kv=kv, d=d, r=rotary, style=qk_style) for m in rows]
+    for m in rows:
+        if m == 1:
+            out += [kernel("attention_decode", rows=n, h=heads, kv=kv, d=d, window=None, softcap=None)
+                    for n in contexts]
+        else:
+            out.append(kernel("attention", rows=m, h=heads, kv=kv, d=d, window=None, softcap=None, kv_prefix=0))
+    return out
+
+
+def lm_head_shapes(vocab: int, hidden: int, style: str) -> list[KernelShape]:
+    """The LM head runs for the last row only (prefill keeps the last token), the final norm before it."""
+    return gemms((1,), (vocab, hidden)) + [kernel("rmsnorm_gemm", rows=1, n=vocab, k=hidden, style=style)]
+
+
 class Model:
-    """A model family: `weight_shapes` declares the checkpoint, `forward` is calls to `ops`."""
+    """A model family: `weight_shapes` declares the checkpoint, `forward` is calls to `ops`, and the
+    class states every other fact a backend, the loader or the tuner needs about it."""
 
     config_class: type
+    # How its RMSNorm scales the normed value (kiln.ops.norm.reference): "llama" casts then multiplies
+    # by w; "offset" multiplies by (1 + w) in f32 (the weights are stored zero-centred); "plain" by w in f32.
+    norm_style: str = "llama"
+    # Projections of one input merged at load into one weight (one GEMM runs them): a merged weight's
+    # name within a layer -> the checkpoint names it packs, in row order. A layer lacking a part keeps
+    # its weights apart.
+    packed: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], ops):
         self.cfg, self.w, self.ops = cfg, weights, ops
@@ -146,9 +213,32 @@ class Model:
         return ("lm_head.weight",) if getattr(cfg, "tie_word_embeddings", False) else ()
 
     @classmethod
+    def checkpoint_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
+        """The tensors a checkpoint of this model holds (tied weights left out): what synthesis writes."""
+        tied = set(cls.tied_names(cfg))
+        return {n: tuple(int(d) for d in s) for n, s in cls.weight_shapes(cfg).items() if n not in tied}
+
+    @classmethod
+    def packed_groups(cls, cfg) -> dict[str, list[str]]:
+        """Merged weight name -> the declared weights it packs, layer by layer (see `packed`)."""
+        shapes, groups = cls.weight_shapes(cfg), {}
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for merged, parts in cls.packed.items():
+                if all(p + n in shapes for n in parts):
+                    groups[p + merged] = [p + n for n in parts]
+        return groups
+
+    @classmethod
     def sanitize(cls, ckpt):
         """Checkpoint quirks, mapped to the names `weight_shapes` declares (default: none)."""
         return ckpt
+
+    @classmethod
+    def kernel_shapes(cls, cfg, rows: tuple[int, ...], contexts: tuple[int, ...]) -> list[KernelShape]:
+        """The shapes its kernels run at `rows` tokens a step (prompt chunks and decode's 1), decode
+        attention at `contexts` keys: what the cuda backend tunes at load."""
+        raise NotImplementedError
 
     def make_state(self, dtype, device) -> list:
         raise NotImplementedError

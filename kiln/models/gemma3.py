@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..backends.reference import inv_freq
 from ..cache import KVCache, RingKVCache
-from .base import Model, decoder_layer_shapes
+from .base import Model, decoder_layer_shapes, gated_mlp_shapes, gemms, lm_head_shapes, norms
+from .rope import inv_freq
 
 
 @dataclass
@@ -49,6 +49,10 @@ class Gemma3Config:
 
 class Gemma3(Model):
     config_class = Gemma3Config
+    norm_style = "offset"
+    packed = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                            "self_attn.v_proj.weight"),
+              "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 
     def __init__(self, cfg, weights, ops):
         super().__init__(cfg, weights, ops)
@@ -59,6 +63,8 @@ class Gemma3(Model):
             "sliding_attention": inv_freq(c.head_dim, c.rope_local_base_freq).to(ops.device),
         }
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        d = c.head_dim
+        self.qkv_sizes = [c.num_attention_heads * d, c.num_key_value_heads * d, c.num_key_value_heads * d]
 
     @classmethod
     def weight_shapes(cls, c):
@@ -73,6 +79,16 @@ class Gemma3(Model):
             shapes.update({p + k: v for k, v in layer.items()})
         return shapes
 
+    @classmethod
+    def kernel_shapes(cls, c, rows, contexts):
+        """Projections and norms; attention is left at each kernel's default (sliding layers keep a
+        ring on the reference backend, and the window differs between layer kinds)."""
+        h, d, heads, kv, style = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, cls.norm_style
+        out = gemms(rows, ((heads + 2 * kv) * d, h), (h, heads * d)) + norms(rows, h, style)
+        out += norms(rows, d, style, per_row=heads) + norms(rows, d, style, per_row=kv)
+        out += gated_mlp_shapes(rows, h, c.intermediate_size, c.hidden_activation, style, norm_inside=False)
+        return out + lm_head_shapes(c.vocab_size, h, style)
+
     def make_state(self, dtype, device):
         """Sliding layers keep a ring of the window, or, on a backend whose attention masks the window
         itself over a fixed buffer (`ops.static_windows`: the cuda backend, for CUDA graphs), a plain cache."""
@@ -83,32 +99,31 @@ class Gemma3(Model):
                 for t in c.layer_types]
 
     def attention(self, i, x, positions, cache, ropes):
-        c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.self_attn."
+        c, w, ops, p, style = self.cfg, self.w, self.ops, f"model.layers.{i}.self_attn.", self.norm_style
         kind = c.layer_types[i]
-        q = ops.linear(x, w[p + "q_proj.weight"]).view(-1, c.num_attention_heads, c.head_dim)
-        k = ops.linear(x, w[p + "k_proj.weight"]).view(-1, c.num_key_value_heads, c.head_dim)
-        v = ops.linear(x, w[p + "v_proj.weight"]).view(-1, c.num_key_value_heads, c.head_dim)
-        q = ops.apply_rope(ops.rmsnorm(q, w[p + "q_norm.weight"], c.rms_norm_eps, "offset"), *ropes[kind])
-        k = ops.apply_rope(ops.rmsnorm(k, w[p + "k_norm.weight"], c.rms_norm_eps, "offset"), *ropes[kind])
+        q, k, v = (y.view(-1, n, c.head_dim) for y, n in zip(
+            ops.linear_split(x, w[p + "qkv_proj.weight"], self.qkv_sizes),
+            (c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads)))
+        q = ops.apply_rope(ops.rmsnorm(q, w[p + "q_norm.weight"], c.rms_norm_eps, style), *ropes[kind])
+        k = ops.apply_rope(ops.rmsnorm(k, w[p + "k_norm.weight"], c.rms_norm_eps, style), *ropes[kind])
         window = c.sliding_window if kind == "sliding_attention" else None
         o = ops.attention(q, k, v, cache, positions, c.query_pre_attn_scalar ** -0.5, window,
                           c.attn_logit_softcapping)
         return ops.linear(o.reshape(x.shape[0], -1), w[p + "o_proj.weight"])
 
     def forward(self, ids, positions, state, last_only=True):
-        c, w, ops, eps = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps
+        c, w, ops, eps, style = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps, self.norm_style
         x = ops.embed(ids, w["model.embed_tokens.weight"], scale=c.hidden_size ** 0.5)
         ropes = {k: ops.rope_tables(positions, f, x.dtype) for k, f in self.inv_freq.items()}
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            h = ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps, "offset")
+            h = ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps, style)
             h = self.attention(i, h, positions, state[i], ropes)
-            x = x + ops.rmsnorm(h, w[p + "post_attention_layernorm.weight"], eps, "offset")
-            h = ops.rmsnorm(x, w[p + "pre_feedforward_layernorm.weight"], eps, "offset")
-            h = ops.gated_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
-                              w[p + "mlp.down_proj.weight"], c.hidden_activation)
-            x = x + ops.rmsnorm(h, w[p + "post_feedforward_layernorm.weight"], eps, "offset")
+            x = x + ops.rmsnorm(h, w[p + "post_attention_layernorm.weight"], eps, style)
+            h = ops.rmsnorm(x, w[p + "pre_feedforward_layernorm.weight"], eps, style)
+            h = ops.gated_mlp(h, w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"], c.hidden_activation)
+            x = x + ops.rmsnorm(h, w[p + "post_feedforward_layernorm.weight"], eps, style)
         if last_only:
             x = x[-last_only:]
-        x = ops.rmsnorm(x, w["model.norm.weight"], eps, "offset")
+        x = ops.rmsnorm(x, w["model.norm.weight"], eps, style)
         return ops.logits(x, self.lm_head, c.final_logit_softcapping)

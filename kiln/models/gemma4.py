@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.reference import inv_freq
 from ..cache import KVCache, RingKVCache
 from ..errors import KilnError
-from .base import Model, config_from_dict, fuse_experts
+from .base import Model, config_from_dict, fuse_experts, gated_mlp_shapes, gemms, kernel, lm_head_shapes, norms
+from .rope import inv_freq
 
 _OVERRIDABLE = {"head_dim", "num_key_value_heads"}  # per_layer_config keys the HF model reads
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -159,6 +159,8 @@ class KVShared:
 
 class Gemma4(Model):
     config_class = Gemma4Config
+    norm_style = "plain"
+    packed = {"mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 
     def __init__(self, cfg, weights, ops):
         super().__init__(cfg, weights, ops)
@@ -214,6 +216,30 @@ class Gemma4(Model):
             return ckpt
         return dataclasses.replace(ckpt, shapes={n: s for n, s in ckpt.shapes.items() if n not in unused})
 
+    @classmethod
+    def kernel_shapes(cls, c, rows, contexts):
+        """Projections, norms and the routed experts of each layer; attention is left at each kernel's
+        default (sliding and full layers differ in head dim, KV heads and window)."""
+        h, heads, style, ple = c.hidden_size, c.num_attention_heads, cls.norm_style, c.hidden_size_per_layer_input
+        out = norms(rows, h, style)
+        for i in range(c.num_hidden_layers):
+            d, kv = c.head_dims[i], c.kv_heads[i]
+            f = c.intermediate_size * (2 if c.use_double_wide_mlp and c.kv_source[i] is not None else 1)
+            out += gemms(rows, (heads * d, h), (h, heads * d)) + norms(rows, d, style, per_row=heads)
+            if c.kv_source[i] is None:
+                out += gemms(rows, (kv * d, h)) + norms(rows, d, style, per_row=kv)   # k (and v, unless k_eq_v)
+            out += gated_mlp_shapes(rows, h, f, c.hidden_activation, style, norm_inside=False)
+            if c.enable_moe_block:
+                e, m_ffn = c.num_experts, c.moe_intermediate_size
+                out += gemms(rows, (e, h)) + [kernel("moe", rows=m, e=e, k=c.top_k_experts, h=h, i=m_ffn,
+                                                     act=c.hidden_activation) for m in rows]
+            if ple:
+                out += gemms(rows, (ple, h), (h, ple))
+        if ple:
+            n = c.num_hidden_layers
+            out += gemms(rows, (n * ple, h)) + norms(rows, ple, style, per_row=n)
+        return out + lm_head_shapes(c.vocab_size, h, style)
+
     def make_state(self, dtype, device):
         """Sliding layers keep a ring of the window, or, on a backend that masks the window itself over a
         fixed buffer (`ops.static_windows`: the cuda backend, for CUDA graphs), a plain cache."""
@@ -232,14 +258,14 @@ class Gemma4(Model):
 
     def attention(self, i, x, positions, cache, rope):
         c, w, ops, eps, p = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps, f"model.layers.{i}.self_attn."
-        d, kv = c.head_dims[i], c.kv_heads[i]
+        d, kv, style = c.head_dims[i], c.kv_heads[i], self.norm_style
         q = ops.linear(x, w[p + "q_proj.weight"]).view(-1, c.num_attention_heads, d)
-        q = ops.apply_rope(ops.rmsnorm(q, w[p + "q_norm.weight"], eps, "plain"), *rope)
+        q = ops.apply_rope(ops.rmsnorm(q, w[p + "q_norm.weight"], eps, style), *rope)
         k = v = None  # a KV-shared layer reads its producer's K/V through `cache`
         if c.kv_source[i] is None:
             k = ops.linear(x, w[p + "k_proj.weight"]).view(-1, kv, d)
             v = k if c.attention_k_eq_v and c.full(i) else ops.linear(x, w[p + "v_proj.weight"]).view(-1, kv, d)
-            k = ops.apply_rope(ops.rmsnorm(k, w[p + "k_norm.weight"], eps, "plain"), *rope)
+            k = ops.apply_rope(ops.rmsnorm(k, w[p + "k_norm.weight"], eps, style), *rope)
             v = ops.rmsnorm_noscale(v, eps)  # values are the un-normed, un-rotated keys when k_eq_v
         window = None if c.full(i) else c.sliding_window
         o = ops.attention(q, k, v, cache, positions, 1.0, window)
@@ -247,42 +273,43 @@ class Gemma4(Model):
 
     def experts(self, i, x):
         """Routed experts on the attention block's output (the dense MLP's input residual)."""
-        c, w, ops, eps, p = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps, f"model.layers.{i}."
+        c, w, ops, eps, style = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps, self.norm_style
+        p = f"model.layers.{i}."
         weights, idx = ops.scaled_router(x, w[p + "router.scale"], w[p + "router.proj.weight"],
                                          w[p + "router.per_expert_scale"], c.top_k_experts, eps)
-        h = ops.rmsnorm(x, w[p + "pre_feedforward_layernorm_2.weight"], eps, "plain")
+        h = ops.rmsnorm(x, w[p + "pre_feedforward_layernorm_2.weight"], eps, style)
         return ops.moe_experts(h, idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
                                c.hidden_activation)
 
     def layer(self, i, x, positions, cache, rope, ple):
-        c, w, ops, eps, p = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps, f"model.layers.{i}."
-        h = self.attention(i, ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps, "plain"), positions, cache, rope)
-        x = x + ops.rmsnorm(h, w[p + "post_attention_layernorm.weight"], eps, "plain")
-        h = ops.gated_mlp(ops.rmsnorm(x, w[p + "pre_feedforward_layernorm.weight"], eps, "plain"),
-                          w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"],
-                          c.hidden_activation)
+        c, w, ops, eps, style = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps, self.norm_style
+        p = f"model.layers.{i}."
+        h = self.attention(i, ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps, style), positions, cache, rope)
+        x = x + ops.rmsnorm(h, w[p + "post_attention_layernorm.weight"], eps, style)
+        h = ops.gated_mlp(ops.rmsnorm(x, w[p + "pre_feedforward_layernorm.weight"], eps, style),
+                          w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"], c.hidden_activation)
         if c.enable_moe_block:
-            h = (ops.rmsnorm(h, w[p + "post_feedforward_layernorm_1.weight"], eps, "plain")
-                 + ops.rmsnorm(self.experts(i, x), w[p + "post_feedforward_layernorm_2.weight"], eps, "plain"))
-        x = x + ops.rmsnorm(h, w[p + "post_feedforward_layernorm.weight"], eps, "plain")
+            h = (ops.rmsnorm(h, w[p + "post_feedforward_layernorm_1.weight"], eps, style)
+                 + ops.rmsnorm(self.experts(i, x), w[p + "post_feedforward_layernorm_2.weight"], eps, style))
+        x = x + ops.rmsnorm(h, w[p + "post_feedforward_layernorm.weight"], eps, style)
         if ple is not None:
             h = ops.gated_input(x, w[p + "per_layer_input_gate.weight"], ple, w[p + "per_layer_projection.weight"],
                                 c.hidden_activation)
-            x = x + ops.rmsnorm(h, w[p + "post_per_layer_input_norm.weight"], eps, "plain")
+            x = x + ops.rmsnorm(h, w[p + "post_per_layer_input_norm.weight"], eps, style)
         return x * w[p + "layer_scalar"]
 
     def per_layer_inputs(self, ids, x):
         """PLE: (rmsnorm(proj(x) / sqrt(H)) + table[ids] * sqrt(P)) / sqrt(2), [T, L, P], each
         product rounded to the activation dtype as in HF."""
-        c, w, ops = self.cfg, self.w, self.ops
+        c, w, ops, style = self.cfg, self.w, self.ops, self.norm_style
         shape = (-1, c.num_hidden_layers, c.hidden_size_per_layer_input)
         token = ops.embed(ids, w["model.embed_tokens_per_layer.weight"], scale=c.hidden_size_per_layer_input ** 0.5)
         ctx = ops.linear(x, w["model.per_layer_model_projection.weight"]) * c.hidden_size ** -0.5
-        ctx = ops.rmsnorm(ctx.view(shape), w["model.per_layer_projection_norm.weight"], c.rms_norm_eps, "plain")
+        ctx = ops.rmsnorm(ctx.view(shape), w["model.per_layer_projection_norm.weight"], c.rms_norm_eps, style)
         return (ctx + token.view(shape)) * 2.0 ** -0.5
 
     def forward(self, ids, positions, state, last_only=True):
-        c, w, ops = self.cfg, self.w, self.ops
+        c, w, ops, style = self.cfg, self.w, self.ops, self.norm_style
         x = ops.embed(ids, w["model.embed_tokens.weight"], scale=c.hidden_size ** 0.5)     # [T, H]
         ple = self.per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
         ropes = {t: ops.rope_tables(positions, f, x.dtype) for t, f in self.inv_freq.items()}
@@ -293,5 +320,5 @@ class Gemma4(Model):
             x = self.layer(i, x, positions, state[i], ropes[c.layer_types[i]], None if ple is None else ple[:, i])
         if last_only:
             x = x[-last_only:]
-        x = ops.rmsnorm(x, w["model.norm.weight"], c.rms_norm_eps, "plain")
+        x = ops.rmsnorm(x, w["model.norm.weight"], c.rms_norm_eps, style)
         return ops.logits(x, self.lm_head, c.final_logit_softcapping)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..backends.reference import default_scale, inv_freq
 from ..cache import KVCache
-from .base import Model, decoder_layer_shapes
+from .base import Model, attention_shapes, decoder_layer_shapes, gated_mlp_shapes, gemms, lm_head_shapes, norms
+from .rope import default_scale, inv_freq
 
 
 @dataclass
@@ -35,11 +35,17 @@ class LlamaConfig:
 class Llama(Model):
     config_class = LlamaConfig
     norm_style = "llama"
+    packed = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                            "self_attn.v_proj.weight"),
+              "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+    qk_norm = False          # Qwen3: RMSNorm on q and k per head
 
     def __init__(self, cfg, weights, ops):
         super().__init__(cfg, weights, ops)
         self.inv_freq = inv_freq(cfg.head_dim, cfg.rope_theta).to(ops.device)
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        d = cfg.head_dim
+        self.qkv_sizes = [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d]
 
     @classmethod
     def weight_shapes(cls, c):
@@ -52,19 +58,29 @@ class Llama(Model):
             shapes.update({p + k: v for k, v in layer.items()})
         return shapes
 
+    @classmethod
+    def kernel_shapes(cls, c, rows, contexts):
+        h, d, heads, kv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        style = cls.norm_style
+        out = gemms(rows, ((heads + 2 * kv) * d, h), (h, heads * d)) + norms(rows, h, style)
+        out += gated_mlp_shapes(rows, h, c.intermediate_size, c.hidden_act, style, norm_inside=False)
+        if cls.qk_norm:
+            out += norms(rows, d, style, per_row=heads) + norms(rows, d, style, per_row=kv)
+        out += attention_shapes(rows, contexts, heads, kv, d, d, style if cls.qk_norm else None)
+        return out + lm_head_shapes(c.vocab_size, h, style)
+
     def make_state(self, dtype, device):
         c = self.cfg
         return [KVCache(c.num_key_value_heads, c.head_dim, dtype, device) for _ in range(c.num_hidden_layers)]
 
     def attention(self, i: int, x, positions, cache, rope):
         c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.self_attn."
-        q, k, v = ops.linear_split(x, [w[p + f"{n}_proj.weight"] for n in "qkv"])
-        q = q.reshape(-1, c.num_attention_heads, c.head_dim)
-        k = k.reshape(-1, c.num_key_value_heads, c.head_dim)
-        v = v.reshape(-1, c.num_key_value_heads, c.head_dim)
-        o = ops.qk_norm_rope_attention(q, k, v, None, None, c.rms_norm_eps, self.norm_style, rope, cache, positions,
-                                       default_scale(c.head_dim))
-        return ops.linear(o.reshape(x.shape[0], -1), w[p + "o_proj.weight"])
+        t, d = x.shape[0], c.head_dim
+        q, k, v = (y.reshape(t, -1, d) for y in ops.linear_split(x, w[p + "qkv_proj.weight"], self.qkv_sizes))
+        qn, kn = (w[p + "q_norm.weight"], w[p + "k_norm.weight"]) if self.qk_norm else (None, None)
+        o = ops.qk_norm_rope_attention(q, k, v, qn, kn, c.rms_norm_eps, self.norm_style, rope, cache, positions,
+                                       default_scale(d))
+        return ops.linear(o.reshape(t, -1), w[p + "o_proj.weight"])
 
     def forward(self, ids, positions, state, last_only=True):
         c, w, ops = self.cfg, self.w, self.ops
@@ -77,8 +93,7 @@ class Llama(Model):
             a = self.attention(i, h, positions, state[i], rope)
             # each residual add fused into the norm that follows it (bit-equal: the sum is rounded first)
             x, h = ops.add_rmsnorm(x, a, w[p + "post_attention_layernorm.weight"], eps, style)
-            m = ops.gated_mlp(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
-                              w[p + "mlp.down_proj.weight"], c.hidden_act)
+            m = ops.gated_mlp(h, w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"], c.hidden_act)
             if i + 1 < n:
                 x, h = ops.add_rmsnorm(x, m, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, style)
         if last_only:

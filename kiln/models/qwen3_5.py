@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..backends.reference import default_scale, inv_freq
 from ..cache import GDNState, KVCache
 from ..errors import KilnError
-from .base import Model
+from .base import Model, attention_shapes, gated_mlp_shapes, gemms, kernel, lm_head_shapes, norms
+from .rope import default_scale, inv_freq
 
 
 @dataclass
@@ -68,11 +68,24 @@ class Qwen35Config:
 
 class Qwen35(Model):
     config_class = Qwen35Config
+    norm_style = "offset"
+    packed = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                            "self_attn.v_proj.weight"),
+              "linear_attn.in_proj_qkvzba.weight": ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
+                                                    "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"),
+              "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+    # Decode runs each residual add and the norm after it inside the next GEMV (the mixer's input
+    # projections; the MLP's gate|up, where the MLP is dense).
+    norm_inside_mlp = True
 
     def __init__(self, cfg, weights, ops):
         super().__init__(cfg, weights, ops)
         self.inv_freq = inv_freq(cfg.rotary_dim, cfg.rope_theta).to(ops.device)
         self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        hk, hv, dk, dv = self.gdn_dims(cfg)
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        self.qkv_sizes = [2 * cfg.num_attention_heads * cfg.head_dim, kv, kv]
+        self.gdn_sizes = [2 * hk * dk + hv * dv, hv * dv, hv, hv]
 
     # -- declared weights -------------------------------------------------------------------------
     @classmethod
@@ -118,6 +131,42 @@ class Qwen35(Model):
         h, f = c.hidden_size, c.intermediate_size
         return {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
 
+    @classmethod
+    def kernel_shapes(cls, c, rows, contexts):
+        h, d, heads, kv, style = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, cls.norm_style
+        out = norms(rows, h, style)
+        if "full_attention" in c.layer_types:
+            out += cls.mixer_shapes(rows, (2 * heads + 2 * kv) * d, h, (h, heads * d))
+            out += norms(rows, d, style, per_row=heads) + norms(rows, d, style, per_row=kv)
+            out += attention_shapes(rows, contexts, heads, kv, d, c.rotary_dim, style)
+        if "linear_attention" in c.layer_types:
+            hk, hv, dk, dv = cls.gdn_dims(c)
+            out += cls.gdn_projection_shapes(c, rows)
+            out += [kernel("gdn_decode" if m == 1 else "gdn_prefill", rows=m, hk=hk, hv=hv, dk=dk, dv=dv,
+                           k=c.linear_conv_kernel_dim) for m in rows]
+        for i in range(c.num_hidden_layers):
+            out += cls.mlp_kernel_shapes(c, i, rows)
+        return out + lm_head_shapes(c.vocab_size, h, style)
+
+    @classmethod
+    def mixer_shapes(cls, rows, n: int, hidden: int, out_proj: tuple[int, int]) -> list:
+        """A mixer's packed input projections (at decode with the residual add and the input norm inside
+        their GEMV, where the MLP before them does the same) and its output projection."""
+        out = gemms(rows, (n, hidden), out_proj)
+        if cls.norm_inside_mlp and 1 in rows:
+            out.append(kernel("rmsnorm_gemm", rows=1, n=n, k=hidden, style=cls.norm_style, add=True))
+        return out
+
+    @classmethod
+    def gdn_projection_shapes(cls, c, rows) -> list:
+        hk, hv, dk, dv = cls.gdn_dims(c)
+        return cls.mixer_shapes(rows, 2 * hk * dk + 2 * hv * dv + 2 * hv, c.hidden_size, (c.hidden_size, hv * dv))
+
+    @classmethod
+    def mlp_kernel_shapes(cls, c, layer: int, rows) -> list:
+        return gated_mlp_shapes(rows, c.hidden_size, c.intermediate_size, c.hidden_act, cls.norm_style,
+                                norm_inside=cls.norm_inside_mlp)
+
     # -- state ----------------------------------------------------------------------------------
     def make_state(self, dtype, device):
         c = self.cfg
@@ -127,22 +176,33 @@ class Qwen35(Model):
                 for kind in c.layer_types]
 
     # -- forward --------------------------------------------------------------------------------
-    def gdn_projections(self, x, p):
-        """(qkv, z, b, a) from the layer input; Qwen3-Next overrides this for its packed layout."""
-        w = self.w
-        return tuple(self.ops.linear_split(x, [w[p + f"in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")]))
+    def mixer_input(self, i, h):
+        """Layer i's mixer input projections from its normed input h: GDN (qkv, z, b, a) or attention
+        (q|gate, k, v); Qwen3-Next overrides this for its packed GDN layout."""
+        p = f"model.layers.{i}."
+        if self.cfg.layer_types[i] == "linear_attention":
+            return self.ops.linear_split(h, self.w[p + "linear_attn.in_proj_qkvzba.weight"], self.gdn_sizes)
+        return self.ops.linear_split(h, self.w[p + "self_attn.qkv_proj.weight"], self.qkv_sizes)
 
-    def linear_attention(self, i, x, state, proj=None):
-        """proj: the in_proj outputs when the input norm computed them (norm_next), else from x."""
+    def norm_next(self, i, x, m):
+        """The residual add and layer i's input norm, then its mixer's projections: (x + m, projections)
+        (with the norm inside their GEMV at decode, where the tuner chose it)."""
+        w, p, eps = self.w, f"model.layers.{i}.", self.cfg.rms_norm_eps
+        gdn = self.cfg.layer_types[i] == "linear_attention"
+        packed = w[p + ("linear_attn.in_proj_qkvzba.weight" if gdn else "self_attn.qkv_proj.weight")]
+        return self.ops.add_rmsnorm_linear_split(x, m, w[p + "input_layernorm.weight"], eps, self.norm_style, packed,
+                                                 self.gdn_sizes if gdn else self.qkv_sizes)
+
+    def linear_attention(self, i, proj, state):
         c, w, p = self.cfg, self.w, f"model.layers.{i}.linear_attn."
-        qkv, z, b, a = proj if proj is not None else self.gdn_projections(x, p)
+        qkv, z, b, a = proj
         params = {n: w[p + n] for n in ("conv1d.weight", "A_log", "dt_bias", "norm.weight")}
         y = self.ops.gated_deltanet(qkv, z, b, a, params, state, (*self.gdn_dims(c), c.rms_norm_eps))
         return self.ops.linear(y, w[p + "out_proj.weight"])
 
-    def full_attention(self, i, x, positions, cache, rope, proj=None):
+    def full_attention(self, i, proj, positions, cache, rope):
         c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.self_attn."
-        qg, k, v = proj if proj is not None else ops.linear_split(x, [w[p + f"{n}_proj.weight"] for n in "qkv"])
+        qg, k, v = proj
         t, d, eps = qg.shape[0], c.head_dim, c.rms_norm_eps
         q, gate = qg.view(t, -1, 2 * d).chunk(2, dim=-1)                                 # per-head interleave
         k, v = k.view(t, -1, d), v.view(t, -1, d)
@@ -152,51 +212,29 @@ class Qwen35(Model):
 
     def mlp(self, i, x):
         w, p = self.w, f"model.layers.{i}.mlp."
-        return self.ops.gated_mlp(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"],
-                                  w[p + "down_proj.weight"], self.cfg.hidden_act)
-
-    fuses_norm_mlp = True    # decode: each residual add and norm can run inside the next GEMV (workloads)
-
-    def mixer_weights(self, i) -> list | None:
-        """Layer i's first projections (concatenated by CudaOps), if they are the plain ones."""
-        p = f"model.layers.{i}."
-        names = ([p + f"linear_attn.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")]
-                 if self.cfg.layer_types[i] == "linear_attention" else [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
-        return [self.w[n] for n in names] if all(n in self.w for n in names) else None
-
-    def norm_next(self, i, x, m):
-        """The residual add and layer i's input norm: (x + m, h, None), or (x + m, None, its projections)
-        where ops may compute them with the norm (Qwen3-Next's packed in_proj keeps the first form)."""
-        nw, eps, ws = self.w[f"model.layers.{i}.input_layernorm.weight"], self.cfg.rms_norm_eps, self.mixer_weights(i)
-        if ws is None:
-            return (*self.ops.add_rmsnorm(x, m, nw, eps, "offset"), None)
-        x, proj = self.ops.add_rmsnorm_linear_split(x, m, nw, eps, "offset", ws)
-        return x, None, tuple(proj)
+        return self.ops.gated_mlp(x, w[p + "gate_up_proj.weight"], w[p + "down_proj.weight"], self.cfg.hidden_act)
 
     def norm_mlp(self, i, x, a):
         """The residual add, the post-attention norm and the MLP: (x + a, mlp(norm(x + a)))."""
         w, p = self.w, f"model.layers.{i}."
-        if p + "mlp.gate_proj.weight" not in w:            # MoE layers: their own mlp
-            x, h = self.ops.add_rmsnorm(x, a, w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps, "offset")
-            return x, self.mlp(i, h)
         return self.ops.add_rmsnorm_gated_mlp(x, a, w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps,
-                                              "offset", w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                                              self.norm_style, w[p + "mlp.gate_up_proj.weight"],
                                               w[p + "mlp.down_proj.weight"], self.cfg.hidden_act)
 
     def forward(self, ids, positions, state, last_only=True):
         c, w, ops, eps = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps
         x = ops.embed(ids, w["model.embed_tokens.weight"])
         rope = ops.rope_tables(positions, self.inv_freq, x.dtype)
-        h, proj = ops.rmsnorm(x, w["model.layers.0.input_layernorm.weight"], eps, "offset"), None
+        proj = self.mixer_input(0, ops.rmsnorm(x, w["model.layers.0.input_layernorm.weight"], eps, self.norm_style))
         for i, kind in enumerate(c.layer_types):
             if kind == "linear_attention":
-                a = self.linear_attention(i, h, state[i], proj)
+                a = self.linear_attention(i, proj, state[i])
             else:
-                a = self.full_attention(i, h, positions, state[i], rope, proj)
+                a = self.full_attention(i, proj, positions, state[i], rope)
             # each residual add fused into the norm that follows it (bit-equal: the sum is rounded first)
             x, m = self.norm_mlp(i, x, a)
             if i + 1 < len(c.layer_types):
-                x, h, proj = self.norm_next(i + 1, x, m)
+                x, proj = self.norm_next(i + 1, x, m)
         if last_only:
             x, m = x[-last_only:], m[-last_only:]
-        return ops.logits(ops.add_rmsnorm(x, m, w["model.norm.weight"], eps, "offset")[1], self.lm_head)
+        return ops.logits(ops.add_rmsnorm(x, m, w["model.norm.weight"], eps, self.norm_style)[1], self.lm_head)

@@ -4,12 +4,15 @@ scaled by a sigmoid gate)."""
 
 from __future__ import annotations
 
-from .base import fuse_experts
+from .base import fuse_experts, gated_mlp_shapes, gemms, kernel
 from .qwen3_5 import Qwen35
 
 
 class Qwen35Moe(Qwen35):
-    fuses_norm_mlp = False   # its MLP is the MoE block; no fused-norm workloads (norm_mlp and norm_next fall back)
+    packed = {**Qwen35.packed,
+              "mlp.shared_expert.gate_up_proj.weight": ("mlp.shared_expert.gate_proj.weight",
+                                                        "mlp.shared_expert.up_proj.weight")}
+    norm_inside_mlp = False   # its MLP is the MoE block: the norms run on their own
 
     @classmethod
     def sanitize(cls, ckpt):
@@ -32,12 +35,32 @@ class Qwen35Moe(Qwen35):
                 "mlp.shared_expert.up_proj.weight": (s, h), "mlp.shared_expert.down_proj.weight": (h, s),
                 "mlp.shared_expert_gate.weight": (1, h)}
 
+    @classmethod
+    def mlp_kernel_shapes(cls, c, layer: int, rows) -> list:
+        """The router's logits, the routed experts, the shared expert as a gated MLP (its sigmoid gate
+        [1, H] runs inside the experts' combine: no GEMM of its own)."""
+        if not cls.sparse_layer(c, layer):
+            return super().mlp_kernel_shapes(c, layer, rows)
+        h, e = c.hidden_size, c.num_experts
+        shared = gated_mlp_shapes(rows, h, c.shared_expert_intermediate_size, c.hidden_act, cls.norm_style,
+                                  norm_inside=False)
+        return gemms(rows, (e, h)) + shared + [kernel("moe", rows=m, e=e, k=c.num_experts_per_tok, h=h,
+                                                      i=c.moe_intermediate_size, act=c.hidden_act) for m in rows]
+
+    def norm_mlp(self, i, x, a):
+        if not self.is_sparse(i):
+            return super().norm_mlp(i, x, a)
+        c, w = self.cfg, self.w
+        x, h = self.ops.add_rmsnorm(x, a, w[f"model.layers.{i}.post_attention_layernorm.weight"], c.rms_norm_eps,
+                                    self.norm_style)
+        return x, self.mlp(i, h)
+
     def mlp(self, i, x):
         if not self.is_sparse(i):
             return super().mlp(i, x)
         c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.mlp."
-        shared = ops.gated_mlp(x, w[p + "shared_expert.gate_proj.weight"], w[p + "shared_expert.up_proj.weight"],
-                               w[p + "shared_expert.down_proj.weight"], c.hidden_act)
+        shared = ops.gated_mlp(x, w[p + "shared_expert.gate_up_proj.weight"], w[p + "shared_expert.down_proj.weight"],
+                               c.hidden_act)
         weights, idx = ops.router_topk(ops.linear(x, w[p + "gate.weight"]), c.num_experts_per_tok, c.norm_topk_prob)
         return ops.moe_experts_gated(x, idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
                                      c.hidden_act, w[p + "shared_expert_gate.weight"], shared)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .base import gemms
 from .qwen3_5_moe import Qwen35Moe
 
 
@@ -25,12 +26,29 @@ class Qwen3Next(Qwen35Moe):
         shapes[p + "in_proj_ba.weight"] = (2 * hv, h)
         return shapes
 
-    def gdn_projections(self, x, p):
-        """Unpack [q_j | k_j | v_group_j | z_group_j] per key head j into Qwen3.5's (q|k|v, z, b, a)."""
+    @classmethod
+    def gdn_projection_shapes(cls, c, rows) -> list:
+        hk, hv, dk, dv = cls.gdn_dims(c)
+        h = c.hidden_size
+        return gemms(rows, (2 * hk * dk + 2 * hv * dv, h), (2 * hv, h), (h, hv * dv))
+
+    def mixer_input(self, i, h):
+        """GDN layers: unpack [q_j | k_j | v_group_j | z_group_j] per key head j into Qwen3.5's
+        (q|k|v, z, b, a)."""
+        if self.cfg.layer_types[i] != "linear_attention":
+            return super().mixer_input(i, h)
         hk, hv, dk, dv = self.gdn_dims(self.cfg)
-        t, r = x.shape[0], hv // hk
-        qkvz = self.ops.linear(x, self.w[p + "in_proj_qkvz.weight"]).view(t, hk, -1)
+        t, r, p = h.shape[0], hv // hk, f"model.layers.{i}.linear_attn."
+        qkvz = self.ops.linear(h, self.w[p + "in_proj_qkvz.weight"]).view(t, hk, -1)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = self.ops.linear(x, self.w[p + "in_proj_ba.weight"]).view(t, hk, 2 * r).split([r, r], dim=-1)
+        b, a = self.ops.linear(h, self.w[p + "in_proj_ba.weight"]).view(t, hk, 2 * r).split([r, r], dim=-1)
         qkv = (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1))
         return torch.cat(qkv, dim=-1), z.reshape(t, -1), b.reshape(t, hv), a.reshape(t, hv)
+
+    def norm_next(self, i, x, m):
+        """GDN layers: the residual add and the input norm, then the two packed projections."""
+        if self.cfg.layer_types[i] != "linear_attention":
+            return super().norm_next(i, x, m)
+        x, h = self.ops.add_rmsnorm(x, m, self.w[f"model.layers.{i}.input_layernorm.weight"], self.cfg.rms_norm_eps,
+                                    self.norm_style)
+        return x, self.mixer_input(i, h)

@@ -1,16 +1,18 @@
-"""What every kernel family shares: the device it runs on, interpreter mode, dtypes, tile helpers."""
+"""What every kernel family shares: dtypes, tile helpers, rounding, programmatic dependent launch, and
+the launch options some kernels need."""
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..fsutil import cache_dir
+from ..tune.device import interpreting
 
 COMMON = __file__     # every op's kernels use helpers from here: part of each op's sources hash
 
@@ -20,47 +22,19 @@ def _default_triton_cache() -> None:
     says otherwise: a warm kiln cache then loads without compiling (an empty Triton cache cost 31 s
     of a 0.8b load on a fresh H200 machine, with every tune choice cached)."""
     if not os.environ.get("TRITON_CACHE_DIR"):
-        from ...hub import cache_dir
         os.environ["TRITON_CACHE_DIR"] = str(cache_dir() / "triton")
 
 
 _default_triton_cache()
 
 
-def interpreting() -> bool:
-    """Triton's CPU interpreter (TRITON_INTERPRET=1): every step runs, timings mean nothing."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """What the kernels and the tune cache need to know about the device."""
-    name: str
-    sms: int
-    capability: tuple[int, int] | None     # None on CPU (interpreter)
-    device: torch.device
-
-    @property
-    def tma(self) -> bool:
-        """Hopper and later: tensor-memory-accelerator descriptors, persistent TMA GEMMs."""
-        return self.capability is not None and self.capability >= (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_info(index: int) -> DeviceInfo:
-    p = torch.cuda.get_device_properties(index)
-    return DeviceInfo(p.name, p.multi_processor_count, (p.major, p.minor), torch.device("cuda", index))
-
-
-def device_info(device: torch.device | str) -> DeviceInfo:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return _cuda_info(device.index if device.index is not None else torch.cuda.current_device())
-    return DeviceInfo("cpu (triton interpreter)", 4, None, device)
-
-
 def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def pow2_dim(n: int) -> bool:
+    """A head or state dimension the tiled kernels take: a power of two, at least 16."""
+    return n >= 16 and n & (n - 1) == 0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -113,3 +87,10 @@ def pdl_wait(PDL: tl.constexpr):
 
 
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# The kernels that round a product to 16 bits and then add it, as the reference does: by default
+# Triton narrows both steps to 16-bit ops and contracts them into one FMA, which skips that rounding
+# (bench/cross_compile.py fails on any 16-bit FMA; docs/compiler.md). f32 FMAs elsewhere stay: they
+# skip no rounding the reference does.
+EXACT_ROUNDING = {"enable_fp_fusion": False}

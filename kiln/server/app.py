@@ -41,7 +41,7 @@ class Service:
         self.created = int(time.time())
         tok = llm.tokenizer
         # NOTE: a tokenizer may carry a separate "tool_use" template; tools are rendered with it.
-        source = (tok._templates.get("tool_use") or tok.chat_template) if tok is not None else None
+        source = (tok.templates.get("tool_use") or tok.chat_template) if tok is not None else None
         self.tool_format = tools.detect(source)
         llm.engine.reuse_prefix = True
 
@@ -68,7 +68,7 @@ class Service:
 
     def completion_prompt(self, req: protocol.CompletionRequest) -> list[int]:
         try:
-            return self.llm._prompt_ids(req.prompt)
+            return self.llm.encode(req.prompt)
         except KilnError as e:
             raise bad(str(e), "prompt") from None
 

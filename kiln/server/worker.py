@@ -15,7 +15,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 
-from ..api import LLM, _Run
+from ..api import LLM, Generation
 from ..sampling import SamplingParams
 
 
@@ -84,7 +84,7 @@ class Worker:
     def _run(self, job: Job) -> None:
         run = None
         try:
-            run = _Run(self.llm, job.prompt_ids, job.params)
+            run = Generation(self.llm, job.prompt_ids, job.params)
             for piece in run:
                 if job.cancelled.is_set():
                     return
@@ -96,4 +96,4 @@ class Worker:
             job.emit("error", e)
         finally:
             if run is not None:
-                run.stream.ids.close()  # end the engine loop now, not whenever it is collected
+                run.close()  # end the engine loop now, not whenever it is collected

@@ -5,7 +5,7 @@ sequence), the same for every engine. Per prompt length each engine runs once un
 then `--runs` measured times, the engines alternating which goes first; the median is reported.
 Prefill is timed from the ids going in to the first generated token read on the host; decode from
 there to the last of `--gen` tokens (greedy, never stopping at EOS), as a user waits for them.
-transformers runs in its own process (`python -m kiln.bench --worker`), driven one JSON line at a
+transformers runs in its own process (`python -m kiln.tools.bench --worker`), driven one JSON line at a
 time over stdin/stdout, so each engine has the machine to itself while it is measured.
 """
 
@@ -26,10 +26,25 @@ from pathlib import Path
 
 import torch
 
-from .benchutil import (DTYPE_NAMES, at_least, check_writable, command_line, environment, markdown_table, now_iso,
-                        page_cache_note, peak_mem_gb, reset_peak, resident_fraction, sync, write_atomic)
-from .cli import add_runtime_flags
-from .errors import KilnError
+from .. import hub
+from ..api import pick_device, resolve_model
+from ..cli.flags import add_runtime_flags, at_least, load_from_flags
+from ..errors import KilnError
+from .benchutil import (
+    DTYPE_NAMES,
+    check_writable,
+    command_line,
+    environment,
+    markdown_table,
+    now_iso,
+    page_cache_note,
+    peak_mem_gb,
+    reset_peak,
+    resident_fraction,
+    sync,
+    write_atomic,
+)
+from .hf_reference import load_hf_reference
 
 DEFAULT_LENGTHS = (512, 2048, 8192, 32768, 81920)
 FIELDS = ("engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
@@ -65,6 +80,7 @@ def add_parser(sub) -> None:
     p.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="plot tok/s against prompt length (needs matplotlib)")
+    p.set_defaults(main=main)
 
 
 def _check_outputs(a) -> None:
@@ -136,7 +152,7 @@ class Baseline:
         root = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen([sys.executable, "-m", "kiln.bench", "--worker"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "kiln.tools.bench", "--worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.err, text=True, env=env)
         self.version, self.failed = None, None
         ready = self._ask({"model": model, "dtype": dtype, "device": device, "attn": attn})
@@ -320,9 +336,7 @@ def _agreement(measured: dict, say) -> None:
 
 
 # -- the command ---------------------------------------------------------------------------------------
-def _model_label(spec: str | None, path) -> str:
-    from . import hub
-
+def model_label(spec: str | None, path) -> str:
     if spec is None:
         return hub.DEFAULT_MODEL
     return spec if spec in hub.BUNDLED or spec.startswith("synth:") else str(path)
@@ -347,15 +361,12 @@ def _gpu_fits_both(llm) -> bool:
 
 
 def _load(a, say):
-    from .api import resolve_model
-    from .cli import load_from_args
-
     synth = (a.model or "").startswith("synth:")
     # Resolving first pulls a missing bundled model, so load_s never includes a download.
     cache = None if synth else resident_fraction(resolve_model(a.model, quiet=a.quiet))
-    llm = load_from_args(a)
+    llm = load_from_flags(a)
     note = "weights synthesized, no checkpoint read" if synth else page_cache_note(cache)
-    say(f"loaded {a.model or _model_label(None, None)} ({DTYPE_NAMES[llm.engine.dtype]}, {llm.engine.device}, "
+    say(f"loaded {a.model or model_label(None, None)} ({DTYPE_NAMES[llm.engine.dtype]}, {llm.engine.device}, "
         f"{llm.model.ops.name}) in {llm.load_s:.2f} s; {note}")
     return llm
 
@@ -364,12 +375,10 @@ def main(a) -> int:
     _check_outputs(a)
     say = (lambda m: None) if a.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr))
     log = _log_line(a.quiet)
-    from .api import pick_device
-
     reset_peak(pick_device(a.device))
     llm = _load(a, say)
     dev, gen = llm.engine.device, a.gen
-    report = {"engine": "kiln", "model": _model_label(a.model, llm.path), "dtype": DTYPE_NAMES[llm.engine.dtype],
+    report = {"engine": "kiln", "model": model_label(a.model, llm.path), "dtype": DTYPE_NAMES[llm.engine.dtype],
               "backend": llm.model.ops.name, "device": str(dev), **environment(dev), "date": now_iso(),
               "command": command_line(), "load_s": round(llm.load_s, 3),
               "load_stages": llm.load_stages or None, "tune_s": _backend_fact(llm, "tune_s"),
@@ -427,7 +436,7 @@ def _finish(a, report: dict, measured: dict, say) -> int:
     return 0
 
 
-# -- the transformers worker (python -m kiln.bench --worker) -------------------------------------------
+# -- the transformers worker (python -m kiln.tools.bench --worker) -------------------------------------------
 @torch.inference_mode()
 def _hf_run(model, ids: list[int], gen: int, device: torch.device, keep_kw: dict) -> dict:
     sync(device)
@@ -467,7 +476,6 @@ def worker_main() -> int:
     try:
         import transformers
 
-        from .reference_hf import load_hf_reference
 
         t0 = time.perf_counter()
         model = load_hf_reference(cfg["model"], dtype=cfg["dtype"], device=cfg["device"], attn=cfg["attn"])

@@ -14,26 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .fsutil import write_atomic  # noqa: F401  (bench and profile import it from here)
-
 import torch
 
+from ..errors import KilnError
+from ..fsutil import write_atomic  # noqa: F401  (bench and profile import it from here)
+from ..tune.cache import driver_version
+
 DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-
-
-def at_least(lo: int):
-    """An argparse type: an integer >= lo."""
-    import argparse
-
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            v = lo - 1
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}")
-        return v
-    return parse
 
 
 # -- the environment a number belongs to ---------------------------------------------------------
@@ -56,7 +43,6 @@ def _cpu_name() -> str:
 
 def _nvidia_driver() -> str | None:
     """The NVIDIA kernel driver version (one reader for the tune cache key and the bench JSON)."""
-    from .tune.cache import driver_version
 
     return driver_version()
 
@@ -197,8 +183,6 @@ def markdown_table(headers: list[str], rows: list[list[str]], right: set[int] = 
 
 def check_writable(path: str | Path, flag: str) -> None:
     """Fail before a long run, not after it, when an output's folder does not exist."""
-    from .errors import KilnError
-
     parent = Path(path).expanduser().resolve().parent
     if not parent.is_dir():
         raise KilnError(f"{flag} {path}: folder {parent} does not exist")

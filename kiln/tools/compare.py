@@ -27,7 +27,13 @@ from pathlib import Path
 
 import torch
 
-from .errors import KilnError
+from .. import __version__
+from ..api import load, load_tokenizer, pick_device, pick_dtype, resolve_model
+from ..cli.flags import add_runtime_flags, nonneg_int, parse_pins, positive_int, token_ids
+from ..errors import KilnError
+from ..weights import open_checkpoint
+from ..weights.synth import random_prompt
+from .hf_reference import load_hf_reference, transformers_module
 
 MANTISSA_BITS = {"bf16": 7, "f16": 10, "f32": 23}
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -125,27 +131,23 @@ def judge(ref: Greedy, ours: Greedy, dtype: str) -> dict:
 # -- CLI ---------------------------------------------------------------------------------------
 
 def add_parser(sub) -> None:
-    from .cli import _nonneg_int, _positive_int, _token_ids, add_runtime_flags
-
     p = sub.add_parser("compare", help="kiln against transformers on the same weights (greedy tokens)")
     add_runtime_flags(p)
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
-    p.add_argument("--prompt-ids", action="append", type=_token_ids, default=[],
+    p.add_argument("--prompt-ids", action="append", type=token_ids, default=[],
                    help="comma-separated token ids (repeatable)")
-    p.add_argument("--random-prompt", action="append", type=_positive_int, default=[], metavar="N",
+    p.add_argument("--random-prompt", action="append", type=positive_int, default=[], metavar="N",
                    help="N random token ids (repeatable; default one of 32)")
-    p.add_argument("--tokens", type=_positive_int, default=48, help="greedy tokens per prompt (default 48)")
-    p.add_argument("--seed", type=_nonneg_int, default=0, help="seed of the random prompts (default 0)")
+    p.add_argument("--tokens", type=positive_int, default=48, help="greedy tokens per prompt (default 48)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the random prompts (default 0)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the full report as JSON")
     p.add_argument("--attn", default="eager", help="transformers attention implementation (default eager)")
+    p.set_defaults(main=main)
 
 
 def _prompts(a, ckpt) -> list[tuple[str, list[int]]]:
-    from .api import _load_tokenizer
-    from .synth import random_prompt
-
     vocab, out = int(ckpt.config["vocab_size"]), []
-    tokenizer = _load_tokenizer(ckpt) if a.prompt else None
+    tokenizer = load_tokenizer(ckpt) if a.prompt else None
     for text in a.prompt:
         if tokenizer is None:
             raise KilnError("this model has no tokenizer: use --prompt-ids or --random-prompt")
@@ -189,11 +191,6 @@ def _write_json(path: str, report: dict) -> None:
 
 
 def main(a) -> int:
-    from . import __version__
-    from .api import load, pick_device, pick_dtype, resolve_model
-    from .reference_hf import _transformers, load_hf_reference
-    from .weights import open_checkpoint
-
     say = (lambda msg: None) if a.quiet else (lambda msg: print(f"kiln compare: {msg}", file=sys.stderr))
     if a.json and not Path(a.json).expanduser().parent.is_dir():
         raise KilnError(f"cannot write {a.json}: no such folder")
@@ -201,7 +198,7 @@ def main(a) -> int:
     dtype = _DTYPE_NAMES[pick_dtype(a.dtype, dev)]
     path = resolve_model(a.model, quiet=a.quiet)
     prompts = _prompts(a, open_checkpoint(path))
-    tf = _transformers()
+    tf = transformers_module()
     if a.quiet:
         tf.utils.logging.disable_progress_bar()
 
@@ -216,8 +213,6 @@ def main(a) -> int:
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-
-    from .tune.cli import parse_pins
 
     llm = load(path, device=str(dev), dtype=dtype, backend=a.backend, max_context=a.max_context, quiet=a.quiet,
                enforce_eager=getattr(a, "enforce_eager", False), retune=getattr(a, "retune", False),

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import torch
 
-from .errors import KilnError
+from ..errors import KilnError
+from ..models import synthesis
+from ..weights.synth import parse_spec
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
-def _transformers():
+def transformers_module():
     try:
         import transformers
     except ImportError:
@@ -30,7 +32,7 @@ def load_hf_reference(path: str | Path, dtype: str = "f32", device: str = "cpu",
     """transformers' causal LM on the checkpoint at `path` (HF folder, GGUF file or `synth:` spec), in
     eval mode. `plain`: the modeling file's own PyTorch code (eager experts loop, no optional kernel
     packages), which is the numerical reference; False keeps what transformers picks (for speed)."""
-    tf = _transformers()
+    tf = transformers_module()
     p = Path(path)
     kw = dict(dtype=DTYPES[dtype], attn_implementation=attn)
     if plain and hasattr(tf.PreTrainedModel, "set_experts_implementation"):
@@ -70,13 +72,12 @@ def _from_synth(tf, spec: str, kw: dict):
     missing, unexpected or mis-shaped weight is an error that names it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from .synth import open_synth
-
-    ckpt = open_synth(spec)
-    fields = {k: v for k, v in ckpt.config.items() if k != "model_type"}
-    config = tf.AutoConfig.for_model(ckpt.config["model_type"], **fields)
+    s = parse_spec(spec)
+    drawn = synthesis(s.name, s.layers, s.seed)
+    fields = {k: v for k, v in drawn.config.items() if k != "model_type"}
+    config = tf.AutoConfig.for_model(drawn.config["model_type"], **fields)
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    state = {name: ckpt.loader(name, kw["dtype"]) for name in ckpt.shapes}  # drawn straight into the dtype
+    state = {name: drawn.tensor(name, kw["dtype"]) for name in drawn.shapes}  # drawn straight into the dtype
     try:
         model, info = cls.from_pretrained(None, config=config, state_dict=state, output_loading_info=True, **kw)
     except RuntimeError as e:  # mis-shaped weights

@@ -17,10 +17,19 @@ import time
 
 import torch
 
-from .benchutil import (DTYPE_NAMES, at_least, check_writable, command_line, environment, markdown_table, now_iso, sync,
-                        write_atomic)
-from .cli import add_runtime_flags
-from .errors import KilnError
+from ..cli.flags import add_runtime_flags, at_least, load_from_flags
+from ..errors import KilnError
+from .bench import model_label, random_prompts
+from .benchutil import (
+    DTYPE_NAMES,
+    check_writable,
+    command_line,
+    environment,
+    markdown_table,
+    now_iso,
+    sync,
+    write_atomic,
+)
 
 OUTSIDE = "(outside ops)"
 
@@ -34,6 +43,7 @@ def add_parser(sub) -> None:
                    help="profiled repeats after one warm-up; the mean is shown (default 3)")
     p.add_argument("--seed", type=at_least(0), default=0, help="seed of the random-token prompt (default 0)")
     p.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the profile as JSON")
+    p.set_defaults(main=main)
 
 
 class OpTimer:
@@ -154,15 +164,11 @@ def table(prof: dict) -> str:
 
 
 def main(a) -> int:
-    from .bench import _model_label, random_prompts
-
     if a.json_path:
         check_writable(a.json_path, "--json")
     if a.max_context is not None and a.prompt_length + 1 > a.max_context:
         raise KilnError(f"prompt length {a.prompt_length} + 1 decode step does not fit --max-context {a.max_context}")
-    from .cli import load_from_args
-
-    llm = load_from_args(a)
+    llm = load_from_flags(a)
     eng, n = llm.engine, a.prompt_length
     if n + 1 > eng.max_context:
         raise KilnError(f"prompt length {n} + 1 decode step does not fit the max context of {eng.max_context} tokens")
@@ -171,7 +177,7 @@ def main(a) -> int:
     with OpTimer(llm.model.ops, eng.device) as timer:
         _profile_once(llm, timer, ids, start)  # warm-up
         steps = [_profile_once(llm, timer, ids, start) for _ in range(a.repeats)]
-    prof = {"engine": "kiln", "model": _model_label(a.model, llm.path), "dtype": DTYPE_NAMES[eng.dtype],
+    prof = {"engine": "kiln", "model": model_label(a.model, llm.path), "dtype": DTYPE_NAMES[eng.dtype],
             "backend": eng.model.ops.name, "device": str(eng.device), **environment(eng.device), "date": now_iso(),
             "command": command_line(), "prompt_tokens": n, "prefill_chunk": {"start": start, "tokens": n - start},
             "decode_position": n, "repeats": a.repeats, "clock": "cuda events" if timer.cuda else "perf_counter",

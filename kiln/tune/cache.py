@@ -20,18 +20,17 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-
-from ..fsutil import write_atomic
 from typing import Callable
 
 import torch
+
+from ..fsutil import cache_dir, write_atomic
 
 FORMAT = 2      # 2: sources hashed per op
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
 def cache_root() -> Path:
-    from ..hub import cache_dir
     return cache_dir() / "tune"
 
 

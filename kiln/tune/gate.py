@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import KilnError
 from .registry import Op, Variant
 
 TOLERANCE = 1 / 64
@@ -69,7 +70,6 @@ def check(op: Op, v: Variant, cases: list[Case], plan=None) -> Verdict:
             op.run(v, case.inputs, out, plan)
             sync(next(iter(out.values())).device)
         except Exception as e:  # out of resources, a launch error: this variant cannot run here
-            from .tuner import fault_error
             if (err := fault_error(e, op.name, v.name)) is not None:
                 raise err from e        # a device fault: the context is lost, nothing else can run
             first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
@@ -83,3 +83,13 @@ def check(op: Op, v: Variant, cases: list[Case], plan=None) -> Verdict:
             if err > worst.err:
                 worst = Verdict(True, err, scale)
     return worst
+
+
+def fault_error(e: Exception, op: str, variant: str) -> KilnError | None:
+    """The error to stop with when e is a device fault (illegal address, misaligned access, ...):
+    unlike a build error it poisons the CUDA context, so nothing after it can run in this process."""
+    text = str(e).lower()
+    if not (type(e).__name__ == "AcceleratorError" or "illegal memory access" in text or "misaligned address" in text):
+        return None
+    return KilnError(f"{op}={variant} faulted on this GPU ({str(e).strip().splitlines()[0][:80]}); the CUDA context "
+                     f"is lost: run again with KILN_TUNE_SKIP={op}={variant}")

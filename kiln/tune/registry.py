@@ -1,9 +1,9 @@
 """The kernel registry: each op (kernel family) declares its variants, its trusted variant, how to
 draw inputs for a shape, its full and partial blocks, and its outputs.
 
-An op is an object with the methods of `Op` below; kernel families live in kiln/backends/cuda and
-register themselves on import. Tests add candidates to an op with `extra_variant` (e.g. a wrong
-one that must be rejected).
+An op is an object with the methods of `Op` below; the kernel families (kiln/ops/<family>/) register
+their ops here when they are imported, so this module imports none of them. Tests add candidates
+to an op with `extra_variant` (e.g. a wrong one that must be rejected).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
+
+from ..errors import KilnError
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,16 @@ class Op:
 
     name: str = ""
     sources: tuple[str, ...] = ()   # files whose text is hashed into the tune cache key
+    shape_type: type = tuple        # the frozen dataclass of its shapes (built from a model's KernelShape)
+
+    @property
+    def family(self) -> str:
+        """The kiln.ops package its kernels live in (KILN_KERNELS_OFF names families)."""
+        return type(self).__module__.split(".")[-2]
+
+    def accepts(self, shape) -> bool:
+        """Whether its kernels take this shape at all (what a model declares may not fit them)."""
+        return True
 
     def shape_str(self, shape) -> str:
         raise NotImplementedError
@@ -106,16 +118,10 @@ def register(op: Op) -> Op:
 
 
 def get_op(name: str) -> Op:
-    from ..errors import KilnError
-
-    _load_families()
+    """A registered op by name (its family must have been imported: kiln.backends.cuda imports them all)."""
     if name not in REGISTRY:
         raise KilnError(f"unknown op {name!r} (known: {', '.join(sorted(REGISTRY))})")
     return REGISTRY[name]
-
-
-def _load_families() -> None:
-    from ..backends import cuda  # noqa: F401  (kernel families register themselves)
 
 
 def try_unmeasured() -> bool:

@@ -24,7 +24,9 @@ import torch
 from ..errors import KilnError
 from . import gate, timing
 from .cache import DTYPE_NAMES, TuneCache, make_key
-from .registry import Op, Variant, candidates, catalogue
+from .device import device_info
+from .gate import fault_error
+from .registry import Op, Variant, candidates, catalogue, get_op
 
 DEFAULT_BUDGET_S = 600.0   # measuring stops here; what is left takes each op's default
 ORDER = {"rmsnorm": 0, "gemm": 1, "rmsnorm_gemm": 2}   # composite variants read earlier choices
@@ -86,13 +88,13 @@ class Tuner:
     def __init__(self, device, dtype: torch.dtype, *, cache: TuneCache | None = None, retune: bool = False,
                  pins: dict[str, str] | None = None, budget_s: float | None = None, quiet: bool = False,
                  reps: int | None = None, workers: int | None = None, log: Callable[[str], None] | None = None):
-        from ..backends.cuda.common import device_info
-
         self.device = torch.device(device)
         self.dev = device_info(self.device)
         if self.device.type == "cuda":   # the context exists before the stage is timed (a load has moved weights)
             torch.empty(1, device=self.device)
         self.dtype, self.retune, self.pins = dtype, retune, dict(pins or {})
+        for op in self.pins:     # an unknown op is a user mistake: say which ops there are
+            get_op(op)
         if budget_s is None:   # KILN_TUNE_BUDGET_S: e.g. 0 in CPU tests, where only the numbers matter
             budget_s = float(os.environ.get("KILN_TUNE_BUDGET_S", DEFAULT_BUDGET_S))
         self.budget_s = budget_s
@@ -208,7 +210,7 @@ class Tuner:
         dtype = DTYPE_NAMES[self.dtype]
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-                futures = {pool.submit(compile_job, op.name, shape, v.name, dtype, str(self.device)): k
+                futures = {pool.submit(compile_job, op, shape, v.name, dtype, str(self.device)): k
                            for k, (op, shape, v) in work.items()}
                 for f in as_completed(futures):
                     err = f.result()
@@ -295,28 +297,13 @@ class Tuner:
         plan.set(w, v)
 
 
-def fault_error(e: Exception, op: str, variant: str) -> KilnError | None:
-    """The error to stop with when e is a device fault (illegal address, misaligned access, ...):
-    unlike a build error it poisons the CUDA context, so nothing after it can run in this process."""
-    text = str(e).lower()
-    if not (type(e).__name__ == "AcceleratorError" or "illegal memory access" in text or "misaligned address" in text):
-        return None
-    return KilnError(f"{op}={variant} faulted on this GPU ({str(e).strip().splitlines()[0][:80]}); the CUDA context "
-                     f"is lost: run again with KILN_TUNE_SKIP={op}={variant}")
-
-
-def compile_job(op_name: str, shape, variant_name: str, dtype: str, device: str) -> str | None:
-    """Runs in a worker process: compile one variant into Triton's on-disk cache. Returns why it
-    failed, or None."""
-    from ..backends.cuda.common import device_info
-    from .cache import DTYPE_NAMES
-    from .registry import get_op
-
+def compile_job(op: Op, shape, variant_name: str, dtype: str, device: str) -> str | None:
+    """Runs in a worker process (the op arrives pickled, its module imported there): compile one
+    variant into Triton's on-disk cache. Returns why it failed, or None."""
     try:
-        op = get_op(op_name)
         dt = {v: k for k, v in DTYPE_NAMES.items()}[dtype]
-        v = next(v for v in op.catalogue(shape, device_info(device)) + [op.trusted(shape, device_info(device))]
-                 if v.name == variant_name)
+        dev = device_info(device)
+        v = next(v for v in op.catalogue(shape, dev) + [op.trusted(shape, dev)] if v.name == variant_name)
         op.compile(v, shape, dt, torch.device(device))
         return None
     except Exception as e:  # noqa: BLE001

@@ -11,7 +11,8 @@ import re
 import torch
 
 from ..errors import KilnError
-from . import Checkpoint
+from .checkpoint import Checkpoint
+from .dequant import dequantize
 from .gguf_file import GGUFFile
 
 _LAYER_NAMES = {  # llama.cpp leaf -> HF leaf, per architecture
@@ -113,8 +114,6 @@ def _fixup(arch: str, cfg: dict, name: str, w: torch.Tensor) -> torch.Tensor:
 
 
 def open_gguf(path) -> Checkpoint:
-    from .dequant import dequantize
-
     f = GGUFFile(path)
     meta = f.metadata
     arch = meta.get("general.architecture")

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import KilnError
-from . import Checkpoint, FileSpan
+from .checkpoint import Checkpoint, FileSpan
 
 # Multimodal wrappers keep the text model under these prefixes; they map to ForCausalLM names.
 _TEXT_PREFIXES = [

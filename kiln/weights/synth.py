@@ -1,7 +1,8 @@
 """Synthesized checkpoints: real configurations with seeded random weights, written to an HF folder
-(`kiln synth ARCH OUT`) or materialised in memory (the model spec `synth:NAME[:layers=N][:seed=S]`).
+(`kiln synth ARCH OUT`) or drawn as they are loaded (the model spec `synth:NAME[:layers=N][:seed=S]`).
 
-Tensor names and shapes come from kiln's model class for the config's `model_type`. Every tensor is
+Tensor names and shapes are the model's own: the loader asks the checkpoint for them
+(`Checkpoint.for_model`), and the writer is given them (kiln.models.checkpoint_shapes). Every tensor is
 drawn in blocks of BLOCK elements, each block from its own seed (a hash of the run seed, the tensor
 name and the block index): a tensor never depends on which other tensors exist, so `--layers N` is
 the first N layers of the full model, and the folder and the spec hold the same values. Values are
@@ -10,7 +11,6 @@ drawn in f32 and rounded to the stored dtype, so a bf16 checkpoint is the f32 on
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import json
@@ -21,7 +21,6 @@ import shutil
 import struct
 import sys
 import tempfile
-import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,8 +29,10 @@ from typing import Iterator
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
-from .errors import KilnError
+from ..errors import KilnError
+from .checkpoint import Checkpoint
 
 BLOCK = 1 << 22          # elements per independently seeded block (part of the determinism contract)
 WORKERS = min(8, os.cpu_count() or 1)
@@ -193,32 +194,16 @@ def synth_config(name: str, layers: int | None = None) -> dict:
     return cfg
 
 
-def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Checkpoint tensor names and shapes, from kiln's model class; tied weights are left out."""
-    from .models import model_class
-    from .models.base import config_from_dict
-
-    cls = model_class(config["model_type"])
-    cfg = config_from_dict(cls.config_class, config)
-    tied = set(cls.tied_names(cfg))
-    return {n: tuple(int(d) for d in s) for n, s in cls.weight_shapes(cfg).items() if n not in tied}
-
-
 # -- initialisation -------------------------------------------------------------------------------
 
-ZERO_CENTRED = {"gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}  # RMSNorm scales by (1 + w)
 _NORM = re.compile(r"(^|\.)\w*norm(_\d+)?\.weight$")
 
 
-def zero_centred(config: dict, name: str) -> bool:
-    """Whether a norm weight is stored zero-centred (applied as 1 + w); the GDN gated norm never is."""
-    return config["model_type"] in ZERO_CENTRED and ".linear_attn.norm." not in name
-
-
-def init_rule(config: dict, name: str, shape: tuple[int, ...]) -> tuple[str, float, float]:
+def init_rule(config: dict, name: str, shape: tuple[int, ...], norm_offset: bool) -> tuple[str, float, float]:
     """(kind, a, b) for one tensor: "uniform" in [a, b), "log" = log U(a, b), "dt" = softplus^-1 of
     log-uniform in [a, b). Linear weights have variance 1/fan_in (fan_in = last dim), so each
-    projection keeps its input's scale; norm scales sit near identity; logits have std ~3."""
+    projection keeps its input's scale; norm scales sit near identity; logits have std ~3. norm_offset:
+    the model stores its norm weights zero-centred (applied as 1 + w; never the GDN gated norm's)."""
     mt, leaf, fan_in = config["model_type"], name.rsplit(".", 1)[-1], shape[-1]
     if leaf == "A_log":
         return "log", 1.0, 16.0                       # GDN decay rate A in [1, 16), as HF initialises
@@ -236,7 +221,8 @@ def init_rule(config: dict, name: str, shape: tuple[int, ...]) -> tuple[str, flo
             gain = fan_in ** -0.25                    # Gemma 4 scores are unscaled: keeps q.k std ~1
         elif name == "model.norm.weight" and config.get("tie_word_embeddings"):
             gain = 3.0 / (_embed_std(config) * math.sqrt(fan_in))  # the small tied embedding still gives logits std 3
-        return _around(gain - (1.0 if zero_centred(config, name) else 0.0), 0.1 * gain)
+        offset = norm_offset and ".linear_attn.norm." not in name
+        return _around(gain - (1.0 if offset else 0.0), 0.1 * gain)
     if "embed_tokens" in name:
         return _around(0.0, _embed_std(config))
     if name.endswith("lm_head.weight"):
@@ -279,36 +265,46 @@ def _draw(rule: tuple[str, float, float], n: int, seed: int) -> torch.Tensor:
     return torch.from_numpy((dt + np.log(-np.expm1(-dt))).astype(np.float32))
 
 
-def tensor_blocks(config: dict, name: str, shape: tuple[int, ...], seed: int) -> Iterator[torch.Tensor]:
-    """The tensor's values, flat, in f32 blocks of BLOCK elements (drawn on up to WORKERS threads)."""
-    rule, n = init_rule(config, name, shape), math.prod(shape)
-    count = max(1, -(-n // BLOCK))
+@dataclass(frozen=True)
+class Synthesis:
+    """What a synthesized checkpoint draws: its HF config, the model's tensors by name (tied ones left
+    out), whether the model stores its norm weights zero-centred, and the seed."""
+    config: dict
+    shapes: dict[str, tuple[int, ...]]
+    norm_offset: bool
+    seed: int = 0
 
-    def block(i: int) -> torch.Tensor:
-        return _draw(rule, min(BLOCK, n - i * BLOCK), _seed(seed, name, i))
+    def rule(self, name: str) -> tuple[str, float, float]:
+        return init_rule(self.config, name, self.shapes[name], self.norm_offset)
 
-    if count == 1:
-        yield block(0)
-        return
-    with ThreadPoolExecutor(min(WORKERS, count)) as pool:
-        ahead: deque = deque()
-        for i in range(count):
-            ahead.append(pool.submit(block, i))
-            if len(ahead) >= WORKERS:  # bounded look-ahead: memory stays at a few blocks
+    def blocks(self, name: str) -> Iterator[torch.Tensor]:
+        """The tensor's values, flat, in f32 blocks of BLOCK elements (drawn on up to WORKERS threads)."""
+        rule, n = self.rule(name), math.prod(self.shapes[name])
+        count = max(1, -(-n // BLOCK))
+
+        def block(i: int) -> torch.Tensor:
+            return _draw(rule, min(BLOCK, n - i * BLOCK), _seed(self.seed, name, i))
+
+        if count == 1:
+            yield block(0)
+            return
+        with ThreadPoolExecutor(min(WORKERS, count)) as pool:
+            ahead: deque = deque()
+            for i in range(count):
+                ahead.append(pool.submit(block, i))
+                if len(ahead) >= WORKERS:  # bounded look-ahead: memory stays at a few blocks
+                    yield ahead.popleft().result()
+            while ahead:
                 yield ahead.popleft().result()
-        while ahead:
-            yield ahead.popleft().result()
 
-
-def synth_tensor(config: dict, name: str, shape: tuple[int, ...], seed: int = 0,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The whole tensor, each f32 block rounded to `dtype` as it lands (no full-size f32 copy)."""
-    out = torch.empty(math.prod(shape), dtype=dtype)
-    at = 0
-    for b in tensor_blocks(config, name, shape, seed):
-        out[at:at + b.numel()] = b
-        at += b.numel()
-    return out.view(shape)
+    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole tensor, each f32 block rounded to `dtype` as it lands (no full-size f32 copy)."""
+        out = torch.empty(math.prod(self.shapes[name]), dtype=dtype)
+        at = 0
+        for b in self.blocks(name):
+            out[at:at + b.numel()] = b
+            at += b.numel()
+        return out.view(self.shapes[name])
 
 
 # -- the model spec `synth:NAME[:layers=N][:seed=S]` ------------------------------------------------
@@ -335,34 +331,26 @@ def parse_spec(spec: str) -> Spec:
     return Spec(parts[0], **opts)
 
 
-def open_synth(spec: str):
-    """A `Checkpoint` whose tensors are drawn when loaded (f32; the load casts to its dtype)."""
-    from .weights import Checkpoint
-
+def open_synth(spec: str) -> Checkpoint:
+    """A `Checkpoint` of the spec's config whose tensors are the ones the model declares, drawn when
+    loaded (f32; the load casts to its dtype): see Checkpoint.for_model."""
     s = parse_spec(spec)
     config = synth_config(s.name, s.layers)
-    shapes = tensor_shapes(config)
 
-    def load(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return synth_tensor(config, name, shapes[name], s.seed, dtype)
+    def drawn(shapes: dict, norm_offset: bool) -> Checkpoint:
+        synthesis = Synthesis(config, shapes, norm_offset, s.seed)
+        return Checkpoint(Path(spec), "synth", config, dict(shapes), synthesis.tensor)
 
-    return Checkpoint(Path(spec), "synth", config, shapes, load)
+    return Checkpoint(Path(spec), "synth", config, {}, _undeclared, drawn=drawn)
+
+
+def _undeclared(name: str) -> torch.Tensor:
+    raise KilnError(f"a synthesized checkpoint draws only the tensors a model declares (asked for {name})")
 
 
 def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
     """n token ids uniform in [0, vocab), the same for the same (n, vocab, seed) on any machine."""
     return np.random.Generator(np.random.SFC64(_seed(seed, "prompt", n))).integers(0, vocab, n).tolist()
-
-
-def parse_token_ids(s: str) -> list[int]:
-    """`--prompt-ids 1,2,3` (argparse type)."""
-    try:
-        ids = [int(t) for t in s.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {s!r}") from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids >= 0, got {s!r}")
-    return ids
 
 
 # -- writing an HF folder ------------------------------------------------------------------------
@@ -385,10 +373,10 @@ def plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int, shard_bytes: 
     return shards
 
 
-def _write_shard(path: Path, names, shapes, config: dict, seed: int, dtype, bar) -> None:
+def _write_shard(path: Path, names, synthesis: Synthesis, dtype, bar) -> None:
     """A safetensors file written tensor by tensor, block by block: the header first (every size
     is known), then each block's bytes as soon as it is drawn."""
-    header, at = {"__metadata__": {"format": "pt"}}, 0
+    header, at, shapes = {"__metadata__": {"format": "pt"}}, 0, synthesis.shapes
     for n in names:
         nbytes = math.prod(shapes[n]) * dtype.itemsize
         header[n] = {"dtype": _ST_NAMES[dtype], "shape": list(shapes[n]), "data_offsets": [at, at + nbytes]}
@@ -398,20 +386,17 @@ def _write_shard(path: Path, names, shapes, config: dict, seed: int, dtype, bar)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for n in names:
-            for block in tensor_blocks(config, n, shapes[n], seed):
+            for block in synthesis.blocks(n):
                 f.write(block.to(dtype).view(torch.uint8).numpy())
                 bar.update(block.numel() * dtype.itemsize)
 
 
-def write_checkpoint(name: str, out: str | Path, layers: int | None = None, seed: int = 0, dtype: str = "bf16",
+def write_checkpoint(synthesis: Synthesis, out: str | Path, name: str, dtype: str = "bf16",
                      shard_bytes: int = 4 << 30, quiet: bool = False) -> Path:
-    """Write `name` as an HF folder at `out` (which must not exist): built in a temporary folder
-    beside it, renamed when complete. Memory stays at a few blocks whatever the model's size."""
-    from tqdm import tqdm
-
-    config = synth_config(name, layers)
-    shapes = tensor_shapes(config)
-    dt = DTYPES[dtype]
+    """Write the synthesized checkpoint `name` as an HF folder at `out` (which must not exist): built
+    in a temporary folder beside it, renamed when complete. Memory stays at a few blocks whatever
+    the model's size."""
+    config, shapes, seed, dt = synthesis.config, synthesis.shapes, synthesis.seed, DTYPES[dtype]
     out = Path(out).expanduser()
     if out.exists():
         raise KilnError(f"{out} already exists (remove it or choose another folder)")
@@ -426,7 +411,7 @@ def write_checkpoint(name: str, out: str | Path, layers: int | None = None, seed
                   file=sys.stderr, disable=quiet) as bar:
             for k, names in enumerate(shards):
                 file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-                _write_shard(tmp / file, names, shapes, config, seed, dt, bar)
+                _write_shard(tmp / file, names, synthesis, dt, bar)
                 weight_map.update(dict.fromkeys(names, file))
         index = {"metadata": {"total_size": total, "kiln_synth": {"name": name, "layers": config["num_hidden_layers"],
                                                                  "seed": seed}},
@@ -438,55 +423,3 @@ def write_checkpoint(name: str, out: str | Path, layers: int | None = None, seed
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-# -- CLI -----------------------------------------------------------------------------------------
-
-def add_parser(sub) -> None:
-    from .cli import _nonneg_int, _positive_int
-
-    p = sub.add_parser("synth", help="write an HF folder with seeded random weights for a named configuration")
-    p.add_argument("arch", nargs="?", help="configuration name (--list shows them)")
-    p.add_argument("out", nargs="?", help="output folder (must not exist)")
-    p.add_argument("--layers", type=_positive_int, default=None, help="keep only the first N layers")
-    p.add_argument("--seed", type=_nonneg_int, default=0, help="weights seed (default 0)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="stored dtype (default bf16)")
-    p.add_argument("--shard-mb", type=_positive_float, default=4096, help="max safetensors shard size (MiB)")
-    p.add_argument("--list", action="store_true", help="list the configurations and exit")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def _positive_float(s: str) -> float:
-    from .cli import _finite
-
-    v = _finite(s)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
-    return v
-
-
-def _describe(name: str) -> str:
-    c = CONFIGS[name]
-    moe = f", {c['num_experts']} experts top-{c.get('num_experts_per_tok') or c.get('top_k_experts')}" \
-        if c.get("num_experts") else ""
-    try:
-        n = sum(math.prod(s) for s in tensor_shapes(c).values())
-        params = f"{n / 1e9:.2f}B params" if n >= 1e8 else f"{n / 1e6:.2f}M params"
-    except KilnError:
-        params = f"({c['model_type']} not supported by this kiln yet)"
-    return (f"{name:20} {c['model_type']:17} hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
-            f"vocab {c['vocab_size']}{moe}; {params}")
-
-
-def main(a) -> int:
-    if a.list:
-        print("\n".join(_describe(n) for n in CONFIGS))
-        return 0
-    if not a.arch or not a.out:
-        raise KilnError("usage: kiln synth ARCH OUT [--layers N] [--seed S] [--dtype bf16|f32] (--list for ARCH)")
-    t0 = time.perf_counter()
-    out = write_checkpoint(a.arch, a.out, a.layers, a.seed, a.dtype, int(a.shard_mb * (1 << 20)), a.quiet)
-    if not a.quiet:
-        print(f"kiln: wrote {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    print(out)
-    return 0

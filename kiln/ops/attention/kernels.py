@@ -1,4 +1,4 @@
-"""Causal GQA attention over a layer's KV cache buffers (kiln.backends.reference.ReferenceOps.attention):
+"""Causal GQA attention over a layer's KV cache buffers (kiln/ops/attention/reference.py):
 q [T, H, D] (a strided view is fine, last dim contiguous), k_buf/v_buf [capacity, KV, D] contiguous
 with positions 0..S-1 valid; query i sits at position q_start + i and sees keys j <= q_start + i
 (and j > q_start + i - window with a sliding window); query head h reads KV head h // (H // KV).
@@ -35,10 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, variant
-from .common import COMMON, SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
-from .elementwise import ACTS, act_f32
-from .elementwise import __file__ as ACTS_FILE
+from ..common import COMMON, SUPPORTED, cdiv, dot_flags, next_pow2, pdl, pdl_wait, pow2_dim, rne_flag, round_to
+from ..gemm.activation import ACTS, act_f32
+from ..gemm.activation import __file__ as ACTS_FILE
 
 SIGMOID = tl.constexpr(ACTS["sigmoid"])    # the gate's act (Qwen3.5's gated attention), in the combine
 
@@ -361,7 +362,6 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 
 
 def _dev(t: torch.Tensor):
-    from .common import device_info
     return device_info(t.device)
 
 
@@ -441,6 +441,10 @@ def shape_ok(h: int, kv: int, d: int) -> bool:
 class AttentionOp(Op):
     name = "attention"
     sources = (__file__, COMMON)
+    shape_type = PrefillShape
+
+    def accepts(self, s: PrefillShape) -> bool:
+        return pow2_dim(s.d)
 
     def shape_str(self, s: PrefillShape) -> str:
         return f"{s.rows}x{attn_str(s)}" + (f"_pre{s.kv_prefix}" if s.kv_prefix else "")
@@ -534,7 +538,11 @@ CPU_DECODE = [(32, 16, 4), (64, 32, 4)]
 
 class DecodeAttentionOp(Op):
     name = "attention_decode"
-    sources = (__file__, COMMON, ACTS_FILE)   # the combine's gate uses elementwise.act_f32
+    sources = (__file__, COMMON, ACTS_FILE)   # the combine's gate uses activation.act_f32
+    shape_type = DecodeShape
+
+    def accepts(self, s: DecodeShape) -> bool:
+        return pow2_dim(s.d)
 
     def shape_str(self, s: DecodeShape) -> str:
         return f"{s.rows}x{attn_str(s)}"

@@ -1,5 +1,5 @@
 """Gated DeltaNet: the fused decode step and the chunked prefill, rounding where the reference does
-(kiln.backends.reference.ReferenceOps.gated_deltanet and the methods it calls).
+(kiln/ops/gdn/reference.py).
 
 State: conv [K, C] (activation dtype, the last K conv inputs, oldest first) and ssm [Hv, dk, dv] f32,
 both updated in place. Model dimensions (Hk, Hv, dk, dv, K) are `tl.constexpr`; the token count T is
@@ -31,597 +31,44 @@ stays f32 ("ieee"): its products feed every w and u, and it is a small share of 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
-import triton
-import triton.language as tl
+import torch.nn.functional as F
 
+from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, try_unmeasured, variant
-from .common import COMMON, SUPPORTED, cdiv, device_info, dot_flags, interpreting, pdl, pdl_wait, rne_flag, round_to
-from .gemm import __file__ as GEMM_FILE
-from .gemm import last_arrival
-
-CHUNK = 64          # the reference's chunk (and the unit of the WY/UT solve)
-CONV_BT = 16        # tokens per conv program; must be >= K - 1 (only the first block reads the state)
-
-
-# -- elementwise helpers -----------------------------------------------------------------------------
-
-@triton.jit
-def silu_f32(x):
-    """torch's silu: x / (1 + exp(-x))."""
-    return x / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def softplus(x):
-    """torch's softplus (threshold 20), with a log1p that keeps precision where exp(x) is tiny."""
-    e = tl.exp(x)
-    u = 1.0 + e
-    lp = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
-    return tl.where(x > 20.0, x, lp)
-
-
-@triton.jit
-def decay_beta(a, b, alog, dtb, dtype: tl.constexpr, RNE: tl.constexpr):
-    """g = -exp(A_log) * softplus(a + dt_bias) in f32; beta = sigmoid(b) rounded to the activation dtype."""
-    g = -tl.exp(alog) * softplus(a + dtb)
-    beta = round_to(tl.sigmoid(b), dtype, RNE).to(tl.float32)
-    return g, beta
-
-
-@triton.jit
-def silu_rounded(acc, dtype: tl.constexpr, RNE: tl.constexpr):
-    """The conv sum (f32) rounded to the activation dtype, then SiLU, rounded again (as F.silu on it)."""
-    x = round_to(acc, dtype, RNE).to(tl.float32)
-    return round_to(silu_f32(x), dtype, RNE).to(tl.float32)
-
-
-@triton.jit
-def l2norm_rows(x):
-    """x [R, D] * rsqrt(sum x^2 + 1e-6) per row."""
-    return x * tl.math.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
-
-
-@triton.jit
-def gated_norm(o, zf, wf, eps, D: tl.constexpr, ROUND_WN: tl.constexpr, dtype: tl.constexpr, RNE: tl.constexpr):
-    """Rows o [R, D] (f32, already rounded to the activation dtype): (w * rmsnorm(o).cast) * silu(z),
-    rounded; w * normed is rounded too when both are 16-bit (ROUND_WN), as torch's product is."""
-    rstd = tl.math.rsqrt(tl.sum(o * o, axis=1) / D + eps)
-    normed = round_to(o * rstd[:, None], dtype, RNE).to(tl.float32)
-    wn = wf[None, :] * normed
-    if ROUND_WN:
-        wn = round_to(wn, dtype, RNE).to(tl.float32)
-    return round_to(wn * silu_f32(zf), dtype, RNE)
-
-
-# -- conv --------------------------------------------------------------------------------------------
-
-@triton.jit(do_not_specialize=["T"])
-def conv_kernel(x_ptr, w_ptr, st_ptr, y_ptr, T, C: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                BC: tl.constexpr, RNE: tl.constexpr):
-    """y[t, c] = silu(sum_j w[c, j] * full[t + j, c]), full = [st[1:], x] ([K-1+T, C]). Program
-    (tb, cb); BT >= K - 1, so only tb == 0 reads the state, and it alone writes the new state."""
-    tb, cb = tl.program_id(0), tl.program_id(1)
-    t = tb * BT + tl.arange(0, BT)
-    c = cb * BC + tl.arange(0, BC)
-    cm = (c < C)[None, :]
-    tm = (t < T)[:, None]
-    dtype = y_ptr.dtype.element_ty
-    acc = tl.zeros((BT, BC), dtype=tl.float32)
-    for j in tl.static_range(K):
-        r = (t - (K - 1) + j)[:, None]                      # input row in x; < 0: state row K + r
-        xv = tl.load(x_ptr + r.to(tl.int64) * C + c[None, :], mask=(r >= 0) & tm & cm, other=0.0)
-        sv = tl.load(st_ptr + (K + r) * C + c[None, :], mask=(r < 0) & tm & cm, other=0.0)
-        wj = tl.load(w_ptr + c * K + j, mask=c < C, other=0.0).to(tl.float32)
-        acc += wj[None, :] * (xv.to(tl.float32) + sv.to(tl.float32))
-    y = silu_rounded(acc, dtype, RNE)
-    tl.store(y_ptr + t.to(tl.int64)[:, None] * C + c[None, :], y.to(dtype), mask=tm & cm)
-    if tb == 0:
-        # NOTE: every thread's state loads above come first; new row j = full[T - 1 + j], read from a
-        # later state row (T + j > j) or from x, so writing rows in ascending order never clobbers
-        # a row still to be read.
-        tl.debug_barrier()
-        for j in tl.static_range(K):
-            i = T - 1 + j + tl.zeros_like(c)               # a tensor (T may arrive as a Python int)
-            from_st = i < K - 1
-            old = tl.load(st_ptr + (i + 1) * C + c, mask=(c < C) & from_st, other=0.0)
-            new = tl.load(x_ptr + (i - (K - 1)).to(tl.int64) * C + c, mask=(c < C) & (i >= K - 1), other=0.0)
-            row = tl.where(from_st, old, new)     # names unused above: Triton keeps a name's type across an if
-            tl.debug_barrier()
-            tl.store(st_ptr + j * C + c, row, mask=c < C)
-
-
-def conv(qkv: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, bc: int = 128) -> torch.Tensor:
-    """silu(causal conv) [T, C] in the activation dtype; conv_state updated in place."""
-    t, c = qkv.shape
-    k = conv_w.shape[-1]
-    assert CONV_BT >= k - 1
-    y = torch.empty_like(qkv)
-    conv_kernel[(cdiv(t, CONV_BT), cdiv(c, bc))](qkv, conv_w, conv_state, y, t, C=c, K=k, BT=CONV_BT, BC=bc,
-                                                  RNE=rne_flag(qkv.dtype), num_warps=4)
-    return y
-
-
-# -- the recurrent (trusted) form ---------------------------------------------------------------------
-
-@triton.jit(do_not_specialize=["T"])
-def recurrent_kernel(xc_ptr, z_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, nw_ptr, ssm_ptr, y_ptr, T, eps, scale,
-                     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                     ROUND_WN: tl.constexpr, RNE: tl.constexpr):
-    """One program per value head; token by token over the conv output xc [T, C]: S = S*exp(g);
-    u = (v - S^T k)*beta; S += k (x) u; o = S^T q; y = gated_norm(o)."""
-    h = tl.program_id(0)
-    kh = h // (HV // HK)
-    C: tl.constexpr = 2 * HK * DK + HV * DV
-    dtype = y_ptr.dtype.element_ty
-    dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
-    sp = ssm_ptr + h.to(tl.int64) * DK * DV + dk[:, None] * DV + dv[None, :]
-    s = tl.load(sp)                                                         # [DK, DV] f32
-    alog = tl.load(alog_ptr + h).to(tl.float32)
-    dtb = tl.load(dtb_ptr + h).to(tl.float32)
-    wf = tl.load(nw_ptr + dv).to(tl.float32)
-    row, zrow, yrow = xc_ptr, z_ptr + h * DV, y_ptr + h * DV        # pointers step a token at a time (64-bit)
-    for t in range(T):
-        q = tl.load(row + kh * DK + dk[None, :]).to(tl.float32)                  # [1, DK]
-        k = tl.load(row + HK * DK + kh * DK + dk[None, :]).to(tl.float32)
-        v = tl.load(row + 2 * HK * DK + h * DV + dv).to(tl.float32)
-        q = l2norm_rows(q) * scale
-        k = l2norm_rows(k)
-        a = tl.load(a_ptr + t * HV + h).to(tl.float32)
-        b = tl.load(b_ptr + t * HV + h).to(tl.float32)
-        g, beta = decay_beta(a, b, alog, dtb, dtype, RNE)
-        s = s * tl.exp(g)
-        u = (v - tl.sum(s * tl.trans(k), axis=0)) * beta
-        s = s + tl.trans(k) * u[None, :]
-        o = round_to(tl.sum(s * tl.trans(q), axis=0), dtype, RNE).to(tl.float32)
-        zf = tl.load(zrow + dv[None, :]).to(tl.float32)
-        tl.store(yrow + dv[None, :], gated_norm(o[None, :], zf, wf, eps, DV, ROUND_WN, dtype, RNE))
-        row += C
-        zrow += HV * DV
-        yrow += HV * DV
-    tl.store(sp, s)
-
-
-# -- the decode step in one launch --------------------------------------------------------------------
-
-@triton.jit
-def conv_prefetch(cs_ptr, w_ptr, c, C: tl.constexpr, K: tl.constexpr):
-    """Channels c's conv state rows 1..3 (stored dtype) and the K = 4 weight columns (f32), each its
-    own vector (no tile to take rows out of). Neither depends on the kernel before (PDL: loaded
-    before pdl_wait)."""
-    tl.static_assert(K == 4, "the fused GDN decode takes a conv kernel of 4 (Qwen3.5's)")
-    r1 = tl.load(cs_ptr + C + c)
-    r2 = tl.load(cs_ptr + 2 * C + c)
-    r3 = tl.load(cs_ptr + 3 * C + c)
-    w0 = tl.load(w_ptr + c * K).to(tl.float32)
-    w1 = tl.load(w_ptr + c * K + 1).to(tl.float32)
-    w2 = tl.load(w_ptr + c * K + 2).to(tl.float32)
-    w3 = tl.load(w_ptr + c * K + 3).to(tl.float32)
-    return r1, r2, r3, w0, w1, w2, w3
-
-
-@triton.jit
-def decode_conv(x, r1, r2, r3, w0, w1, w2, w3, dtype: tl.constexpr, RNE: tl.constexpr):
-    """silu(conv) at the new token x; the sum runs as the unfused conv's: the newest input first,
-    then the oldest to the newest."""
-    acc = w3 * x.to(tl.float32)
-    acc += w0 * r1.to(tl.float32)
-    acc += w1 * r2.to(tl.float32)
-    acc += w2 * r3.to(tl.float32)
-    return silu_rounded(acc, dtype, RNE)
-
-
-@triton.jit
-def store_state(cs_ptr, x, r1, r2, r3, c, C: tl.constexpr):
-    """conv state of channels c <- [cs[1:], x]; every read of cs by this program is done."""
-    tl.store(cs_ptr + c, r1)
-    tl.store(cs_ptr + C + c, r2)
-    tl.store(cs_ptr + 2 * C + c, r3)
-    tl.store(cs_ptr + 3 * C + c, x)
-
-
-@triton.jit
-def decode_kernel(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, cs_ptr, ssm_ptr, y_ptr, o_ptr,
-                  count_ptr, eps, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                  K: tl.constexpr, BV: tl.constexpr, ROUND_WN: tl.constexpr, RNE: tl.constexpr,
-                  LAST_NORM: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Program (value head h, dv block vb). Conv state: the program owns its v channels and shifts them
-    after reading; the q/k channels of key head kh are read by READERS programs, and the last of them
-    to arrive (an arrival counter, as in serial split-K) shifts them, so no program reads a shifted row.
-    BV == DV: the gated norm here, else o goes to o_ptr for norm_kernel, or (LAST_NORM) the last of
-    the head's DV // BV programs to arrive (counter HK + h) norms the whole row. The state block loads
-    before pdl_wait: only this layer's previous step writes it."""
-    h, vb = tl.program_id(0), tl.program_id(1)
-    kh = h // (HV // HK)
-    C: tl.constexpr = 2 * HK * DK + HV * DV
-    READERS: tl.constexpr = (HV // HK) * (DV // BV)
-    dtype = y_ptr.dtype.element_ty
-    dk = tl.arange(0, DK)
-    cols = vb * BV + tl.arange(0, BV)
-    sp = ssm_ptr + h.to(tl.int64) * DK * DV + dk[:, None] * DV + cols[None, :]
-    # Loaded before pdl_wait: the state, the conv state and the weights (only this layer's previous
-    # step writes the states); after it only what the kernel before wrote (x, z, a, b).
-    s = tl.load(sp)                                                           # [DK, BV] f32
-    qc, kc, vc = kh * DK + dk, HK * DK + kh * DK + dk, 2 * HK * DK + h * DV + cols
-    q1, q2, q3, qw0, qw1, qw2, qw3 = conv_prefetch(cs_ptr, cw_ptr, qc, C, K)
-    k1, k2, k3, kw0, kw1, kw2, kw3 = conv_prefetch(cs_ptr, cw_ptr, kc, C, K)
-    v1, v2, v3, vw0, vw1, vw2, vw3 = conv_prefetch(cs_ptr, cw_ptr, vc, C, K)
-    alog = tl.load(alog_ptr + h).to(tl.float32)
-    dtb = tl.load(dtb_ptr + h).to(tl.float32)
-    if BV == DV:
-        wf = tl.load(nw_ptr + cols).to(tl.float32)
-    pdl_wait(PDL)
-    # Everything the kernel before wrote, in one round trip: each load after the first math waits
-    # a whole memory latency more (ncu: the step is a latency chain, not a bandwidth one).
-    qx, kx, vx = tl.load(x_ptr + qc), tl.load(x_ptr + kc), tl.load(x_ptr + vc)
-    a = tl.load(a_ptr + h).to(tl.float32)
-    b = tl.load(b_ptr + h).to(tl.float32)
-    if BV == DV:
-        zf = tl.load(z_ptr + h * DV + cols[None, :]).to(tl.float32)
-    q = decode_conv(qx, q1, q2, q3, qw0, qw1, qw2, qw3, dtype, RNE)
-    k = decode_conv(kx, k1, k2, k3, kw0, kw1, kw2, kw3, dtype, RNE)
-    v = decode_conv(vx, v1, v2, v3, vw0, vw1, vw2, vw3, dtype, RNE)
-    q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-    k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    g, beta = decay_beta(a, b, alog, dtb, dtype, RNE)
-    s = s * tl.exp(g)
-    u = (v - tl.sum(s * k[:, None], axis=0)) * beta
-    s = s + k[:, None] * u[None, :]
-    o = round_to(tl.sum(s * q[:, None], axis=0), dtype, RNE).to(tl.float32)
-    tl.store(sp, s)
-    if BV == DV:
-        tl.store(y_ptr + h * DV + cols[None, :], gated_norm(o[None, :], zf, wf, eps, DV, ROUND_WN, dtype, RNE))
-    else:
-        tl.store(o_ptr + h * DV + cols, o.to(dtype))
-    # The conv-state shift last, so its barrier and arrival atomic wait on nothing but the end.
-    tl.debug_barrier()      # every thread's reads of the conv state are done before any row is rewritten
-    store_state(cs_ptr, vx, v1, v2, v3, vc, C)
-    if READERS == 1:
-        store_state(cs_ptr, qx, q1, q2, q3, qc, C)
-        store_state(cs_ptr, kx, k1, k2, k3, kc, C)
-    else:
-        # NOTE: release after this program's reads; the last arrival's acquire orders its writes after
-        # every reader's loads. It resets the counter for the next step (graph replays included).
-        arrived = tl.atomic_add(count_ptr + kh, 1, sem="acq_rel", scope="gpu")
-        if arrived == READERS - 1:
-            store_state(cs_ptr, qx, q1, q2, q3, qc, C)
-            store_state(cs_ptr, kx, k1, k2, k3, kc, C)
-            tl.atomic_xchg(count_ptr + kh, 0)
-    if BV != DV:
-        if LAST_NORM:
-            if last_arrival(count_ptr, HK + h, DV // BV):
-                allc = tl.arange(0, DV)
-                of = tl.load(o_ptr + h * DV + allc[None, :], cache_modifier=".cg").to(tl.float32)
-                zf = tl.load(z_ptr + h * DV + allc[None, :]).to(tl.float32)
-                wf = tl.load(nw_ptr + allc).to(tl.float32)
-                tl.store(y_ptr + h * DV + allc[None, :], gated_norm(of, zf, wf, eps, DV, ROUND_WN, dtype, RNE))
-                tl.atomic_xchg(count_ptr + HK + h, 0)
-
-
-@triton.jit(do_not_specialize=["R"])
-def norm_kernel(o_ptr, z_ptr, nw_ptr, y_ptr, R, eps, DV: tl.constexpr, ROWS: tl.constexpr, ROUND_WN: tl.constexpr,
-                RNE: tl.constexpr, PDL: tl.constexpr = False):
-    """The gated norm as its own pass: o, z, y [R, DV] (R = tokens x value heads)."""
-    pdl_wait(PDL)
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, DV)
-    inside = (r < R)[:, None]
-    off = r.to(tl.int64)[:, None] * DV + cols[None, :]
-    o = tl.load(o_ptr + off, mask=inside, other=0.0).to(tl.float32)
-    zf = tl.load(z_ptr + off, mask=inside, other=0.0).to(tl.float32)
-    wf = tl.load(nw_ptr + cols).to(tl.float32)
-    tl.store(y_ptr + off, gated_norm(o, zf, wf, eps, DV, ROUND_WN, y_ptr.dtype.element_ty, RNE), mask=inside)
-
-
-# -- the chunked prefill --------------------------------------------------------------------------------
-
-@triton.jit
-def mm(a, b, PREC: tl.constexpr, DOT16: tl.constexpr, UPCAST: tl.constexpr, dtype: tl.constexpr,
-       RNE: tl.constexpr):
-    """a @ b with f32 accumulation. DOT16 (precision "bf16" with 16-bit activations): both operands
-    rounded to the activation dtype first (tensor-core MMA, as flash-linear-attention does); the
-    f32 values themselves (the state S included) stay f32. UPCAST: under the interpreter the rounded
-    operands multiply as f32 (exact: a product of two 16-bit floats fits f32's mantissa)."""
-    if DOT16:
-        a16 = round_to(a, dtype, RNE)
-        b16 = round_to(b, dtype, RNE)
-        if UPCAST:
-            c = tl.dot(a16.to(tl.float32), b16.to(tl.float32), input_precision="ieee")
-        else:
-            c = tl.dot(a16, b16)
-    else:
-        c = tl.dot(a, b, input_precision=PREC)
-    return c
-
-
-@triton.jit
-def unit_lower_inverse_dots(A, BT: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 as unit_lower_inverse, with the 16x16 diagonal blocks inverted by forward
-    substitution written as dots (no 3-D tiles): X [BT, 16] holds every block's inverse as a strip;
-    step i sets row i of each block to e_i - (blockdiag(A) @ X) (rows not yet solved hold e_j, which
-    meet zero coefficients), 15 [BT, BT] x [BT, 16] dots; then X is spread to the block diagonal by an
-    exact 0/1 dot and the blocks below it are folded in as in unit_lower_inverse."""
-    r = tl.arange(0, BT)
-    c = tl.arange(0, 16)
-    same = (r[:, None] // 16) == (r[None, :] // 16)
-    ad = tl.where(same, A, 0.0)
-    eye = tl.where((r % 16)[:, None] == c[None, :], 1.0, 0.0)                     # [BT, 16]
-    x = eye
-    for i in tl.static_range(1, 16):
-        p = tl.dot(ad, x, input_precision=PREC)
-        x = tl.where((r % 16 == i)[:, None], eye - p, x)
-    spread = tl.where(c[:, None] == (r % 16)[None, :], 1.0, 0.0)                  # [16, BT]
-    d = tl.where(same, tl.dot(x, spread, input_precision="ieee"), 0.0)
-    m = tl.dot(d, tl.where(same, 0.0, A), input_precision=PREC)
-    m2 = tl.dot(m, m, input_precision=PREC)
-    pp = d + tl.dot(m2, d, input_precision=PREC)
-    return pp - tl.dot(m, pp, input_precision=PREC)
-
-
-@triton.jit
-def unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 for A [BT, BT] strictly lower, BT <= 64. The 16x16 diagonal blocks are inverted by
-    forward substitution (all blocks at once, row by row); with D their inverse and N the blocks below
-    the diagonal, (I + A)^-1 = (I + D N)^-1 D = (I - M)(I + M^2) D, M = D N (nilpotent: <= 4 block rows).
-    That is blockwise forward substitution written as products, with no Neumann cancellation inside
-    a block."""
-    NB: tl.constexpr = BT // 16
-    r = tl.arange(0, BT)
-    same = (r[:, None] // 16) == (r[None, :] // 16)
-    ad = tl.sum(tl.reshape(tl.where(same, A, 0.0), (BT, NB, 16)), axis=1)       # [BT, 16]: own block's row
-    ad = tl.reshape(ad, (NB, 16, 16))
-    ii = tl.arange(0, 16)
-    x = tl.broadcast_to(tl.where(ii[:, None] == ii[None, :], 1.0, 0.0)[None, :, :], (NB, 16, 16))
-    for i in tl.static_range(1, 16):
-        sel = (ii == i)[None, :, None]
-        a_i = tl.sum(tl.where(sel, ad, 0.0), axis=1)                             # [NB, 16]: row i of each block
-        new = tl.where((ii == i)[None, :], 1.0, 0.0) - tl.sum(a_i[:, :, None] * x, axis=1)
-        x = tl.where(sel, new[:, None, :], x)
-    d = tl.reshape(tl.broadcast_to(tl.reshape(x, (BT, 16))[:, None, :], (BT, NB, 16)), (BT, BT))
-    d = tl.where(same, d, 0.0)
-    m = tl.dot(d, tl.where(same, 0.0, A), input_precision=PREC)
-    m2 = tl.dot(m, m, input_precision=PREC)
-    p = d + tl.dot(m2, d, input_precision=PREC)
-    return p - tl.dot(m, p, input_precision=PREC)
-
-
-@triton.jit
-def chunk_decays(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, t, tm, HV: tl.constexpr, dtype: tl.constexpr,
-                 RNE: tl.constexpr):
-    """beta [BT] and the running sum of the log-decay, cum [BT], of value head h at tokens t (padded
-    tokens, tm false: g = beta = 0, as the reference pads)."""
-    a = tl.load(a_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
-    g, beta = decay_beta(a, b, tl.load(alog_ptr + h).to(tl.float32), tl.load(dtb_ptr + h).to(tl.float32), dtype, RNE)
-    return tl.where(tm, beta, 0.0), tl.cumsum(tl.where(tm, g, 0.0), axis=0)
-
-
-@triton.jit(do_not_specialize=["T"])
-def prep_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, kd_ptr, T, HK: tl.constexpr,
-                HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
-                DOT16: tl.constexpr, UPCAST: tl.constexpr, RNE: tl.constexpr, KD: tl.constexpr, INV: tl.constexpr,
-                SOLVE_DOTS: tl.constexpr = False):
-    """Program (value head h, chunk n): w, u [BT, dk | dv] and cum [BT] (rows padded to whole chunks;
-    padded tokens have g = beta = 0, k = v = 0, as the reference pads). u and cum are f32; w (and with
-    KD, kd = k exp(g_last - cum) for the split form's state kernel) in w_ptr's dtype: the dot operand
-    dtype (a 16-bit w is what mm() would round it to). INV: the f32 dot precision of the solve."""
-    h, n = tl.program_id(0), tl.program_id(1)
-    kh = h // (HV // HK)
-    C: tl.constexpr = 2 * HK * DK + HV * DV
-    dtype = xc_ptr.dtype.element_ty
-    i = tl.arange(0, BT)
-    t = n * BT + i
-    tm = t < T
-    dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
-    rows = xc_ptr + t.to(tl.int64)[:, None] * C
-    k = l2norm_rows(tl.load(rows + HK * DK + kh * DK + dk[None, :], mask=tm[:, None], other=0.0).to(tl.float32))
-    v = tl.load(rows + 2 * HK * DK + h * DV + dv[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
-    beta, cum = chunk_decays(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, t, tm, HV, dtype, RNE)
-    kb = k * beta[:, None]
-    lower = i[:, None] > i[None, :]
-    decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
-    A = tl.where(lower, mm(kb, tl.trans(k), PREC, DOT16, UPCAST, dtype, RNE) * decay, 0.0)
-    if SOLVE_DOTS:                                  # f32 (INV) even under DOT16: see the module doc
-        inv = unit_lower_inverse_dots(A, BT, INV)
-    else:
-        inv = unit_lower_inverse(A, BT, INV)
-    u = mm(inv, v * beta[:, None], PREC, DOT16, UPCAST, dtype, RNE)
-    w = mm(inv, kb * tl.exp(cum)[:, None], PREC, DOT16, UPCAST, dtype, RNE)
-    hrow = h.to(tl.int64) * (tl.cdiv(T, BT) * BT) + t                       # row in the padded buffers
-    wdt = w_ptr.dtype.element_ty
-    tl.store(u_ptr + hrow[:, None] * DV + dv[None, :], u)
-    tl.store(w_ptr + hrow[:, None] * DK + dk[None, :], round_to(w, wdt, RNE))
-    tl.store(cum_ptr + hrow, cum)
-    if KD:
-        glast = tl.sum(tl.where(i == BT - 1, cum, 0.0), axis=0)
-        tl.store(kd_ptr + hrow[:, None] * DK + dk[None, :], round_to(k * tl.exp(glast - cum)[:, None], wdt, RNE))
-
-
-@triton.jit(do_not_specialize=["T"])
-def solve_kernel(xc_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, inv_ptr, cum_ptr, T, HK: tl.constexpr, HV: tl.constexpr,
-                 DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DOT16: tl.constexpr,
-                 UPCAST: tl.constexpr, RNE: tl.constexpr, INV: tl.constexpr, SOLVE_DOTS: tl.constexpr):
-    """prep_kernel's first half, for fewer live tiles a program: (I + A)^-1 [BT, BT] (stored in
-    inv_ptr's dtype: 16-bit where it only feeds 16-bit dots) and cum."""
-    h, n = tl.program_id(0), tl.program_id(1)
-    kh = h // (HV // HK)
-    C: tl.constexpr = 2 * HK * DK + HV * DV
-    dtype = xc_ptr.dtype.element_ty
-    i = tl.arange(0, BT)
-    t = n * BT + i
-    tm = t < T
-    dk = tl.arange(0, DK)
-    rows = xc_ptr + t.to(tl.int64)[:, None] * C
-    k = l2norm_rows(tl.load(rows + HK * DK + kh * DK + dk[None, :], mask=tm[:, None], other=0.0).to(tl.float32))
-    beta, cum = chunk_decays(a_ptr, b_ptr, alog_ptr, dtb_ptr, h, t, tm, HV, dtype, RNE)
-    lower = i[:, None] > i[None, :]
-    decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
-    A = tl.where(lower, mm(k * beta[:, None], tl.trans(k), PREC, DOT16, UPCAST, dtype, RNE) * decay, 0.0)
-    if SOLVE_DOTS:
-        inv = unit_lower_inverse_dots(A, BT, INV)
-    else:
-        inv = unit_lower_inverse(A, BT, INV)
-    hrow = h.to(tl.int64) * (tl.cdiv(T, BT) * BT) + t
-    tl.store(inv_ptr + hrow[:, None] * BT + i[None, :], round_to(inv, inv_ptr.dtype.element_ty, RNE))
-    tl.store(cum_ptr + hrow, cum)
-
-
-@triton.jit(do_not_specialize=["T"])
-def wu_kernel(xc_ptr, b_ptr, inv_ptr, cum_ptr, w_ptr, u_ptr, kd_ptr, T, HK: tl.constexpr, HV: tl.constexpr,
-              DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DOT16: tl.constexpr,
-              UPCAST: tl.constexpr, RNE: tl.constexpr):
-    """prep_kernel's second half. Program (value head h, chunk n, part): part 0 writes w and kd,
-    part 1 writes u (half the live tiles of one program doing both)."""
-    h, n, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    kh = h // (HV // HK)
-    C: tl.constexpr = 2 * HK * DK + HV * DV
-    dtype = xc_ptr.dtype.element_ty
-    i = tl.arange(0, BT)
-    t = n * BT + i
-    tm = t < T
-    rows = xc_ptr + t.to(tl.int64)[:, None] * C
-    hrow = h.to(tl.int64) * (tl.cdiv(T, BT) * BT) + t
-    b = tl.load(b_ptr + t * HV + h, mask=tm, other=0.0).to(tl.float32)
-    beta = tl.where(tm, round_to(tl.sigmoid(b), dtype, RNE).to(tl.float32), 0.0)     # as decay_beta
-    inv = tl.load(inv_ptr + hrow[:, None] * BT + i[None, :])
-    wdt = w_ptr.dtype.element_ty
-    if part == 0:
-        dk = tl.arange(0, DK)
-        k = l2norm_rows(tl.load(rows + HK * DK + kh * DK + dk[None, :], mask=tm[:, None], other=0.0).to(tl.float32))
-        cum = tl.load(cum_ptr + hrow)
-        w = mm(inv, k * beta[:, None] * tl.exp(cum)[:, None], PREC, DOT16, UPCAST, dtype, RNE)
-        tl.store(w_ptr + hrow[:, None] * DK + dk[None, :], round_to(w, wdt, RNE))
-        glast = tl.sum(tl.where(i == BT - 1, cum, 0.0), axis=0)
-        tl.store(kd_ptr + hrow[:, None] * DK + dk[None, :], round_to(k * tl.exp(glast - cum)[:, None], wdt, RNE))
-    else:
-        dv = tl.arange(0, DV)
-        v = tl.load(rows + 2 * HK * DK + h * DV + dv[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
-        u = mm(inv, v * beta[:, None], PREC, DOT16, UPCAST, dtype, RNE)
-        tl.store(u_ptr + hrow[:, None] * DV + dv[None, :], u)
-
-
-@triton.jit(do_not_specialize=["T"])
-def scan_kernel(xc_ptr, z_ptr, nw_ptr, w_ptr, u_ptr, cum_ptr, ssm_ptr, y_ptr, o_ptr, T, eps, scale,
-                HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                BT: tl.constexpr, PREC: tl.constexpr, DOT16: tl.constexpr, UPCAST: tl.constexpr,
-                ROUND_WN: tl.constexpr, RNE: tl.constexpr):
-    """Program (value head h, dv block vb) scans the chunks in order, state tile S [dk, BV] in registers:
-    v_new = u - w S; o = (q exp(cum)) S + (causal q k^T * decay) v_new; S = S exp(g_last) +
-    (k exp(g_last - cum))^T v_new. q and k are re-normalised from xc (cheaper than storing them)."""
-    h, vb = tl.program_id(0), tl.program_id(1)
-    kh = h // (HV // HK)
-    C: tl.constexpr = 2 * HK * DK + HV * DV
-    dtype = y_ptr.dtype.element_ty
-    npad = tl.cdiv(T, BT) * BT
-    i = tl.arange(0, BT)
-    dk = tl.arange(0, DK)
-    cols = vb * BV + tl.arange(0, BV)
-    causal = i[:, None] >= i[None, :]
-    sp = ssm_ptr + h.to(tl.int64) * DK * DV + dk[:, None] * DV + cols[None, :]
-    s = tl.load(sp)
-    wf = tl.load(nw_ptr + cols).to(tl.float32)
-    for n in range(0, tl.cdiv(T, BT)):
-        t = n * BT + i
-        tm = (t < T)[:, None]
-        rows = xc_ptr + t.to(tl.int64)[:, None] * C
-        q = l2norm_rows(tl.load(rows + kh * DK + dk[None, :], mask=tm, other=0.0).to(tl.float32)) * scale
-        k = l2norm_rows(tl.load(rows + HK * DK + kh * DK + dk[None, :], mask=tm, other=0.0).to(tl.float32))
-        hrow = h.to(tl.int64) * npad + t
-        cum = tl.load(cum_ptr + hrow)
-        glast = tl.load(cum_ptr + h.to(tl.int64) * npad + n * BT + BT - 1)
-        w = tl.load(w_ptr + hrow[:, None] * DK + dk[None, :])
-        u = tl.load(u_ptr + hrow[:, None] * DV + cols[None, :])
-        v_new = u - mm(w, s, PREC, DOT16, UPCAST, dtype, RNE)
-        decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0))
-        intra = tl.where(causal, mm(q, tl.trans(k), PREC, DOT16, UPCAST, dtype, RNE) * decay, 0.0)
-        o = mm(q * tl.exp(cum)[:, None], s, PREC, DOT16, UPCAST, dtype, RNE)
-        o = o + mm(intra, v_new, PREC, DOT16, UPCAST, dtype, RNE)
-        kd = k * tl.exp(glast - cum)[:, None]
-        s = s * tl.exp(glast) + mm(tl.trans(kd), v_new, PREC, DOT16, UPCAST, dtype, RNE)
-        o = round_to(o, dtype, RNE).to(tl.float32)
-        out = t.to(tl.int64)[:, None] * (HV * DV) + h * DV + cols[None, :]
-        if BV == DV:
-            zf = tl.load(z_ptr + out, mask=tm, other=0.0).to(tl.float32)
-            tl.store(y_ptr + out, gated_norm(o, zf, wf, eps, DV, ROUND_WN, dtype, RNE), mask=tm)
-        else:
-            tl.store(o_ptr + out, o.to(dtype), mask=tm)
-    tl.store(sp, s)
-
-
-@triton.jit(do_not_specialize=["T"])
-def state_kernel(w_ptr, u_ptr, kd_ptr, cum_ptr, ssm_ptr, h_ptr, vn_ptr, T, HV: tl.constexpr, DK: tl.constexpr,
-                 DV: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DOT16: tl.constexpr,
-                 UPCAST: tl.constexpr, RNE: tl.constexpr):
-    """The split form's serial part. Program (value head h, dv block vb): for each chunk n in order,
-    h[n] = S (the state before it), v_new = u - w S, S = S exp(g_last) + kd^T v_new; the scan_kernel's
-    arithmetic without the outputs, whose chunks then run in parallel (output_kernel). h and v_new are
-    stored in h_ptr's / vn_ptr's dtype: 16-bit only where they feed nothing but dots (DOT16)."""
-    h, vb = tl.program_id(0), tl.program_id(1)
-    dtype = h_ptr.dtype.element_ty
-    nch = tl.cdiv(T, BT)
-    npad = nch * BT
-    i = tl.arange(0, BT)
-    dk = tl.arange(0, DK)
-    cols = vb * BV + tl.arange(0, BV)
-    sp = ssm_ptr + h.to(tl.int64) * DK * DV + dk[:, None] * DV + cols[None, :]
-    s = tl.load(sp)
-    for n in range(0, nch):
-        hrow = h.to(tl.int64) * npad + n * BT + i
-        hp = h_ptr + (h.to(tl.int64) * nch + n) * DK * DV + dk[:, None] * DV + cols[None, :]
-        tl.store(hp, round_to(s, dtype, RNE))
-        w = tl.load(w_ptr + hrow[:, None] * DK + dk[None, :])        # 16-bit under DOT16: mm's operand as is
-        kd = tl.load(kd_ptr + hrow[:, None] * DK + dk[None, :])
-        u = tl.load(u_ptr + hrow[:, None] * DV + cols[None, :])
-        glast = tl.load(cum_ptr + h.to(tl.int64) * npad + n * BT + BT - 1)
-        v_new = u - mm(w, s, PREC, DOT16, UPCAST, dtype, RNE)
-        tl.store(vn_ptr + hrow[:, None] * DV + cols[None, :], round_to(v_new, vn_ptr.dtype.element_ty, RNE))
-        s = s * tl.exp(glast) + mm(tl.trans(kd), v_new, PREC, DOT16, UPCAST, dtype, RNE)
-    tl.store(sp, s)
-
-
-@triton.jit(do_not_specialize=["T"])
-def output_kernel(xc_ptr, z_ptr, nw_ptr, cum_ptr, h_ptr, vn_ptr, y_ptr, o_ptr, T, eps, scale, HK: tl.constexpr,
-                  HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                  PREC: tl.constexpr, DOT16: tl.constexpr, UPCAST: tl.constexpr, ROUND_WN: tl.constexpr,
-                  RNE: tl.constexpr):
-    """The split form's parallel part. Program (chunk n, value head h, dv block vb):
-    o = (q exp(cum)) h[n] + (causal q k^T * decay) v_new, as scan_kernel computes it; gated norm fused
-    when BV == dv."""
-    n, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    kh = h // (HV // HK)
-    C: tl.constexpr = 2 * HK * DK + HV * DV
-    dtype = y_ptr.dtype.element_ty
-    nch = tl.cdiv(T, BT)
-    npad = nch * BT
-    i = tl.arange(0, BT)
-    dk = tl.arange(0, DK)
-    cols = vb * BV + tl.arange(0, BV)
-    t = n * BT + i
-    tm = (t < T)[:, None]
-    rows = xc_ptr + t.to(tl.int64)[:, None] * C
-    q = l2norm_rows(tl.load(rows + kh * DK + dk[None, :], mask=tm, other=0.0).to(tl.float32)) * scale
-    k = l2norm_rows(tl.load(rows + HK * DK + kh * DK + dk[None, :], mask=tm, other=0.0).to(tl.float32))
-    hrow = h.to(tl.int64) * npad + t
-    cum = tl.load(cum_ptr + hrow)
-    s = tl.load(h_ptr + (h.to(tl.int64) * nch + n) * DK * DV + dk[:, None] * DV + cols[None, :])   # dot operands
-    v_new = tl.load(vn_ptr + hrow[:, None] * DV + cols[None, :])
-    causal = i[:, None] >= i[None, :]
-    decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0))
-    intra = tl.where(causal, mm(q, tl.trans(k), PREC, DOT16, UPCAST, dtype, RNE) * decay, 0.0)
-    o = mm(q * tl.exp(cum)[:, None], s, PREC, DOT16, UPCAST, dtype, RNE)
-    o = o + mm(intra, v_new, PREC, DOT16, UPCAST, dtype, RNE)
-    o = round_to(o, dtype, RNE).to(tl.float32)
-    out = t.to(tl.int64)[:, None] * (HV * DV) + h * DV + cols[None, :]
-    if BV == DV:
-        zf = tl.load(z_ptr + out, mask=tm, other=0.0).to(tl.float32)
-        wf = tl.load(nw_ptr + cols).to(tl.float32)
-        tl.store(y_ptr + out, gated_norm(o, zf, wf, eps, DV, ROUND_WN, dtype, RNE), mask=tm)
-    else:
-        tl.store(o_ptr + out, o.to(dtype), mask=tm)
-
+from ..common import COMMON, SUPPORTED, cdiv, dot_flags, pdl, pdl_wait, pow2_dim, rne_flag
+from ..gemm.gemm import __file__ as GEMM_FILE
+from ..gemm.gemm import last_arrival
+from . import chunked as chunked_kernels
+from . import recurrent as recurrent_kernels
+from . import reference as gdn_reference
+from .chunked import (
+    chunk_decays,
+    output_kernel,
+    prep_kernel,
+    scan_kernel,
+    solve_kernel,
+    state_kernel,
+    unit_lower_inverse,
+    unit_lower_inverse_dots,
+    wu_kernel,
+)
+from .recurrent import (
+    CHUNK,
+    CONV_BT,
+    conv,
+    conv_kernel,
+    conv_prefetch,
+    decode_conv,
+    decode_kernel,
+    gated_norm,
+    norm_kernel,
+    recurrent_kernel,
+    store_state,
+)
+from .reference import GdnReference
 
 # -- launching -------------------------------------------------------------------------------------------
 
@@ -729,14 +176,8 @@ def split(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, p: dict) -> None:
 def torch_chunked(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y) -> None:
     """The reference's chunked WY/UT form in torch ops (cuBLAS batched matmuls, one small step per
     chunk): a measured alternative to the Triton scan, whose f32 dots are slow on Hopper."""
-    from types import SimpleNamespace
-
-    import torch.nn.functional as F
-
-    from ..reference import ReferenceOps
-
     hk, hv, dk, dv, eps = dims
-    t, ref = xc.shape[0], ReferenceOps(xc.device)
+    t, ref = xc.shape[0], GdnReference()
     q, k, v = xc.split([hk * dk, hk * dk, hv * dv], dim=-1)
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     state = SimpleNamespace(ssm=ssm)
@@ -913,7 +354,12 @@ ARGS = ("qkv", "z", "b", "a", "conv_w", "A_log", "dt_bias", "norm_w")
 class GdnOp(Op):
     """Outputs y and copies of the state: launch() copies the input state into them and updates the
     copies in place, so the gate can run every variant on the same inputs and compare the state too."""
-    sources = (__file__, COMMON, GEMM_FILE)   # last_arrival comes from gemm.py
+    sources = (__file__, recurrent_kernels.__file__, chunked_kernels.__file__, gdn_reference.__file__, COMMON,
+               GEMM_FILE)   # last_arrival comes from gemm.py; torch_chunked runs the reference
+    shape_type = GdnShape
+
+    def accepts(self, s: GdnShape) -> bool:
+        return pow2_dim(s.dk) and pow2_dim(s.dv)
     into = None
 
     def shape_str(self, s: GdnShape) -> str:

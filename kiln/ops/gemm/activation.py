@@ -1,5 +1,5 @@
 """Elementwise kernels that save a launch or two per layer at decode, rounding where torch does
-(kiln.backends.reference.ReferenceOps.act_mul): act(g) rounded to the activation dtype, then the
+(kiln/ops/gemm/reference.py, act_mul): act(g) rounded to the activation dtype, then the
 product with u rounded. Not tuned: one row (or a BLOCK of it) per program, bandwidth-bound.
 """
 
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import SUPPORTED, cdiv, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from ..common import SUPPORTED, cdiv, next_pow2, pdl, pdl_wait, rne_flag, round_to
 
 ACTS = {"silu": 0, "sigmoid": 1}     # torch's formulas in f32 (tanh-based GELU stays in torch)
 BLOCK = 1024

@@ -16,12 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, try_unmeasured, variant
-from . import rmsnorm as R
-from .common import COMMON, SUPPORTED, cdiv, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
-from .elementwise import ACTS, act_f32
-from .elementwise import __file__ as ACTS_FILE
-from .rmsnorm import scale_normed
+from ..common import COMMON, SUPPORTED, cdiv, dot_flags, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from ..norm import kernels as norm_kernels
+from ..norm.kernels import scale_normed
+from .activation import ACTS, act_f32
+from .activation import __file__ as ACTS_FILE
 
 GROUP_M = 8
 
@@ -192,7 +193,7 @@ def masked_k(ptr, rk, K: tl.constexpr, EVEN: tl.constexpr, ROWS: tl.constexpr):
 def x_slice(x_ptr, m, rk, K: tl.constexpr, EVEN: tl.constexpr, ACT: tl.constexpr, RNE: tl.constexpr,
             NORM: tl.constexpr, STYLE: tl.constexpr, r_ptr, nw_ptr, rstd):
     """Row m's x at columns rk in f32. ACT >= 0: rows are [g | u] (2K wide) and x = act(g) * u,
-    each rounded to x's dtype as act_mul rounds (kiln/backends/cuda/elementwise.py). NORM: x is
+    each rounded to x's dtype as act_mul rounds (activation.py). NORM: x is
     rmsnorm(x) (1) or rmsnorm(x + r) (2) with the row's rstd, rounded as the rmsnorm kernel rounds."""
     # One return at the end: Triton 3.6 still builds the code after a constexpr-taken `return`
     # (with r_ptr/nw_ptr None there, that fails to compile).
@@ -322,7 +323,7 @@ def norm_args(norm: dict | None, k: int) -> dict:
         return {}
     add = norm.get("r") is not None
     return {"nw_ptr": norm["w"], "r_ptr": norm.get("r"), "s_ptr": norm.get("s"), "eps": norm["eps"],
-            "NORM": 2 if add else 1, "STYLE": R.STYLES[norm["style"]], "KP": next_pow2(k)}
+            "NORM": 2 if add else 1, "STYLE": norm_kernels.STYLES[norm["style"]], "KP": next_pow2(k)}
 
 
 def tiles(m: int, n: int, p: dict) -> int:
@@ -496,7 +497,8 @@ def gemv_worth(shape, p: dict, sms: int) -> bool:
 
 class GemmOp(Op):
     name = "gemm"
-    sources = (__file__, COMMON, R.__file__, ACTS_FILE)
+    sources = (__file__, COMMON, norm_kernels.__file__, ACTS_FILE)
+    shape_type = GemmShape
 
     def shape_str(self, s: GemmShape) -> str:
         return f"{s.rows}x{s.n}x{s.k}"
@@ -553,7 +555,6 @@ class GemmOp(Op):
     def compile(self, v: Variant, s: GemmShape, dtype, device) -> list:
         if interpreting() or v.run is not None:
             return []
-        from .common import device_info
         sms = device_info(device).sms
         x = torch.empty((1, s.k), dtype=dtype, device=device)
         w = torch.empty((s.n, s.k), dtype=dtype, device=device)

@@ -1,5 +1,5 @@
 """An MLP's gate|up projection with its activation in the epilogue: y[M, I] = act(x @ Wg^T) * (x @ Wu^T),
-W = [Wg; Wu] the concatenated [2I, K] weight (kiln/backends/cuda/fuse.py).
+W = [Wg; Wu] the packed [2I, K] weight (the model's gate_up_proj, merged at load).
 
 Each program accumulates the gate and the up tile of the same columns (two f32 accumulators over
 one pass of x), then rounds as the unfused ops do: gate and up to the activation dtype (the GEMM's
@@ -17,17 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, variant
-from . import elementwise as E
-from . import gemm as G
-from .common import SUPPORTED, device_info, dot_flags, interpreting, pdl, pdl_wait, rne_flag, round_to
+from ..common import SUPPORTED, dot_flags, pdl, pdl_wait, rne_flag, round_to
+from . import activation, gemm
 
 
 @triton.jit
 def act_mul_epilogue(acc_g, acc_u, dtype: tl.constexpr, ACT: tl.constexpr, RNE: tl.constexpr):
     g = round_to(acc_g, dtype, RNE).to(tl.float32)
     u = round_to(acc_u, dtype, RNE).to(tl.float32)
-    a = round_to(E.act_f32(g, ACT), dtype, RNE).to(tl.float32)
+    a = round_to(activation.act_f32(g, ACT), dtype, RNE).to(tl.float32)
     return round_to(a * u, dtype, RNE)
 
 
@@ -39,7 +39,7 @@ def gemm_act_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, 
     """Program (tile, split): the BM x BN tile of y at columns rn reads w rows rn (gate) and N + rn (up).
     With SPLIT_K > 1: partials to ws [SPLIT_K, 2, M, N]; the last arrival (per-tile counter) sums them.
     The first K step's weights load before pdl_wait (weights are never written)."""
-    pid_m, pid_n = G.tile_of(tl.program_id(0), M, BM, N, BN, GROUP_M)
+    pid_m, pid_n = gemm.tile_of(tl.program_id(0), M, BM, N, BN, GROUP_M)
     split = tl.program_id(1)
     SPAN: tl.constexpr = (K + SPLIT_K * BK - 1) // (SPLIT_K * BK) * BK
     EVEN: tl.constexpr = SPAN * SPLIT_K == K
@@ -64,9 +64,9 @@ def gemm_act_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, 
             bg0 = tl.load(wg, mask=(rk < K)[:, None], other=0.0)
             bu0 = tl.load(wu, mask=(rk < K)[:, None], other=0.0)
         pdl_wait(PDL)
-        a = G.masked_k(xs, rk, K, EVEN, True)
-        acc_g = G.mma(acc_g, a, bg0, UPCAST, IEEE)
-        acc_u = G.mma(acc_u, a, bu0, UPCAST, IEEE)
+        a = gemm.masked_k(xs, rk, K, EVEN, True)
+        acc_g = gemm.mma(acc_g, a, bg0, UPCAST, IEEE)
+        acc_u = gemm.mma(acc_u, a, bu0, UPCAST, IEEE)
         xs += BK
         wg += BK
         wu += BK
@@ -83,8 +83,8 @@ def gemm_act_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, 
             a = tl.load(xs, mask=inside[None, :], other=0.0)
             bg = tl.load(wg, mask=inside[:, None], other=0.0)
             bu = tl.load(wu, mask=inside[:, None], other=0.0)
-        acc_g = G.mma(acc_g, a, bg, UPCAST, IEEE)
-        acc_u = G.mma(acc_u, a, bu, UPCAST, IEEE)
+        acc_g = gemm.mma(acc_g, a, bg, UPCAST, IEEE)
+        acc_u = gemm.mma(acc_u, a, bu, UPCAST, IEEE)
         xs += BK
         wg += BK
         wu += BK
@@ -97,7 +97,7 @@ def gemm_act_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, 
         part = (rm.to(tl.int64)[:, None] * N + rn[None, :])
         tl.store(ws_ptr + (2 * split) * M * N + part, acc_g, mask=keep)
         tl.store(ws_ptr + (2 * split + 1) * M * N + part, acc_u, mask=keep)
-        if G.last_arrival(count_ptr, tl.program_id(0), SPLIT_K):
+        if gemm.last_arrival(count_ptr, tl.program_id(0), SPLIT_K):
             tg = tl.zeros((BM, BN), dtype=tl.float32)
             tu = tl.zeros((BM, BN), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):          # split order: the same sum whoever is last
@@ -116,9 +116,9 @@ def gemm_act(x: torch.Tensor, w: torch.Tensor, act: str, v: Variant, y: torch.Te
     p = v.p
     sk = p.get("sk", 1)
     ws = y if sk == 1 else torch.empty((sk, 2, m, n), dtype=torch.float32, device=x.device)
-    counts = G.arrival_counters(x.device, G.tiles(m, n, p)) if sk > 1 else y
-    gemm_act_kernel[(G.tiles(m, n, p), sk)](x, w, y, ws, counts, m, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
-                                            GROUP_M=G.GROUP_M, SPLIT_K=sk, ACT=E.ACTS[act], RNE=rne_flag(x.dtype),
+    counts = gemm.arrival_counters(x.device, gemm.tiles(m, n, p)) if sk > 1 else y
+    gemm_act_kernel[(gemm.tiles(m, n, p), sk)](x, w, y, ws, counts, m, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
+                                            GROUP_M=gemm.GROUP_M, SPLIT_K=sk, ACT=activation.ACTS[act], RNE=rne_flag(x.dtype),
                                             **dot_flags(x.dtype), num_warps=p["w"], num_stages=p["s"], **pdl(x))
     return y
 
@@ -134,8 +134,8 @@ class GemmActShape:
     def key(self) -> tuple:
         return (self.n, self.k, self.act)
 
-    def gemm(self) -> G.GemmShape:
-        return G.GemmShape(self.rows, 2 * self.n, self.k)
+    def gemm(self) -> gemm.GemmShape:
+        return gemm.GemmShape(self.rows, 2 * self.n, self.k)
 
 
 def fused_variant(bm, bn, bk, w, s, sk=1) -> Variant:
@@ -148,14 +148,14 @@ def unfused(inputs: dict, outputs: dict, plan, trusted: bool = False) -> None:
     x, w, act = inputs["x"], inputs["w"], inputs["act"]
     shape = GemmActShape(x.shape[0], w.shape[0] // 2, x.shape[1], act).gemm()
     dev = plan.dev if plan is not None else device_info(x.device)
-    gv = G.OP.trusted(shape, dev) if trusted else (plan.choose(G.OP, shape) if plan is not None else
-                                                    G.OP.default(shape, dev))
+    gv = gemm.OP.trusted(shape, dev) if trusted else (plan.choose(gemm.OP, shape) if plan is not None else
+                                                    gemm.OP.default(shape, dev))
     h = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    if gv.p.get("tma") and not G.tma_ok(x, w, h):
-        gv = G.OP.default(shape, dev)
-    G.OP.run(gv, {"x": x, "w": w}, {"y": h}, plan)
+    if gv.p.get("tma") and not gemm.tma_ok(x, w, h):
+        gv = gemm.OP.default(shape, dev)
+    gemm.OP.run(gv, {"x": x, "w": w}, {"y": h}, plan)
     g, u = h.split(w.shape[0] // 2, dim=-1)
-    E.act_mul(g, u, act, outputs["y"])
+    activation.act_mul(g, u, act, outputs["y"])
 
 
 UNFUSED = variant("unfused", run=unfused)
@@ -167,7 +167,11 @@ CPU_SPLITS = [((16, 64, 32, 4, 1), 3)]
 
 
 class ActShapes:
-    """Names and row changes of the (rows, n, k, act) shapes of gemm_act and act_gemm."""
+    """Names, row changes and kernel support of the (rows, n, k, act) shapes of gemm_act and act_gemm."""
+
+    def accepts(self, s) -> bool:
+        # the interpreter: these kernels are tested on their own, not tuned for whole models
+        return s.act in activation.ACTS and not interpreting()
 
     def shape_str(self, s) -> str:
         return f"{s.rows}x{s.n}x{s.k}_{s.act}"
@@ -180,7 +184,8 @@ class GemmActOp(ActShapes, Op):
     """The gate|up GEMM with act(g) * u in its epilogue, or the GEMM then act_mul (measured on the
     H200: at one row the unfused pair won, 6.2 against 7.2 us)."""
     name = "gemm_act"
-    sources = (__file__, *G.GemmOp.sources)   # gemm.py's own sources included
+    sources = (__file__, *gemm.GemmOp.sources)   # gemm.py's own sources included
+    shape_type = GemmActShape
 
     def catalogue(self, s, dev) -> list[Variant]:
         tiles, splits = (CPU_TILES, CPU_SPLITS) if dev.capability is None else (GPU_TILES, GPU_SPLITS)
@@ -188,12 +193,12 @@ class GemmActOp(ActShapes, Op):
                 + [fused_variant(*t, sk=k) for t, k in splits])
 
     def candidates(self, s, dev) -> list[Variant]:
-        forms = [v for v in self.catalogue(s, dev) if v.run is not None or G.fits(s, v.p)]
+        forms = [v for v in self.catalogue(s, dev) if v.run is not None or gemm.fits(s, v.p)]
         if dev.capability is None:
             return forms
         # split-K only where the tiles alone leave SMs idle (worth_measuring): it also keeps the shared
         # arrival counters from growing after a CUDA graph captured their address
-        return [v for v in forms if v.run is not None or G.worth_measuring(s, v.p, dev.sms)]
+        return [v for v in forms if v.run is not None or gemm.worth_measuring(s, v.p, dev.sms)]
 
     def trusted(self, s, dev) -> Variant:
         return UNFUSED_TRUSTED
@@ -223,18 +228,18 @@ class GemmActOp(ActShapes, Op):
         ws = y if sk == 1 else torch.empty((sk, 2, 1, s.n), dtype=torch.float32, device=device)
         counts = torch.zeros(1, dtype=torch.int32, device=device) if sk > 1 else y
         return [gemm_act_kernel.warmup(x, w, y, ws, counts, 1, N=s.n, K=s.k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
-                                       GROUP_M=G.GROUP_M, SPLIT_K=sk, ACT=E.ACTS[s.act], RNE=False,
+                                       GROUP_M=gemm.GROUP_M, SPLIT_K=sk, ACT=activation.ACTS[s.act], RNE=False,
                                        **dot_flags(dtype), num_warps=p["w"], num_stages=p["s"], grid=(1,),
                                        **pdl(x))]
 
     def kernel_sources(self, v: Variant) -> list:
         if v.run is not None:
             return []
-        return [gemm_act_kernel, act_mul_epilogue, E.act_f32, G.tile_of, G.mma, G.masked_k, G.last_arrival, round_to,
+        return [gemm_act_kernel, act_mul_epilogue, activation.act_f32, gemm.tile_of, gemm.mma, gemm.masked_k, gemm.last_arrival, round_to,
                 pdl_wait]
 
     def supports(self, x, w, act) -> bool:
-        return x.dtype in SUPPORTED and w.dtype == x.dtype and act in E.ACTS and w.shape[0] % 2 == 0
+        return x.dtype in SUPPORTED and w.dtype == x.dtype and act in activation.ACTS and w.shape[0] % 2 == 0
 
 
 OP = register(GemmActOp())
@@ -253,22 +258,22 @@ class ActGemmShape:
     def key(self) -> tuple:
         return (self.n, self.k, self.act)
 
-    def gemm(self) -> G.GemmShape:
-        return G.GemmShape(self.rows, self.n, self.k)
+    def gemm(self) -> gemm.GemmShape:
+        return gemm.GemmShape(self.rows, self.n, self.k)
 
 
 def act_then_gemm(inputs: dict, outputs: dict, plan, trusted: bool = False) -> None:
     """act_mul, then the GEMM (the plan's choice, or the trusted one)."""
     gu, w, act = inputs["gu"], inputs["w"], inputs["act"]
     g, u = gu.split(w.shape[1], dim=-1)
-    h = E.act_mul(g, u, act)
-    shape = G.GemmShape(gu.shape[0], w.shape[0], w.shape[1])
+    h = activation.act_mul(g, u, act)
+    shape = gemm.GemmShape(gu.shape[0], w.shape[0], w.shape[1])
     dev = plan.dev if plan is not None else device_info(gu.device)
-    gv = G.OP.trusted(shape, dev) if trusted else (plan.choose(G.OP, shape) if plan is not None else
-                                                    G.OP.default(shape, dev))
-    if gv.p.get("tma") and not G.tma_ok(h, w, outputs["y"]):
-        gv = G.OP.default(shape, dev)
-    G.OP.run(gv, {"x": h, "w": w}, {"y": outputs["y"]}, plan)
+    gv = gemm.OP.trusted(shape, dev) if trusted else (plan.choose(gemm.OP, shape) if plan is not None else
+                                                    gemm.OP.default(shape, dev))
+    if gv.p.get("tma") and not gemm.tma_ok(h, w, outputs["y"]):
+        gv = gemm.OP.default(shape, dev)
+    gemm.OP.run(gv, {"x": h, "w": w}, {"y": outputs["y"]}, plan)
 
 
 ACT_UNFUSED = variant("unfused", run=act_then_gemm)
@@ -279,21 +284,22 @@ class ActGemmOp(ActShapes, Op):
     """y = (act(g) * u) @ w^T from the gate|up GEMM's output [M, 2I]: act_mul and the GEMM (two
     launches), or one GEMV (gemm.py's gemv_kernel) that computes act(g) * u as it loads x."""
     name = "act_gemm"
-    sources = (__file__, *G.GemmOp.sources)   # gemm.py's own sources included
+    sources = (__file__, *gemm.GemmOp.sources)   # gemm.py's own sources included
+    shape_type = ActGemmShape
 
     def catalogue(self, s, dev) -> list[Variant]:
         if dev.capability is None:
-            gemv = [G.gemv_variant(*g) for g in G.CPU_GEMV]
+            gemv = [gemm.gemv_variant(*g) for g in gemm.CPU_GEMV]
         else:
-            gemv = [G.gemv_variant(*g, whole=whole) for g in G.GEMV_FORMS for whole in (False, True)]
+            gemv = [gemm.gemv_variant(*g, whole=whole) for g in gemm.GEMV_FORMS for whole in (False, True)]
         return [ACT_UNFUSED_TRUSTED, ACT_UNFUSED] + (gemv if s.rows == 1 else [])
 
     def candidates(self, s, dev) -> list[Variant]:
         forms = self.catalogue(s, dev)
         if dev.capability is None:
             return forms
-        return [v for v in forms if v.run is not None or (G.gemv_worth(s, v.p, dev.sms) and
-                                                           (not v.p["whole"] or G.whole_fits(s, v.p)))]
+        return [v for v in forms if v.run is not None or (gemm.gemv_worth(s, v.p, dev.sms) and
+                                                           (not v.p["whole"] or gemm.whole_fits(s, v.p)))]
 
     def trusted(self, s, dev) -> Variant:
         return ACT_UNFUSED_TRUSTED
@@ -311,7 +317,7 @@ class ActGemmOp(ActShapes, Op):
         return {"y": torch.empty((gu.shape[0], inputs["w"].shape[0]), dtype=gu.dtype, device=gu.device)}
 
     def launch(self, v: Variant, inputs: dict, outputs: dict, plan=None) -> None:
-        G.gemm(inputs["gu"], inputs["w"], v, outputs["y"], act=inputs["act"])
+        gemm.gemm(inputs["gu"], inputs["w"], v, outputs["y"], act=inputs["act"])
 
     def compile(self, v: Variant, s: ActGemmShape, dtype, device) -> list:
         if interpreting() or v.run is not None:
@@ -322,17 +328,17 @@ class ActGemmOp(ActShapes, Op):
         p = v.p
         ws = y if p["sk"] == 1 else torch.empty((p["sk"], 1, s.n), dtype=torch.float32, device=device)
         counts = torch.zeros(1, dtype=torch.int32, device=device) if p["sk"] > 1 else y
-        return [G.gemv_kernel.warmup(gu, w, y, ws, counts, 1, N=s.n, K=s.k, BN=p["bn"], BK=p["bk"], SPLIT_K=p["sk"],
-                                     RNE=False, WHOLE=p["whole"], ACT=E.ACTS[s.act], num_warps=p["w"],
+        return [gemm.gemv_kernel.warmup(gu, w, y, ws, counts, 1, N=s.n, K=s.k, BN=p["bn"], BK=p["bk"], SPLIT_K=p["sk"],
+                                     RNE=False, WHOLE=p["whole"], ACT=activation.ACTS[s.act], num_warps=p["w"],
                                      num_stages=p["s"], grid=(1,), **pdl(gu))]
 
     def kernel_sources(self, v: Variant) -> list:
         if v.run is not None:
             return []
-        return [G.gemv_kernel, G.masked_k, G.x_slice, E.act_f32, pdl_wait, round_to, G.last_arrival]
+        return [gemm.gemv_kernel, gemm.masked_k, gemm.x_slice, activation.act_f32, pdl_wait, round_to, gemm.last_arrival]
 
     def supports(self, gu, w, act) -> bool:
-        return (gu.dtype in SUPPORTED and w.dtype == gu.dtype and act in E.ACTS and gu.shape[-1] == 2 * w.shape[1]
+        return (gu.dtype in SUPPORTED and w.dtype == gu.dtype and act in activation.ACTS and gu.shape[-1] == 2 * w.shape[1]
                 and gu.is_contiguous())
 
 

@@ -15,17 +15,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, variant
-from . import gemm as G
-from . import rmsnorm as R
-from .common import SUPPORTED, device_info, dot_flags, interpreting, rne_flag, round_to
+from ..common import SUPPORTED, dot_flags, rne_flag, round_to
+from ..norm import kernels as norm_kernels
+from . import gemm
 
 
 @triton.jit(do_not_specialize=["M"])
 def rmsnorm_gemm_kernel(x_ptr, nw_ptr, w_ptr, y_ptr, M, eps, N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STYLE: tl.constexpr,
                         UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr):
-    pid_m, pid_n = G.tile_of(tl.program_id(0), M, BM, N, BN, GROUP_M)
+    pid_m, pid_n = gemm.tile_of(tl.program_id(0), M, BM, N, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -47,8 +48,8 @@ def rmsnorm_gemm_kernel(x_ptr, nw_ptr, w_ptr, y_ptr, M, eps, N: tl.constexpr, K:
             xf = tl.load(xs, mask=(rk + k < K)[None, :], other=0.0).to(tl.float32)
             b = tl.load(ws, mask=(rk + k < K)[:, None], other=0.0)
         wf = tl.load(nw_ptr + k + rk, mask=rk + k < K, other=0.0).to(tl.float32)
-        a = R.scale_normed(xf, rstd, wf, STYLE, dtype, RNE)
-        acc = G.mma(acc, a, b, UPCAST, IEEE)
+        a = norm_kernels.scale_normed(xf, rstd, wf, STYLE, dtype, RNE)
+        acc = gemm.mma(acc, a, b, UPCAST, IEEE)
         xs += BK
         ws += BK
     keep = (rm < M)[:, None] & (rn < N)[None, :]
@@ -63,8 +64,8 @@ def rmsnorm_gemm(x: torch.Tensor, nw: torch.Tensor, eps: float, style: str, w: t
     if m == 0:
         return y
     p = v.p
-    rmsnorm_gemm_kernel[(G.tiles(m, n, p),)](x, nw, w, y, m, eps, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
-                                             GROUP_M=G.GROUP_M, STYLE=R.STYLES[style], RNE=rne_flag(x.dtype),
+    rmsnorm_gemm_kernel[(gemm.tiles(m, n, p),)](x, nw, w, y, m, eps, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
+                                             GROUP_M=gemm.GROUP_M, STYLE=norm_kernels.STYLES[style], RNE=rne_flag(x.dtype),
                                              **dot_flags(x.dtype), num_warps=p["w"], num_stages=p["s"])
     return y
 
@@ -81,8 +82,8 @@ class NormGemmShape:
     def key(self) -> tuple:
         return (self.n, self.k, self.style) + (("add",) if self.add else ())
 
-    def parts(self) -> tuple[R.NormShape, G.GemmShape]:
-        return R.NormShape(self.rows, self.k, self.style), G.GemmShape(self.rows, self.n, self.k)
+    def parts(self) -> tuple[norm_kernels.NormShape, gemm.GemmShape]:
+        return norm_kernels.NormShape(self.rows, self.k, self.style), gemm.GemmShape(self.rows, self.n, self.k)
 
 
 def fused_variant(bm, bn, bk, w, s) -> Variant:
@@ -95,19 +96,19 @@ def unfused(inputs: dict, outputs: dict, plan, trusted: bool = False) -> None:
     norm_shape, gemm_shape = NormGemmShape(x.shape[0], w.shape[0], x.shape[1], style).parts()
     dev = plan.dev if plan is not None else device_info(x.device)
     if trusted:
-        nv, gv = R.OP.trusted(norm_shape, dev), G.OP.trusted(gemm_shape, dev)
+        nv, gv = norm_kernels.OP.trusted(norm_shape, dev), gemm.OP.trusted(gemm_shape, dev)
     elif plan is None:
-        nv, gv = R.OP.default(norm_shape, dev), G.OP.default(gemm_shape, dev)
+        nv, gv = norm_kernels.OP.default(norm_shape, dev), gemm.OP.default(gemm_shape, dev)
     else:
-        nv, gv = plan.choose(R.OP, norm_shape), plan.choose(G.OP, gemm_shape)
-    if gv.p.get("tma") and not G.tma_ok(x, w, outputs["y"]):
-        gv = G.OP.default(gemm_shape, dev)
+        nv, gv = plan.choose(norm_kernels.OP, norm_shape), plan.choose(gemm.OP, gemm_shape)
+    if gv.p.get("tma") and not gemm.tma_ok(x, w, outputs["y"]):
+        gv = gemm.OP.default(gemm_shape, dev)
     h = torch.empty_like(x)
     if r is None:
-        R.OP.run(nv, {"x": x, "norm_w": nw, "eps": eps, "style": style}, {"y": h}, plan)
+        norm_kernels.OP.run(nv, {"x": x, "norm_w": nw, "eps": eps, "style": style}, {"y": h}, plan)
     else:
-        R.rmsnorm(x, nw, eps, style, nv, y=h, add=r, s=outputs["s"])
-    G.OP.run(gv, {"x": h, "w": w}, {"y": outputs["y"]}, plan)
+        norm_kernels.rmsnorm(x, nw, eps, style, nv, y=h, add=r, s=outputs["s"])
+    gemm.OP.run(gv, {"x": h, "w": w}, {"y": outputs["y"]}, plan)
 
 
 UNFUSED = variant("unfused", run=unfused)
@@ -119,7 +120,11 @@ CPU_TILES = [(128, 128, 32, 4, 1), (16, 128, 64, 4, 1)]
 
 class RmsnormGemmOp(Op):
     name = "rmsnorm_gemm"
-    sources = (__file__, *G.GemmOp.sources)   # gemm.py's own sources included
+    sources = (__file__, *gemm.GemmOp.sources)   # gemm.py's own sources included
+    shape_type = NormGemmShape
+
+    def accepts(self, s: NormGemmShape) -> bool:
+        return not (s.add and interpreting())   # the interpreter: the add + norm GEMV is tested on its own
 
     def shape_str(self, s: NormGemmShape) -> str:
         return f"{s.rows}x{s.n}x{s.k}_{s.style}" + ("_add" if s.add else "")
@@ -131,18 +136,18 @@ class RmsnormGemmOp(Op):
         tiles = [] if s.add else (CPU_TILES if dev.capability is None else GPU_TILES)
         forms = [UNFUSED_TRUSTED, UNFUSED] + [fused_variant(*t) for t in tiles]
         if s.rows == 1 and s.add and dev.capability is None:   # (the LM head's shape: the interpreter is slow on it)
-            forms += [G.gemv_variant(*g) for g in G.CPU_GEMV]
+            forms += [gemm.gemv_variant(*g) for g in gemm.CPU_GEMV]
         elif s.rows == 1 and dev.capability is not None:   # the GEMV with the norm in its prologue (kept where it wins)
-            forms += [G.gemv_variant(*g, whole=whole) for g in G.GEMV_FORMS for whole in (False, True)]
+            forms += [gemm.gemv_variant(*g, whole=whole) for g in gemm.GEMV_FORMS for whole in (False, True)]
         return forms
 
     def candidates(self, s, dev) -> list[Variant]:
-        forms = [v for v in self.catalogue(s, dev) if v.run is not None or v.p.get("gemv") or G.fits(s, v.p)]
+        forms = [v for v in self.catalogue(s, dev) if v.run is not None or v.p.get("gemv") or gemm.fits(s, v.p)]
         if dev.capability is None:
             return forms
         return [v for v in forms if v.run is not None or (
-            G.gemv_worth(s, v.p, dev.sms) and (not v.p["whole"] or G.whole_fits(s, v.p)) if v.p.get("gemv")
-            else G.worth_measuring(s, v.p, dev.sms))]
+            gemm.gemv_worth(s, v.p, dev.sms) and (not v.p["whole"] or gemm.whole_fits(s, v.p)) if v.p.get("gemv")
+            else gemm.worth_measuring(s, v.p, dev.sms))]
 
     def trusted(self, s, dev) -> Variant:
         return UNFUSED_TRUSTED
@@ -151,7 +156,7 @@ class RmsnormGemmOp(Op):
         return UNFUSED
 
     def inputs(self, s: NormGemmShape, dtype, device, gen) -> dict:
-        d = R.norm_inputs(s.rows, s.k, s.style, dtype, device, gen)
+        d = norm_kernels.norm_inputs(s.rows, s.k, s.style, dtype, device, gen)
         d["w"] = (torch.randn(s.n, s.k, generator=gen, device=device) * s.k ** -0.5).to(dtype)
         if s.add:
             d["r"] = torch.randn(s.rows, s.k, generator=gen, device=device).to(dtype)
@@ -168,7 +173,7 @@ class RmsnormGemmOp(Op):
         if v.p.get("gemv"):
             norm = {"w": inputs["norm_w"], "eps": inputs["eps"], "style": inputs["style"], "r": inputs.get("r"),
                     "s": outputs.get("s")}
-            G.gemm(inputs["x"], inputs["w"], v, outputs["y"], norm=norm)
+            gemm.gemm(inputs["x"], inputs["w"], v, outputs["y"], norm=norm)
             return
         rmsnorm_gemm(inputs["x"], inputs["norm_w"], inputs["eps"], inputs["style"], inputs["w"], v, outputs["y"])
 
@@ -181,18 +186,18 @@ class RmsnormGemmOp(Op):
         y = torch.empty((1, s.n), dtype=dtype, device=device)
         p = v.p
         return [rmsnorm_gemm_kernel.warmup(x, x[0], w, y, 1, 1e-6, N=s.n, K=s.k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
-                                           GROUP_M=G.GROUP_M, STYLE=R.STYLES[s.style], RNE=False, **dot_flags(dtype),
+                                           GROUP_M=gemm.GROUP_M, STYLE=norm_kernels.STYLES[s.style], RNE=False, **dot_flags(dtype),
                                            num_warps=p["w"], num_stages=p["s"], grid=(1,))]
 
     def kernel_sources(self, v: Variant) -> list:
         if v.run is not None:
             return []
         if v.p.get("gemv"):
-            return G.OP.kernel_sources(v)
-        return [rmsnorm_gemm_kernel, G.tile_of, G.mma, R.scale_normed, round_to]
+            return gemm.OP.kernel_sources(v)
+        return [rmsnorm_gemm_kernel, gemm.tile_of, gemm.mma, norm_kernels.scale_normed, round_to]
 
     def supports(self, x, nw, w, style) -> bool:
-        return x.dtype in SUPPORTED and nw.dtype == x.dtype and w.dtype == x.dtype and style in R.STYLES
+        return x.dtype in SUPPORTED and nw.dtype == x.dtype and w.dtype == x.dtype and style in norm_kernels.STYLES
 
 
 OP = register(RmsnormGemmOp())

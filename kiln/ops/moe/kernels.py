@@ -23,10 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, variant
-from . import gemm as G
-from .common import SUPPORTED, cdiv, device_info, dot_flags, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
-from .options import EXACT_ROUNDING
+from ..common import EXACT_ROUNDING, SUPPORTED, cdiv, dot_flags, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from ..gemm import gemm
 
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 COMBINE_BH = 256     # columns per combine program: the combine reads k rows, it is never the bottleneck
@@ -110,8 +110,8 @@ def grouped_gate_up_kernel(x_ptr, w_ptr, order_ptr, starts_ptr, h_ptr, P, E: tl.
             a = tl.load(xs, mask=inside[None, :], other=0.0)
             bg = tl.load(gs, mask=inside[:, None], other=0.0)
             bu = tl.load(us, mask=inside[:, None], other=0.0)
-        acc_g = G.mma(acc_g, a, bg, UPCAST, IEEE)
-        acc_u = G.mma(acc_u, a, bu, UPCAST, IEEE)
+        acc_g = gemm.mma(acc_g, a, bg, UPCAST, IEEE)
+        acc_u = gemm.mma(acc_u, a, bu, UPCAST, IEEE)
         xs += BK
         gs += BK
         us += BK
@@ -143,7 +143,7 @@ def grouped_down_kernel(h_ptr, w_ptr, order_ptr, starts_ptr, rw_ptr, y_ptr, P, E
             inside = rk + k < I
             a = tl.load(hs, mask=inside[None, :], other=0.0)
             b = tl.load(ws, mask=inside[:, None], other=0.0)
-        acc = G.mma(acc, a, b, UPCAST, IEEE)
+        acc = gemm.mma(acc, a, b, UPCAST, IEEE)
         hs += BK
         ws += BK
     inside = rm < row_end
@@ -424,7 +424,8 @@ CPU_GEMV = [(64, 64, 4)]
 
 class MoeOp(Op):
     name = "moe"
-    sources = (__file__, *G.GemmOp.sources)   # gemm.py's own sources included
+    sources = (__file__, *gemm.GemmOp.sources)   # gemm.py's own sources included
+    shape_type = MoeShape
 
     def shape_str(self, s: MoeShape) -> str:
         return f"{s.rows}x{s.e}e{s.k}_{s.h}x{s.i}_{s.act}"
@@ -489,7 +490,7 @@ class MoeOp(Op):
         shared = [combine_kernel, gate_term, glu, activate, weighted, round_to]
         if v.p.get("gemv"):
             return [gemv_gate_up_kernel, gemv_down_kernel] + shared
-        return [grouped_gate_up_kernel, grouped_down_kernel, expert_block, G.mma] + shared
+        return [grouped_gate_up_kernel, grouped_down_kernel, expert_block, gemm.mma] + shared
 
     def supports(self, x, idx, weights, gate_up, down, act) -> bool:
         return supports(x, gate_up, down, act) and weights.dtype in (x.dtype, torch.float32) and idx.dim() == 2

@@ -1,5 +1,5 @@
 """RMSNorm over the last dimension D (a model dimension, `tl.constexpr`), rounding where the
-reference does (kiln.backends.reference.ReferenceOps.rmsnorm):
+reference does (kiln/ops/norm/reference.py):
   "llama":  w * (x * rstd).to(dtype)          (the normed value is rounded before the scale)
   "offset": ((x * rstd) * (1 + w)).to(dtype)  (zero-centred weights: Gemma 3, Qwen3.5)
   "plain":  ((x * rstd) * w).to(dtype)        (Gemma 4)
@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tune.device import interpreting
 from ...tune.registry import Op, Variant, register, variant
-from .common import COMMON, SUPPORTED, cdiv, interpreting, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from ..common import COMMON, SUPPORTED, cdiv, next_pow2, pdl, pdl_wait, rne_flag, round_to
 
 STYLES = {"llama": 0, "offset": 1, "plain": 2}
 
@@ -111,6 +112,7 @@ def norm_inputs(rows: int, d: int, style: str, dtype, device, gen) -> dict:
 class RmsnormOp(Op):
     name = "rmsnorm"
     sources = (__file__, COMMON)
+    shape_type = NormShape
 
     def shape_str(self, s: NormShape) -> str:
         return f"{s.rows}x{s.d}_{s.style}"

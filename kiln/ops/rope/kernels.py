@@ -20,11 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, variant
-from .common import COMMON, SUPPORTED, cdiv, device_info, interpreting, pdl, pdl_wait, rne_flag, round_to
-from .options import EXACT_ROUNDING
-from .rmsnorm import STYLES, scale_normed
-from .rmsnorm import __file__ as NORM_FILE
+from ..common import COMMON, EXACT_ROUNDING, SUPPORTED, cdiv, pdl, pdl_wait, pow2_dim, rne_flag, round_to
+from ..norm.kernels import STYLES, scale_normed
+from ..norm.kernels import __file__ as NORM_FILE
 
 
 @triton.jit
@@ -183,6 +183,10 @@ class QkRopeOp(Op):
     writes into the copies, so every variant sees the same inputs and the gate compares the buffers."""
     name = "qk_rope"
     sources = (__file__, COMMON, NORM_FILE)
+    shape_type = RopeShape
+
+    def accepts(self, s: RopeShape) -> bool:
+        return pow2_dim(s.d) and s.r % 2 == 0 and 0 < s.r <= s.d
 
     def shape_str(self, s: RopeShape) -> str:
         return f"{s.rows}_h{s.h}-{s.kv}_d{s.d}_r{s.r}_{s.style or 'nonorm'}"

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, device_info, interpreting, pdl, pdl_wait
+from ...tune.device import device_info, interpreting
+from ..common import cdiv, pdl, pdl_wait
 
 BLOCK = 2048          # logits a program reads per iteration
 MAX_PROGRAMS = 128    # spans of ~2k logits at a 248k vocabulary: one wave on an H200
@@ -86,10 +87,3 @@ def greedy_next(logits: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor) -> N
     vals, idxs, count = _workspace(logits.device)
     span = cdiv(cdiv(v, p), BLOCK) * BLOCK
     greedy_kernel[(p,)](logits, ids, pos, vals, idxs, count, v, span, P=p, BLOCK=BLOCK, **pdl(logits))
-
-
-def greedy_next_reference(logits: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor) -> None:
-    x = logits.float()
-    x = torch.where(torch.isnan(x), torch.full_like(x, float("inf")), x)
-    ids.fill_(int(torch.argmax(x)))
-    pos.add_(1)

@@ -1,0 +1,77 @@
+"""The cuda backend: the Triton kernels of kiln.ops, compiled for the loaded model's shapes and chosen
+by the tuner (kiln.tune), each family's dispatch falling back to its reference where a call does not
+fit (a bias, mixed dtypes, a ring cache). Every decode-path op is CUDA-graph safe: no host reads,
+state updated in place, so the engine can capture the decode step (graphs.py).
+
+On CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1): slow, for tests.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import KilnError
+from ..ops.attention.cuda import AttentionCuda
+from ..ops.dispatch import families_off
+from ..ops.gdn.cuda import GdnCuda
+from ..ops.gemm.cuda import GemmCuda
+from ..ops.moe.cuda import MoeCuda
+from ..ops.norm.cuda import NormCuda
+from ..ops.sample.cuda import SampleCuda
+from ..tune.device import device_info, interpreting
+from ..tune.registry import REGISTRY
+from ..tune.tuner import Tuner, Workload
+from .reference import ReferenceOps
+
+PREFILL_CHUNK = 512               # the engine's chunk on the reference backend: tuned as well
+DECODE_ROWS = 1
+DECODE_CONTEXTS = (2048, 32768)   # decode attention is measured at these context lengths
+OPS = ("gemm", "rmsnorm", "rmsnorm_gemm", "gdn_prefill", "gdn_decode", "moe", "attention", "attention_decode",
+       "qk_rope", "gemm_act", "act_gemm")
+
+
+class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, ReferenceOps):
+    name = "cuda"
+    graphs = True    # its decode path may be captured as one CUDA graph (kiln/backends/graphs.py)
+    # Prompt chunk: long enough that attention and the GDN scan fill the GPU (512-token chunks
+    # leave most SMs idle in attention), short enough that activations stay small.
+    prefill_chunk = 4096     # under the interpreter (CPU tests): 512
+
+    def __init__(self, device: torch.device | str = "cuda"):
+        super().__init__(device)
+        if self.device.type != "cuda" and not interpreting():
+            raise KilnError("backend cuda needs a CUDA GPU (or TRITON_INTERPRET=1 to run its kernels on CPU, slowly)")
+        self.dev = device_info(self.device)
+        self.off = families_off()
+        if self.device.type != "cuda":
+            self.prefill_chunk = 512
+        self.tune_s: float | None = None
+        self.tune_cache: str | None = None
+
+    def prepare(self, model, dtype: torch.dtype, *, m_values=None, retune: bool = False, pins=None,
+                budget_s: float | None = None, quiet: bool = True):
+        """Compile and tune the kernels for `model`'s shapes (a cache hit measures nothing)."""
+        t0 = time.perf_counter()
+        m_values = m_values or tuple(dict.fromkeys((PREFILL_CHUNK, self.prefill_chunk, DECODE_ROWS)))
+        tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
+        self.plan, report = tuner.tune(workloads(type(model), model.cfg, m_values, off=self.off))
+        self.tune_s, self.tune_cache = time.perf_counter() - t0, "hit" if report.hit else "miss"
+        return report
+
+
+def workloads(model_class, cfg, m_values=(PREFILL_CHUNK, DECODE_ROWS), ops=OPS, off=frozenset()) -> list[Workload]:
+    """The (op, shape) pairs to tune: the shapes the model declares its kernels run
+    (Model.kernel_shapes), less the ops not asked for, the families switched off and the shapes an
+    op's kernels do not take."""
+    contexts = (64,) if interpreting() else DECODE_CONTEXTS     # the interpreter is slow
+    out = []
+    for ks in model_class.kernel_shapes(cfg, tuple(m_values), contexts):
+        op = REGISTRY.get(ks.op)
+        if op is None or ks.op not in ops or op.family in off:
+            continue
+        shape = op.shape_type(**dict(ks.dims))
+        if op.accepts(shape):
+            out.append(Workload(op, shape))
+    return list(dict.fromkeys(out))

@@ -1,0 +1,137 @@
+"""What every `kiln` command shares: argparse types, the flags of a command that loads a model or
+samples from it, and loading a model from those flags."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from ..api import LLM, load
+from ..errors import KilnError
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints usage too)
+        raise KilnError(message)
+
+
+def positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}")
+    return v
+
+
+def at_least(lo: int):
+    """An argparse type: an integer >= lo."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            v = lo - 1
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}")
+        return v
+    return parse
+
+
+def finite(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    return v
+
+
+def positive_float(s: str) -> float:
+    v = finite(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
+    return v
+
+
+def token_ids(s: str) -> list[int]:
+    """`--prompt-ids 1,2,3`."""
+    try:
+        ids = [int(t) for t in s.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {s!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids >= 0, got {s!r}")
+    return ids
+
+
+def add_runtime_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that loads a model (run, chat, serve, bench, ...)."""
+    p.add_argument("model", nargs="?", default=None,
+                   help="a path (HF folder or .gguf), a bundled model name, or synth:NAME[:layers=N][:seed=S]")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=["f32", "bf16", "f16"], default=None,
+                   help="weights and activations (default: bf16 on GPU, f32 on CPU)")
+    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "reference"],
+                   help="kernels: cuda (Triton, tuned at load) or reference (plain torch); auto (default) = cuda on a GPU")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="cuda backend: run decode steps eagerly, not as a CUDA graph")
+    p.add_argument("--max-context", type=positive_int, default=None, help="cap on prompt + generated tokens")
+    p.add_argument("--retune", action="store_true", help="cuda backend: measure kernels again even on a cache hit")
+    p.add_argument("--tune", action="append", default=[], metavar="OP=VARIANT",
+                   help="cuda backend: pin a kernel variant for every shape of OP (repeatable)")
+    p.add_argument("--quiet", action="store_true", help="print nothing on stderr")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, temperature: float) -> None:
+    p.add_argument("--max-new", type=positive_int, default=256, help="max new tokens (default 256)")
+    p.add_argument("--temperature", type=finite, default=temperature, help=f"0 = greedy (default {temperature})")
+    p.add_argument("--top-k", type=nonneg_int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=finite, default=1.0, help="1 = off")
+    p.add_argument("--min-p", type=finite, default=0.0, help="0 = off")
+    p.add_argument("--repetition-penalty", type=finite, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=nonneg_int, default=None, help="same seed, same sampled text")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); excluded from the output")
+
+
+def sampling_kwargs(a) -> dict:
+    return dict(max_new_tokens=a.max_new, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=tuple(a.stop))
+
+
+def parse_pins(items: list[str]) -> dict[str, str]:
+    """`--tune OP=VARIANT` flags -> {op: variant} (the tuner checks that both exist)."""
+    pins = {}
+    for item in items:
+        op, sep, name = item.partition("=")
+        if not sep or not op or not name:
+            raise KilnError(f"--tune takes OP=VARIANT, got {item!r}")
+        pins[op] = name
+    return pins
+
+
+def load_from_flags(a) -> LLM:
+    """kiln.load with the runtime flags of `add_runtime_flags`."""
+    return load(a.model, device=a.device, dtype=a.dtype, backend=a.backend, max_context=a.max_context,
+                quiet=a.quiet, retune=a.retune, tune=parse_pins(a.tune), enforce_eager=a.enforce_eager)
+
+
+def load_announced(a) -> LLM:
+    """load_from_flags, then one line on stderr saying what loaded (unless --quiet)."""
+    llm = load_from_flags(a)
+    if not a.quiet:
+        print(f"kiln: loaded {llm.path.name} ({type(llm.model).__name__}, {llm.engine.dtype}, "
+              f"{llm.engine.device}) in {llm.load_s:.2f} s", file=sys.stderr)
+    return llm

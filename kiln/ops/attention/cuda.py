@@ -1,0 +1,62 @@
+"""Attention on the cuda backend: q/k norm, RoPE and the KV append in one kernel (kiln.ops.rope), then
+flash prefill or split-KV decode over a plain KV buffer; the reference for a ring cache or a shape
+the kernels do not take."""
+
+from __future__ import annotations
+
+from ...cache import KVCache
+from ..dispatch import TunedOps
+from ..rope import kernels as rope
+from . import kernels
+from .reference import AttentionReference
+
+
+class AttentionCuda(TunedOps, AttentionReference):
+    static_windows = True   # sliding windows masked in the kernel over a plain KV buffer (no ring)
+
+    def _attention_fits(self, q, cache) -> bool:
+        return self.on("attention", q) and isinstance(cache, KVCache) and kernels.supports(q, cache.k)
+
+    def attention(self, q, k, v, cache, positions, scale, window=None, softcap=None):
+        if not self._attention_fits(q, cache):
+            return super().attention(q, k, v, cache, positions, scale, window, softcap)
+        t = q.shape[0]
+        if t == 1:   # decode: append at the device-side position; the kernel reads the length there
+            cache.reserve(cache.length + 1)
+            cache.k.index_copy_(0, positions, k)
+            cache.v.index_copy_(0, positions, v)
+        else:
+            cache.update(k, v, positions)
+            cache.length -= t
+        return self._attend(q, cache, positions, scale, window, softcap)
+
+    def _attend(self, q, cache, positions, scale, window, softcap, gate=None):
+        """Attention of q over the cache, whose K/V at `positions` are written (its length not yet
+        advanced); with a gate, sigmoid(gate) * o (at decode inside the combine kernel)."""
+        t, start, (h, kv, d) = q.shape[0], cache.length, (q.shape[1], cache.k.shape[1], q.shape[2])
+        cache.length += t
+        if t == 1:
+            inside = gate is not None and kernels.gate_ok(q, gate)
+            shape = kernels.DecodeShape(cache.k.shape[0], h, kv, d, window, softcap)
+            o = kernels.decode_attention(q, cache.k, cache.v, positions, scale, window, softcap,
+                                         v=self.choose(kernels.DECODE_OP, shape), gate=gate if inside else None)
+            if inside:
+                return o
+        else:
+            shape = kernels.PrefillShape(t, h, kv, d, window, softcap, 0)
+            o = kernels.prefill_attention(q, cache.k, cache.v, start, start + t, scale, window, softcap,
+                                          v=self.choose(kernels.PREFILL_OP, shape))
+        return o if gate is None else self.act_mul(gate, o.view(gate.shape), "sigmoid")
+
+    def qk_norm_rope_attention(self, q, k, v, q_norm_w, k_norm_w, eps, style, rope_tables, cache, positions, scale,
+                               window=None, softcap=None, gate=None):
+        cos, sin = rope_tables
+        if not self._attention_fits(q, cache) or not self.on("rope", q) or not rope.supports(q, k, v, cache.k, cos):
+            return super().qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, eps, style, rope_tables, cache,
+                                                  positions, scale, window, softcap, gate)
+        t, r = q.shape[0], cos.shape[-1]
+        cache.reserve(cache.length + t)
+        shape = rope.RopeShape(t, q.shape[1], k.shape[1], q.shape[2], r, style if q_norm_w is not None else None)
+        q = rope.qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, cache.k, cache.v, positions,
+                         var=self.choose(rope.OP, shape))
+        return self._attend(q, cache, positions, scale, window, softcap, gate)

@@ -1,0 +1,36 @@
+"""Gated DeltaNet on the cuda backend: the chunked prefill kernels and the one-kernel decode step,
+state updated in place (a CUDA graph holds the buffers); the reference, copied back into the same
+buffers, where the kernels do not apply."""
+
+from __future__ import annotations
+
+from ...cache import GDNState
+from ..dispatch import TunedOps
+from . import kernels
+from .reference import GdnReference
+
+
+class GdnCuda(TunedOps, GdnReference):
+    def gated_deltanet(self, qkv, z, b, a, p, state, dims):
+        conv_w = p["conv1d.weight"]
+        if (not self.on("gdn", qkv) or not isinstance(state, GDNState)
+                or not kernels.PREFILL.supports(qkv, conv_w, state.ssm, dims)):
+            return self._gdn_in_place(qkv, z, b, a, p, state, dims)
+        args = (qkv, z, b, a, conv_w, p["A_log"], p["dt_bias"], p["norm.weight"], state.conv, state.ssm, dims)
+        t, (hk, hv, dk, dv, _) = qkv.shape[0], dims
+        shape = kernels.GdnShape(t, hk, hv, dk, dv, conv_w.shape[-1])
+        if t == 1 and state.length > 0:
+            y = kernels.gdn_decode(*args, v=self.choose(kernels.DECODE, shape))
+        else:
+            y = kernels.gdn_prefill(*args, v=self.choose(kernels.PREFILL, shape))
+        state.length += t
+        return y
+
+    def _gdn_in_place(self, qkv, z, b, a, p, state, dims):
+        """The reference op, its new state copied back into the same buffers (a graph holds them)."""
+        conv, ssm = state.conv, state.ssm
+        y = super().gated_deltanet(qkv, z, b, a, p, state, dims)
+        conv.copy_(state.conv)
+        ssm.copy_(state.ssm)
+        state.conv, state.ssm = conv, ssm
+        return y

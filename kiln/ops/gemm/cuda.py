@@ -1,0 +1,105 @@
+"""Projections on the cuda backend: the tuned GEMM (tiles, split-K, TMA, GEMV), the gated MLP's
+gate|up with its activation in the epilogue, and at decode the residual add and norm inside the
+next GEMV; the reference where a call does not fit (a bias, mixed dtypes)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import TunedOps
+from . import activation, gemm, gemm_act, norm_gemm
+from .reference import GemmReference
+
+
+class GemmCuda(TunedOps, GemmReference):
+    def linear(self, x, w, b=None):
+        if b is not None or not self.on("gemm", x) or not gemm.OP.supports(x, w):
+            return super().linear(x, w, b)
+        n, k = w.shape
+        x2 = x.reshape(-1, k).contiguous()
+        y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+        v = self.choose(gemm.OP, gemm.GemmShape(x2.shape[0], n, k))
+        if v.p.get("tma") and not gemm.tma_ok(x2, w, y):
+            v = gemm.OP.default(gemm.GemmShape(x2.shape[0], n, k), self.dev)
+        gemm.OP.run(v, {"x": x2, "w": w.contiguous()}, {"y": y}, self.plan)
+        return y.view(*x.shape[:-1], n)
+
+    def linear_split(self, x, w, sizes):
+        if not self.on("gemm", x):
+            return super().linear_split(x, w, sizes)
+        return list(self.linear(x, w).split(sizes, dim=-1))
+
+    def gated_mlp(self, x, gate_up, down, act):
+        if not self.on("gemm", x) or not gemm_act.OP.supports(x, gate_up, act):
+            gate, up = self.linear_split(x, gate_up, [down.shape[1]] * 2)
+            return self.linear(self.act_mul(gate, up, act), down)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        v = self.choose(gemm_act.OP, gemm_act.GemmActShape(x2.shape[0], down.shape[1], x2.shape[1], act))
+        if v.run is not None and x2.shape[0] == 1:
+            return self._act_down(self.linear(x2, gate_up), down, act).view(*x.shape[:-1], -1)
+        h = torch.empty((x2.shape[0], down.shape[1]), dtype=x.dtype, device=x.device)
+        gemm_act.OP.run(v, {"x": x2, "w": gate_up, "act": act}, {"y": h}, self.plan)
+        return self.linear(h.view(*x.shape[:-1], -1), down)
+
+    def add_rmsnorm_linear_split(self, x, r, norm_w, eps, style, w, sizes):
+        """At one row, when the tuner chose the GEMV with the norm in its prologue: s = x + r and the
+        packed projections of rmsnorm(s) in one launch."""
+        v = self._norm_gemv_choice(x, r, norm_w, w, style)
+        if v is None:
+            return super().add_rmsnorm_linear_split(x, r, norm_w, eps, style, w, sizes)
+        s, y = self._norm_gemv(v, x, r, norm_w, eps, style, w)
+        return s.view(x.shape), list(y.view(*x.shape[:-1], -1).split(sizes, dim=-1))
+
+    def add_rmsnorm_gated_mlp(self, x, r, norm_w, eps, style, gate_up, down, act):
+        """At one row, when the tuner chose the GEMV with the norm in its prologue (and the unfused
+        gate|up): s = x + r and gate|up of rmsnorm(s) in one launch, then the down projection."""
+        v = self._norm_gemv_choice(x, r, norm_w, gate_up, style)
+        shape = gemm_act.GemmActShape(1, down.shape[1], x.shape[-1], act)
+        if v is None or self.choose(gemm_act.OP, shape).run is None:
+            return super().add_rmsnorm_gated_mlp(x, r, norm_w, eps, style, gate_up, down, act)
+        s, gu = self._norm_gemv(v, x, r, norm_w, eps, style, gate_up)
+        return s.view(x.shape), self._act_down(gu, down, act).view(x.shape)
+
+    def _norm_gemv_choice(self, x, r, norm_w, w, style):
+        """The tuned GEMV form with add + norm in its prologue for this one-row input, or None (not
+        one row, unsupported, or the tuner kept the unfused form)."""
+        if (x.numel() != x.shape[-1] or not self.on("gemm", x) or r.shape != x.shape or r.dtype != x.dtype
+                or not norm_gemm.OP.supports(x, norm_w, w, style)):
+            return None
+        v = self.choose(norm_gemm.OP, norm_gemm.NormGemmShape(1, w.shape[0], x.shape[-1], style, add=True))
+        return v if v.p.get("gemv") else None
+
+    def _norm_gemv(self, v, x, r, norm_w, eps, style, w):
+        """(s, y): s = x + r and y = rmsnorm(s) @ w^T by the GEMV form v, x one row."""
+        k = x.shape[-1]
+        x2, r2 = x.reshape(1, k).contiguous(), r.reshape(1, k).contiguous()
+        s, y = torch.empty_like(x2), torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device)
+        norm_gemm.OP.run(v, {"x": x2, "norm_w": norm_w, "eps": eps, "style": style, "w": w, "r": r2},
+                         {"y": y, "s": s}, self.plan)
+        return s, y
+
+    def _act_down(self, gu, down, act):
+        """Decode's down projection of act(g) * u, the act_mul in its own launch or in the GEMV's loads."""
+        if not gemm_act.ACT_OP.supports(gu, down, act):
+            g, u = gu.split(down.shape[1], dim=-1)
+            return self.linear(self.act_mul(g, u, act), down)
+        y = torch.empty((gu.shape[0], down.shape[0]), dtype=gu.dtype, device=gu.device)
+        v = self.choose(gemm_act.ACT_OP, gemm_act.ActGemmShape(gu.shape[0], down.shape[0], down.shape[1], act))
+        gemm_act.ACT_OP.run(v, {"gu": gu, "w": down.contiguous(), "act": act}, {"y": y}, self.plan)
+        return y
+
+    def act_mul(self, g, u, act):
+        if not self.on("gemm", g) or not activation.supports(g, u, act):
+            return super().act_mul(g, u, act)
+        return activation.act_mul(g, u, act)
+
+    def rmsnorm_linear(self, x, norm_w, eps, style, w):
+        if not self.on("gemm", x) or not norm_gemm.OP.supports(x, norm_w, w, style):
+            return super().rmsnorm_linear(x, norm_w, eps, style, w)
+        n, k = w.shape
+        x2 = x.reshape(-1, k).contiguous()
+        y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+        v = self.choose(norm_gemm.OP, norm_gemm.NormGemmShape(x2.shape[0], n, k, style))
+        norm_gemm.OP.run(v, {"x": x2, "norm_w": norm_w, "eps": eps, "style": style, "w": w.contiguous()}, {"y": y},
+                         self.plan)
+        return y.view(*x.shape[:-1], n)

@@ -1,0 +1,68 @@
+"""Projections, the reference: F.linear, the gated MLP and its fused forms written as their
+composition, the embedding and the LM head. A packed weight (several projections of one input in
+one tensor, rows in order) is run part by part, so each part rounds as the separate projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "sigmoid": torch.sigmoid,      # Qwen3.5's attention output gate
+}
+
+
+class GemmReference:
+    """Needs the norm family beside it (rmsnorm, add_rmsnorm) for the fused forms."""
+
+    def embed(self, ids: torch.Tensor, table: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        x = F.embedding(ids, table)
+        if scale is not None:  # Gemma: the scale is cast to the weight dtype first, as HF does
+            x = x * torch.tensor(scale, dtype=table.dtype)   # a CPU scalar: no copy, so a graph can hold it
+        return x
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, w, b)
+
+    def act_mul(self, g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
+        """act(g) * u, each rounded to the activation dtype as torch does (one pass on GPU)."""
+        return ACTIVATIONS[act](g) * u
+
+    def linear_split(self, x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> list:
+        """The projections packed in w (rows in `sizes` order) of the same input: one GEMM on GPU."""
+        return [self.linear(x, part) for part in w.split(sizes)]
+
+    def rmsnorm_linear(self, x, norm_w, eps, style, w):
+        """Norm fused into the next projection (fused on GPU where the tuner finds it pays)."""
+        return self.linear(self.rmsnorm(x, norm_w, eps, style), w)
+
+    def gated_mlp(self, x, gate_up, down, act: str) -> torch.Tensor:
+        """down(act(gate(x)) * up(x)): SwiGLU / GeGLU; gate_up [2I, H] packs gate's rows, then up's."""
+        gate, up = self.linear_split(x, gate_up, [down.shape[1]] * 2)
+        return self.linear(self.act_mul(gate, up, act), down)
+
+    def add_rmsnorm_linear_split(self, x, r, norm_w, eps: float, style: str, w, sizes: list[int]) -> tuple:
+        """The residual add, the next layer's input norm and its packed projections: (x + r,
+        linear_split(h, w, sizes)) with h = rmsnorm(x + r); on GPU at decode the norm can run inside
+        their GEMV."""
+        s, h = self.add_rmsnorm(x, r, norm_w, eps, style)
+        return s, self.linear_split(h, w, sizes)
+
+    def add_rmsnorm_gated_mlp(self, x, r, norm_w, eps: float, style: str, gate_up, down, act: str):
+        """The residual add, the post-attention norm and the MLP: (x + r, gated_mlp(rmsnorm(x + r)));
+        on GPU at decode the norm can run inside the gate|up GEMV."""
+        s, h = self.add_rmsnorm(x, r, norm_w, eps, style)
+        return s, self.gated_mlp(h, gate_up, down, act)
+
+    def logits(self, x: torch.Tensor, w: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
+        out = self.linear(x, w)
+        if softcap is not None:
+            out = torch.tanh(out / softcap) * softcap
+        return out
+
+    def gated_input(self, x, gate_w, signal, proj_w, act: str) -> torch.Tensor:
+        """proj(act(gate(x)) * signal): Gemma 4's per-layer-input block."""
+        return self.linear(ACTIVATIONS[act](self.linear(x, gate_w)) * signal, proj_w)

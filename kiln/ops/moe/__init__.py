@@ -1,0 +1,2 @@
+"""Mixture of experts: routers, the routed experts (grouped GEMM or GEMV), their combine with Qwen's sigmoid-
+gated shared expert."""

@@ -1,0 +1,58 @@
+"""Mixture of experts on the cuda backend: the router's top-k, the routed experts (grouped GEMM or
+GEMV), their combine with Qwen's gated shared expert; a graph-safe gather for one token where the
+kernels do not apply, the reference elsewhere."""
+
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import TunedOps
+from ..gemm.reference import ACTIVATIONS
+from . import kernels
+from .reference import MoeReference
+
+
+class MoeCuda(TunedOps, MoeReference):
+    def router_topk(self, logits, k, renormalize=True):
+        if (self.on("moe", logits) and logits.dim() == 2 and logits.dtype in kernels.SUPPORTED
+                and logits.shape[1] <= kernels.ROUTER_MAX_EXPERTS and k <= logits.shape[1]):
+            return kernels.router_topk(logits, k, renormalize)
+        return super().router_topk(logits, k, renormalize)
+
+    def shared_gate_add(self, routed, x, gate_w, shared):
+        if (self.on("moe", x) and x.dim() == 2 and gate_w.shape[0] == 1
+                and x.dtype in kernels.SUPPORTED and routed.dtype == shared.dtype == gate_w.dtype == x.dtype
+                and routed.shape == shared.shape == x.shape):
+            return kernels.shared_gate_add(routed, x, gate_w, shared)
+        return super().shared_gate_add(routed, x, gate_w, shared)
+
+    def moe_experts_gated(self, x, idx, weights, gate_up, down, act, gate_w, shared):
+        """The routed experts' combine also adds sigmoid(x . gate_w) * shared (one launch fewer)."""
+        if (self.on("moe", x) and kernels.supports(x, gate_up, down, act) and gate_w.shape[0] == 1
+                and gate_w.dtype == shared.dtype == x.dtype and shared.shape == x.shape and x.dim() == 2):
+            v = self.choose(kernels.OP, self._moe_shape(x, idx, gate_up, down, act))
+            return kernels.moe_experts(x, idx, weights, gate_up, down, act, v=v, gate=(gate_w, shared))
+        return super().moe_experts_gated(x, idx, weights, gate_up, down, act, gate_w, shared)
+
+    def moe_experts(self, x, idx, weights, gate_up, down, act):
+        if self.on("moe", x) and kernels.supports(x, gate_up, down, act):
+            v = self.choose(kernels.OP, self._moe_shape(x, idx, gate_up, down, act))
+            return kernels.moe_experts(x, idx, weights, gate_up, down, act, v=v)
+        if x.shape[0] == 1 and x.device.type == "cuda":
+            return self._moe_one_token(x, idx, weights, gate_up, down, act)
+        return super().moe_experts(x, idx, weights, gate_up, down, act)
+
+    @staticmethod
+    def _moe_shape(x, idx, gate_up, down, act):
+        return kernels.MoeShape(x.shape[0], gate_up.shape[0], idx.shape[1], x.shape[1], down.shape[2], act)
+
+    def _moe_one_token(self, x, idx, weights, gate_up, down, act):
+        """One token's experts by gathering their weights: no host read, so a graph can hold it."""
+        order = torch.sort(idx[0]).indices                      # ascending expert id, as the reference adds
+        e, wt = idx[0, order], weights[0, order]
+        gate, up = torch.matmul(gate_up[e], x[0]).chunk(2, dim=-1)            # [k, I] each
+        y = torch.matmul(down[e], (ACTIVATIONS[act](gate) * up)[..., None])[..., 0] * wt[:, None]
+        out = torch.zeros_like(x[0])
+        for j in range(y.shape[0]):
+            out = out + y[j].to(out.dtype)
+        return out[None]

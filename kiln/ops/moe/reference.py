@@ -1,0 +1,50 @@
+"""Mixture of experts, the reference: routers (softmax top-k; Gemma 4's scaled router), the routed
+experts in ascending id as HF adds them, and Qwen's sigmoid-gated shared expert."""
+
+from __future__ import annotations
+
+import torch
+
+from ..gemm.reference import ACTIVATIONS
+
+
+class MoeReference:
+    """Needs the projections and the norms beside it (linear, rmsnorm_noscale)."""
+
+    def moe_experts(self, x, idx, weights, gate_up, down, act: str) -> torch.Tensor:
+        """Routed experts: x [T, H]; idx/weights [T, k]; gate_up [E, 2I, H] (gate rows first);
+        down [E, H, I]. Each chosen expert's output, times its weight, is added into a zero buffer
+        in the activation dtype, experts in ascending id, as HF's experts module does."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            gate, up = self.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+            y = self.linear(ACTIVATIONS[act](gate) * up, down[e]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+    def shared_gate_add(self, routed, x, gate_w, shared) -> torch.Tensor:
+        """Qwen's shared expert, scaled by a sigmoid gate [1, H] and added to the routed experts."""
+        return routed + self.linear(x, gate_w).sigmoid() * shared
+
+    def moe_experts_gated(self, x, idx, weights, gate_up, down, act: str, gate_w, shared) -> torch.Tensor:
+        """The routed experts plus the sigmoid-gated shared expert (Qwen's sparse MoE block output)."""
+        return self.shared_gate_add(self.moe_experts(x, idx, weights, gate_up, down, act), x, gate_w, shared)
+
+    def router_topk(self, logits: torch.Tensor, k: int, renormalize: bool = True):
+        """Softmax in f32, top-k, optional renormalisation in f32, weights cast back to the logits dtype."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, idx = torch.topk(probs, k, dim=-1)
+        if renormalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), idx
+
+    def scaled_router(self, x, scale, proj_w, expert_scale, k: int, eps: float):
+        """Gemma 4 router: proj(rmsnorm(x) * scale * H^-0.5), each product rounded to x's dtype as
+        in HF; softmax, top-k and renormalisation in f32; times per_expert_scale[idx]. The weights
+        stay f32 (the expert outputs are multiplied by them in f32, then rounded)."""
+        h = self.rmsnorm_noscale(x, eps) * scale * x.shape[-1] ** -0.5
+        probs = torch.softmax(self.linear(h, proj_w), dim=-1, dtype=torch.float32)
+        top, idx = torch.topk(probs, k, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        return top * expert_scale[idx], idx

@@ -1,0 +1,28 @@
+"""RMSNorm, the reference: plain PyTorch, rounding where each family's HF code rounds."""
+
+from __future__ import annotations
+
+import torch
+
+
+class NormReference:
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, style: str = "llama") -> torch.Tensor:
+        """style "llama": cast the normed value, then * w; "offset": (x_n * (1 + w)) in f32, then cast
+        (Gemma 3, Qwen3.5); "plain": (x_n * w) in f32, then cast (Gemma 4)."""
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        if style == "llama":
+            return w * normed.to(x.dtype)
+        if style == "offset":
+            return (normed * (1.0 + w.float())).to(x.dtype)
+        return (normed * w.float()).to(x.dtype)
+
+    def add_rmsnorm(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float, style: str = "llama"):
+        """The residual add and the next norm: (x + r, rmsnorm(x + r)) (one pass on GPU)."""
+        s = x + r
+        return s, self.rmsnorm(s, w, eps, style)
+
+    def rmsnorm_noscale(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm with no weight (Gemma 4's v_norm and router norm): normed in f32, then cast."""
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
