@@ -1,15 +1,14 @@
 """Weights to the GPU through pinned staging buffers (on for CUDA; KILN_PINNED_UPLOAD=0 turns it off).
 
 A tensor that views the file's memory map is pageable memory: `.to("cuda")` copies it through the
-driver's own small staging buffers at a few GB/s (17.9 GB in ~5 s on the H200 machine). Here each
+driver's own small staging buffers at a few GB/s. Here each
 tensor goes, in chunks, into one of two pinned buffers while the copy engine moves the other one to
 the GPU, so filling and DMA overlap. A buffer is reused only after the event recorded behind its
 last DMA has completed. The dtype conversion, if any, runs on the GPU.
 
 KILN_UPLOAD_READ=1: where the checkpoint says where a tensor's bytes lie in its file (a FileSpan),
 threads pread them straight into the pinned buffer instead of copying from the memory map. From a
-warm page cache on the H200 machine that was slower (17.9 GB: 1.39-1.44 s against 0.98 s from the
-map; bench/NOTES.md), so it is off by default; it may pay on a cold disk, not measured yet.
+warm page cache that was slower (bench/NOTES.md), so it is off by default; it may pay on a cold disk.
 """
 
 from __future__ import annotations

@@ -410,7 +410,7 @@ def scalar_variant(bm: int, bn: int) -> Variant:
     return variant(f"scalar_bm{bm}_bn{bn}", bm=bm, bn=bn, w=4, s=1, scalar=True)
 
 
-# (bm, bn, warps, stages) by head dim, none spilling much on sm_90 (ptxas, Triton 3.9): D=256 and 512
+# (bm, bn, warps, stages) by head dim, none spilling much on sm_90 (ptxas): D=256 and 512
 # keep q and acc [bm, D] within registers and two stages of K/V tiles within shared memory.
 GPU_TILES = {
     64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4), (64, 128, 4, 3)],
@@ -462,8 +462,8 @@ class AttentionOp(Op):
         rows = max(16, next_pow2(s.rows * (s.h // s.kv)))
         forms = [v for v in self.catalogue(s, dev) if v.p["bm"] <= rows]
         if dev.capability is not None and s.h > s.kv:
-            # H200, qwen3.5-0.8b: the GQA-packed form won every tile at 4096 rows (0.21 vs 0.32 ms)
-            # and tied at 512; measuring only it halves the cold compile.
+            # the GQA-packed form wins or ties at every tile (docs/compiler.md): measuring only it
+            # halves the cold compile
             forms = [v for v in forms if v.p.get("pack") or v == self.trusted(s, dev)]
         return forms
 

@@ -307,29 +307,25 @@ GPU_PREC = ("tf32x3", "ieee")      # "tf32" alone (10-bit mantissa) only when pi
 
 
 def bf16_forms(dv: int) -> list[Variant]:
-    """The 16-bit-operand forms that fit sm_90's 232448 bytes of shared memory (cross-compiled with
-    Triton 3.9 at dk = dv = 128, BT = 64: scan 124-198 KB, prep 32 KB); 8 warps spill 3-5x less
-    than 4 (scan bv 32: ~1.3 KB against ~5 KB; the ieee scan it replaces: ~22 KB)."""
+    """The 16-bit-operand chunk forms that fit sm_90's shared memory at dk = dv = 128, at 8 warps (they
+    spill least; sizes in docs/compiler.md)."""
     return [chunk_variant(bv, 8, "bf16", 8) for bv in (32, 64, 128) if bv <= dv]
 
 
 def split_forms(dv: int) -> list[Variant]:
-    """The split (fla-layout) forms on 16-bit dot operands measured clean on the H200
-    (bench/results/h200_gdn_forms_2d09da6.json, dk = dv = 128, 8192 tokens x 16 heads): the prep in two
-    kernels with the (I + A)^-1 solve in tf32 0.67 ms (fla 0.6.0: 0.77), tf32x3 1.13, f32 0.90; the
-    one-kernel prep (spills 7-10 KB a thread) 1.28. tf32 leaves ~2^-11 relative error in the inverse
-    before its bf16 rounding at 2^-9; the outputs matched the other forms' error to the digit."""
+    """The split (fla-layout) forms on 16-bit dot operands, fastest first: the prep in two kernels with
+    the (I + A)^-1 solve in tf32, tf32x3 or f32, then the one-kernel prep (docs/compiler.md). tf32
+    leaves less error in the inverse (~2^-11) than its bf16 rounding after (2^-9)."""
     hbv = min(16, dv)
     return [split_variant(hbv, 4, dv, 8, "bf16", pw=8, inv=inv, prep2=True) for inv in ("tf32", "tf32x3", None)] + [
         split_variant(hbv, 4, dv, 8, "bf16")]
 
 
 def split_next_forms(dv: int) -> list[Variant]:
-    """Split forms offered only with KILN_TRY_UNMEASURED=1. Every dot in tf32x3 (~f32: the reference's
-    chunked rule rounds nowhere to 16 bits), buffers f32: the numeric contract's form, clean on the
-    H200 but 2.4 ms per 8192 tokens x 16 heads (state kernel 742 us, solve 896), 3.6x the bf16 form.
-    The dots-form solve (unit_lower_inverse_dots) faulted there (illegal address, Triton 3.6) in
-    every precision: never offered on a GPU."""
+    """Split forms offered only with KILN_TRY_UNMEASURED=1: every dot in tf32x3 (~f32: the reference's
+    chunked rule rounds nowhere to 16 bits) and f32 buffers, the numeric contract's form but 3.6x
+    slower than the bf16 one. The dots-form solve (unit_lower_inverse_dots) is never offered on a
+    GPU: it faults there (docs/compiler.md)."""
     hbv, half = min(16, dv), max(16, dv // 2)
     return [split_variant(hbv, 4, half, 8, "tf32x3", pw=8, prep2=True), split_variant(hbv, 4, dv, 8, "tf32x3", pw=8, prep2=True)]
 
@@ -419,9 +415,8 @@ class GdnPrefillOp(GdnOp):
         forms = [v for v in self.catalogue(s, dev) if v.p.get("prec") != "tf32"]
         if dev.capability is None:
             return forms
-        # On the H200 (Triton 3.6) only the ieee scans at bv 32 compiled within 232 KB of shared memory
-        # (tf32x3 needs 247-395 KB cross-compiled for sm_90), and 8 warps won by 2-3x: keep that one.
-        # The 16-bit-operand scans (bf16_forms) fault with an illegal address there: never run them.
+        # Of the scans only the ieee one at bv 32, 8 warps, fits sm_90's shared memory and runs well; the
+        # 16-bit-operand scans (bf16_forms) fault there, so they are never run (docs/compiler.md).
         keep = [RECURRENT, TORCH, chunk_variant(32, 8, "ieee", 8)] + split_forms(s.dv)
         if try_unmeasured():
             keep += split_next_forms(s.dv)
@@ -433,7 +428,7 @@ class GdnPrefillOp(GdnOp):
     def default(self, s: GdnShape, dev) -> Variant:
         if dev.capability is None:
             return chunk_variant(s.dv, 4, "ieee")
-        return split_forms(s.dv)[0]   # fastest measured on the H200
+        return split_forms(s.dv)[0]   # the fastest split form
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p["form"] == "recurrent":
@@ -463,7 +458,7 @@ class GdnDecodeOp(GdnOp):
         # at most 128 state floats a thread: more only spills
         forms = [fused_variant(bv, w) for bv in bvs for w in (1, 2, 4, 8) if bv * s.dk <= 128 * 32 * w]
         # the gated norm by the head's last arrival instead of norm_kernel: one launch fewer a layer
-        # where BV < dv wins (9B and up: fused_bv32_w1); measured clean on the H200 (NOTES, efbe234)
+        # where BV < dv wins (the 9B and larger)
         forms += [fused_variant(bv, w, last=True) for bv in bvs[:-1] for w in (1, 2, 4) if bv * s.dk <= 128 * 32 * w]
         return [UNFUSED] + forms
 

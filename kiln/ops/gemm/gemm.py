@@ -195,8 +195,8 @@ def x_slice(x_ptr, m, rk, K: tl.constexpr, EVEN: tl.constexpr, ACT: tl.constexpr
     """Row m's x at columns rk in f32. ACT >= 0: rows are [g | u] (2K wide) and x = act(g) * u,
     each rounded to x's dtype as act_mul rounds (activation.py). NORM: x is
     rmsnorm(x) (1) or rmsnorm(x + r) (2) with the row's rstd, rounded as the rmsnorm kernel rounds."""
-    # One return at the end: Triton 3.6 still builds the code after a constexpr-taken `return`
-    # (with r_ptr/nw_ptr None there, that fails to compile).
+    # NOTE: one return at the end: Triton builds the code after a constexpr-taken `return` too (with
+    # r_ptr/nw_ptr None there, that fails to compile).
     dtype = x_ptr.dtype.element_ty
     if ACT >= 0:
         g = masked_k(x_ptr + m * (2 * K) + rk, rk, K, EVEN, False).to(tl.float32)
@@ -446,8 +446,8 @@ TRUSTED = tile_variant(128, 128, 32, 4, 1)   # plain tiles, no split, no pipelin
 GPU_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
              (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
              (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (128, 32, 64, 4, 4), (64, 32, 128, 4, 4),
-             # one 64 x 64 tile per SM over a long K needs a deep pipeline (as cuBLAS: 13 stages at
-             # 512 x 1024 x 3584): 10.7 us against 15.3 for the best split-K (bench/NOTES.md)
+             # one 64 x 64 tile per SM over a long K needs a deep pipeline (as cuBLAS runs it), not
+             # split-K (docs/compiler.md)
              (64, 64, 128, 4, 5), (64, 64, 128, 4, 6), (64, 64, 64, 4, 8), (64, 64, 64, 4, 10),
              (128, 16, 128, 4, 4), (64, 16, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
              (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 32, 256, 4, 3), (16, 256, 64, 4, 3),

@@ -412,9 +412,8 @@ TRUSTED = grouped_variant(16, 32, 32, 4, 1)     # small tiles, no pipelining
 GPU_GROUPED = [(16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (32, 64, 128, 4, 3), (32, 128, 64, 4, 3),
                (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4), (64, 64, 128, 4, 3),
                (64, 256, 32, 8, 3)]
-# (bn, bk, warps). BN 8: 4x the programs of BN 32, more of the experts' bytes in flight at once
-# (35B-A3B's gate_up ran at ~1 TB/s with 128 programs of BN 32: NOTES 8f4dfd8); BK 2048: a
-# 2048-wide row in one step, every load issued before the first sum. Not yet measured.
+# (bn, bk, warps). BN 8: 4x the programs of BN 32, more of the experts' bytes in flight at once;
+# BK 2048: a 2048-wide row in one step, every load issued before the first sum.
 GPU_GEMV = [(16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 128, 8), (8, 256, 4), (8, 512, 4),
             (16, 512, 8), (8, 2048, 8)]
 GEMV_MAX_ROWS = 64     # beyond this the gemv rereads each expert's weights for too many pairs

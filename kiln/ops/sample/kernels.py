@@ -21,7 +21,7 @@ from ...tune.device import device_info, interpreting
 from ..common import cdiv, pdl, pdl_wait
 
 BLOCK = 2048          # logits a program reads per iteration
-MAX_PROGRAMS = 128    # spans of ~2k logits at a 248k vocabulary: one wave on an H200
+MAX_PROGRAMS = 128    # spans of ~2k logits at a 248k vocabulary: about one wave of a large GPU
 
 
 @triton.jit
