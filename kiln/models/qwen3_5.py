@@ -74,9 +74,9 @@ class Qwen35(Model):
               "linear_attn.in_proj_qkvzba.weight": ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
                                                     "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"),
               "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
-    # Decode runs each residual add and the norm after it inside the next GEMV (the mixer's input
-    # projections; the MLP's gate|up, where the MLP is dense).
-    norm_inside_mlp = True
+    # Each residual add and the norm after it go to the next projections' GEMV (the mixer's input
+    # projections, the MLP's gate|up) through one op, which can run them inside it at decode.
+    norm_in_next_gemv = True
 
     def __init__(self, cfg, weights, ops):
         super().__init__(cfg, weights, ops)
@@ -153,7 +153,7 @@ class Qwen35(Model):
         """A mixer's packed input projections (at decode with the residual add and the input norm inside
         their GEMV, where the MLP before them does the same) and its output projection."""
         out = gemms(rows, (n, hidden), out_proj)
-        if cls.norm_inside_mlp and 1 in rows:
+        if cls.norm_in_next_gemv and 1 in rows:
             out.append(kernel("rmsnorm_gemm", rows=1, n=n, k=hidden, style=cls.norm_style, add=True))
         return out
 
@@ -165,7 +165,7 @@ class Qwen35(Model):
     @classmethod
     def mlp_kernel_shapes(cls, c, layer: int, rows) -> list:
         return gated_mlp_shapes(rows, c.hidden_size, c.intermediate_size, c.hidden_act, cls.norm_style,
-                                norm_inside=cls.norm_inside_mlp)
+                                norm_inside=cls.norm_in_next_gemv)
 
     # -- state ----------------------------------------------------------------------------------
     def make_state(self, dtype, device):
@@ -188,6 +188,9 @@ class Qwen35(Model):
         """The residual add and layer i's input norm, then its mixer's projections: (x + m, projections)
         (with the norm inside their GEMV at decode, where the tuner chose it)."""
         w, p, eps = self.w, f"model.layers.{i}.", self.cfg.rms_norm_eps
+        if not self.norm_in_next_gemv:
+            x, h = self.ops.add_rmsnorm(x, m, w[p + "input_layernorm.weight"], eps, self.norm_style)
+            return x, self.mixer_input(i, h)
         gdn = self.cfg.layer_types[i] == "linear_attention"
         packed = w[p + ("linear_attn.in_proj_qkvzba.weight" if gdn else "self_attn.qkv_proj.weight")]
         return self.ops.add_rmsnorm_linear_split(x, m, w[p + "input_layernorm.weight"], eps, self.norm_style, packed,
@@ -217,6 +220,10 @@ class Qwen35(Model):
     def norm_mlp(self, i, x, a):
         """The residual add, the post-attention norm and the MLP: (x + a, mlp(norm(x + a)))."""
         w, p = self.w, f"model.layers.{i}."
+        if not self.norm_in_next_gemv:
+            x, h = self.ops.add_rmsnorm(x, a, w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps,
+                                        self.norm_style)
+            return x, self.mlp(i, h)
         return self.ops.add_rmsnorm_gated_mlp(x, a, w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps,
                                               self.norm_style, w[p + "mlp.gate_up_proj.weight"],
                                               w[p + "mlp.down_proj.weight"], self.cfg.hidden_act)

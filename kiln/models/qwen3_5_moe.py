@@ -12,7 +12,7 @@ class Qwen35Moe(Qwen35):
     packed = {**Qwen35.packed,
               "mlp.shared_expert.gate_up_proj.weight": ("mlp.shared_expert.gate_proj.weight",
                                                         "mlp.shared_expert.up_proj.weight")}
-    norm_inside_mlp = False   # its MLP is the MoE block: the norms run on their own
+    norm_in_next_gemv = False   # its MLP is the MoE block: the norms run on their own kernel
 
     @classmethod
     def sanitize(cls, ckpt):
@@ -46,14 +46,6 @@ class Qwen35Moe(Qwen35):
                                   norm_inside=False)
         return gemms(rows, (e, h)) + shared + [kernel("moe", rows=m, e=e, k=c.num_experts_per_tok, h=h,
                                                       i=c.moe_intermediate_size, act=c.hidden_act) for m in rows]
-
-    def norm_mlp(self, i, x, a):
-        if not self.is_sparse(i):
-            return super().norm_mlp(i, x, a)
-        c, w = self.cfg, self.w
-        x, h = self.ops.add_rmsnorm(x, a, w[f"model.layers.{i}.post_attention_layernorm.weight"], c.rms_norm_eps,
-                                    self.norm_style)
-        return x, self.mlp(i, h)
 
     def mlp(self, i, x):
         if not self.is_sparse(i):

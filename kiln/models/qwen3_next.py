@@ -44,11 +44,3 @@ class Qwen3Next(Qwen35Moe):
         b, a = self.ops.linear(h, self.w[p + "in_proj_ba.weight"]).view(t, hk, 2 * r).split([r, r], dim=-1)
         qkv = (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1))
         return torch.cat(qkv, dim=-1), z.reshape(t, -1), b.reshape(t, hv), a.reshape(t, hv)
-
-    def norm_next(self, i, x, m):
-        """GDN layers: the residual add and the input norm, then the two packed projections."""
-        if self.cfg.layer_types[i] != "linear_attention":
-            return super().norm_next(i, x, m)
-        x, h = self.ops.add_rmsnorm(x, m, self.w[f"model.layers.{i}.input_layernorm.weight"], self.cfg.rms_norm_eps,
-                                    self.norm_style)
-        return x, self.mixer_input(i, h)
