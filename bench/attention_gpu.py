@@ -1,5 +1,6 @@
-"""kiln's attention kernels against torch's scaled_dot_product_attention on the H200, qwen3.5-0.8b
-(H=8, KV=2) and qwen3.5-9b (H=16, KV=4) full-attention shapes, head_dim 256, bf16:
+"""kiln's attention kernels against torch's scaled_dot_product_attention (flash), prefill and decode.
+
+Shapes: qwen3.5-0.8b (H=8, KV=2) and qwen3.5-9b (H=16, KV=4) full-attention layers, head_dim 256, bf16:
 
   prefill: one causal chunk from position 0 at T = 8192, 32768 (and 81920 while time is left);
            kiln prefill_attention (a few variants) vs SDPA under the flash backend
@@ -12,12 +13,11 @@ Each case first checks kiln against SDPA (max abs error), then times with CUDA e
 median of repeats; decode inside a CUDA graph over K/V sets rotated past L2). A failing case is
 recorded and the rest go on.
 
-    PYTHONPATH=. python3 bench/attention_gpu.py OUT.json
+    PYTHONPATH=. python3 bench/attention_gpu.py OUT.json     (GPU; about two minutes)
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import statistics
@@ -27,19 +27,19 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-import triton
 
-from kiln.backends.cuda import attention as A
+from kiln.ops.attention import kernels as attention
+from kiln.tools.benchutil import environment, now_iso
 
 MODELS = {"qwen3.5-0.8b": (8, 2), "qwen3.5-9b": (16, 4)}
 D = 256
 DEV = "cuda"
 PREFILL_T = (8192, 32768, 81920)
 DECODE_CTX = (512, 8192, 32768, 81920)
-PREFILL_FORMS = [A.tile_variant(128, 64, 8, 2), A.tile_variant(128, 64, 8, 2, pack=True),
-                 A.tile_variant(64, 64, 4, 2), A.tile_variant(128, 32, 8, 2)]
-DECODE_FORMS = [A.decode_variant(64, 64, 4), A.decode_variant(256, 64, 4), A.decode_variant(512, 64, 8),
-                A.decode_variant(1024, 128, 8)]
+PREFILL_FORMS = [attention.tile_variant(128, 64, 8, 2), attention.tile_variant(128, 64, 8, 2, pack=True),
+                 attention.tile_variant(64, 64, 4, 2), attention.tile_variant(128, 32, 8, 2)]
+DECODE_FORMS = [attention.decode_variant(64, 64, 4), attention.decode_variant(256, 64, 4),
+                attention.decode_variant(512, 64, 8), attention.decode_variant(1024, 128, 8)]
 BUDGET_S = 110.0          # stop starting new cases past this (the run must end within ~2 minutes)
 T0 = time.perf_counter()
 
@@ -109,9 +109,9 @@ def prefill_case(model: str, t: int) -> dict:
     row["kiln"] = {}
     for form in PREFILL_FORMS:
         try:
-            got = A.prefill_attention(q, k, v, 0, t, D ** -0.5, None, None, form)
+            got = attention.prefill_attention(q, k, v, 0, t, D ** -0.5, None, None, form)
             err = (got.float() - want.float()).abs().max().item()
-            ms = time_ms(lambda: A.prefill_attention(q, k, v, 0, t, D ** -0.5, None, None, form))
+            ms = time_ms(lambda: attention.prefill_attention(q, k, v, 0, t, D ** -0.5, None, None, form))
             row["kiln"][form.name] = {"ms": ms, "tflops": flops / ms / 1e9, "max_abs_err_vs_sdpa": err}
         except Exception as e:  # noqa: BLE001  (one variant that cannot run does not lose the rest)
             row["kiln"][form.name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -171,9 +171,9 @@ def decode_case(model: str, ctx: int) -> dict:
     row["kiln"] = {}
     for form in DECODE_FORMS:
         try:
-            got = A.decode_attention(q, *bufs[0], pos, D ** -0.5, None, None, form)
+            got = attention.decode_attention(q, *bufs[0], pos, D ** -0.5, None, None, form)
             err = (got.float() - want.float()).abs().max().item()
-            ms, how = graph_ms([lambda k=k, v=v: A.decode_attention(q, k, v, pos, D ** -0.5, None, None, form)
+            ms, how = graph_ms([lambda k=k, v=v: attention.decode_attention(q, k, v, pos, D ** -0.5, None, None, form)
                                 for k, v in bufs])
             row["kiln"][form.name] = {"ms": ms, "gbs": kv_bytes / ms / 1e6, "timing": how, "max_abs_err_vs_sdpa": err}
         except Exception as e:  # noqa: BLE001
@@ -201,8 +201,7 @@ def run_case(fn, *args) -> dict:
 
 def main() -> None:
     out = sys.argv[1] if len(sys.argv) > 1 else "attention_gpu.json"
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "command": " ".join(sys.argv),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    result = {"date": now_iso(), "command": " ".join(sys.argv), **environment(torch.device(DEV)),
               "cuda": torch.version.cuda, "dtype": "bf16", "cases": [], "skipped": []}
     # prefill 8k and 32k, every decode context, then prefill 81920 only while time is left
     plan = ([(prefill_case, m, t) for t in PREFILL_T[:2] for m in MODELS] + [(decode_case, m, c) for c in DECODE_CTX

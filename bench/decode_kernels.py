@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 bench/decode_kernels.py MODEL PROMPT_TOKENS OUT.json
 
+On a GPU; on CPU it runs the reference backend eagerly (a smoke run: no graph, no kernel times).
+
 Loads MODEL on the cuda backend (bf16), prefills a random prompt, decodes a few tokens so that the
 step is captured as a CUDA graph, then records REPS more steps under torch.profiler and sums each
 kernel's GPU time per token. Also the time per token three ways: ms_per_token, the engine's greedy
@@ -15,16 +17,14 @@ the JSON lists the top kernels and the total.
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import sys
 import time
 
 import torch
-import triton
 
 import kiln
+from kiln.tools.benchutil import environment, now_iso
 
 REPS = 50
 
@@ -108,10 +108,8 @@ def main(model: str, prompt: int, out: str) -> None:
             kernels[e.key[:90]] = {"us_per_token": round(us / REPS, 2), "calls_per_token": round(e.count / REPS, 2)}
     ranked = dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us_per_token"]))
     weight_bytes, active_bytes = token_bytes(llm.model)
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "torch": torch.__version__, "triton": triton.__version__, "kiln_commit": os.environ.get("KILN_COMMIT"),
-           "command": " ".join(sys.argv), "kiln_env": {k: v for k, v in os.environ.items() if k.startswith("KILN_")},
-           "model": model, "prompt_tokens": prompt, "reps": REPS,
+    res = {"date": now_iso(), **environment(eng.device), "command": " ".join(sys.argv), "model": model,
+           "prompt_tokens": prompt, "reps": REPS,
            "launches_per_token": eng.launches_per_token, "ms_per_token": round(plain_ms, 4),
            "ms_per_token_sync": round(sync_ms, 4), "graph_ms_per_token": graph_ms,
            "ms_per_token_profiled": round(prof_ms, 4),

@@ -1,6 +1,6 @@
-"""kiln's Gated DeltaNet kernels on the GPU: correctness, then time, against flash-linear-attention.
+"""kiln's Gated DeltaNet kernels against flash-linear-attention's chunk_gated_delta_rule: error, then time.
 
-    PYTHONPATH=. python3 bench/gdn_gpu.py OUT.json
+    PYTHONPATH=. python3 bench/gdn_gpu.py OUT.json     (GPU; fla from pip install flash-linear-attention)
 
 Prefill at T = 8192 and 32768 for 16 and 32 value heads (16 key heads, dk = dv = 128, K = 4):
   - chunk: kiln's chunked rule (prep + scan, gated norm fused or as a pass) on the conv output, vs
@@ -14,30 +14,29 @@ Times: kiln.tune.timing (CUDA-graph replays, warm-up, median). Each case records
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 import time
 import traceback
 
 import torch
-import triton
 
-from kiln.backends.cuda import gdn as D
-from kiln.backends.cuda.common import device_info
 from kiln.backends.reference import ReferenceOps
+from kiln.ops.gdn import kernels as gdn
+from kiln.tools.benchutil import environment, now_iso
+from kiln.tune.device import device_info
 from kiln.tune.timing import time_ms
 
 DEV = torch.device("cuda")
 HK, DK, DV, K = 16, 128, 128, 4
 BUDGET_S = 100.0
-REF_FORM = D.chunk_variant(32, 8, "ieee", 8)      # the f32 form that compiles on Triton 3.6 (sm_90)
-CHUNK_FORMS = [REF_FORM] + D.split_forms(DV)[:2]
+REF_FORM = gdn.chunk_variant(32, 8, "ieee", 8)      # the f32 form that compiles on Triton 3.6 (sm_90)
+CHUNK_FORMS = [REF_FORM] + gdn.split_forms(DV)[:2]
 
 
 def inputs(t: int, hv: int) -> dict:
     gen = torch.Generator(device=DEV).manual_seed(t + hv)
-    return D.gdn_inputs(D.GdnShape(t, HK, hv, DK, DV, K), torch.bfloat16, DEV, gen)
+    return gdn.gdn_inputs(gdn.GdnShape(t, HK, hv, DK, DV, K), torch.bfloat16, DEV, gen)
 
 
 def fla_call(fla, inp, xc, hv):
@@ -64,27 +63,27 @@ def prefill_case(t: int, hv: int, fla) -> dict:
     dims = inp["dims"]
     row = {"T": t, "hv": hv, "hk": HK, "dk": DK, "dv": DV}
     conv = inp["conv_state"].clone()
-    xc = D.conv(inp["qkv"], inp["conv_w"], conv)
+    xc = gdn.conv(inp["qkv"], inp["conv_w"], conv)
     args = [inp[n] for n in ("z", "b", "a", "A_log", "dt_bias", "norm_w")]
     ref_y = torch.empty((t, hv * DV), dtype=torch.bfloat16, device=DEV)
     ref_s = inp["ssm"].clone()
-    D.chunked(xc, *args, ref_s, dims, ref_y, REF_FORM.p)
+    gdn.chunked(xc, *args, ref_s, dims, ref_y, REF_FORM.p)
     row["kiln"] = {}
     for v in CHUNK_FORMS:
         try:
             y, s = torch.empty_like(ref_y), inp["ssm"].clone()
-            D.mix(xc, *args, s, dims, v, y)
+            gdn.mix(xc, *args, s, dims, v, y)
             err = {"y_rel_err_vs_ieee": rel(y, ref_y), "ssm_rel_err_vs_ieee": rel(s, ref_s)}
-            ms = time_ms([lambda: D.mix(xc, *args, s, dims, v, y)], DEV)
+            ms = time_ms([lambda: gdn.mix(xc, *args, s, dims, v, y)], DEV)
             row["kiln"][v.name] = {"chunk_ms": ms, **err}
         except Exception as e:  # noqa: BLE001
             row["kiln"][v.name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     try:
-        v = D.PREFILL.default(D.GdnShape(t, HK, hv, DK, DV, K), device_info(DEV))
-        pre = [inp[n] for n in D.ARGS]
+        v = gdn.PREFILL.default(gdn.GdnShape(t, HK, hv, DK, DV, K), device_info(DEV))
+        pre = [inp[n] for n in gdn.ARGS]
         cs, s = inp["conv_state"].clone(), inp["ssm"].clone()
         row["whole_variant"] = v.name
-        row["whole_ms"] = time_ms([lambda: D.gdn_prefill(*pre, cs, s, dims, v)], DEV)
+        row["whole_ms"] = time_ms([lambda: gdn.gdn_prefill(*pre, cs, s, dims, v)], DEV)
     except Exception as e:  # noqa: BLE001
         row["whole_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     if fla is None:
@@ -106,16 +105,16 @@ def decode_case(hv: int) -> dict:
     dims = inp["dims"]
     state_bytes = 2 * hv * DK * DV * 4
     row = {"hv": hv, "state_bytes_rw": state_bytes, "variants": {}}
-    pre = [inp[n] for n in D.ARGS]
+    pre = [inp[n] for n in gdn.ARGS]
     want_c, want_s = inp["conv_state"].clone(), inp["ssm"].clone()
-    want = D.gdn_decode(*pre, want_c, want_s, dims, D.UNFUSED)
-    for v in D.DECODE.catalogue(D.GdnShape(1, HK, hv, DK, DV, K), device_info(DEV)):
+    want = gdn.gdn_decode(*pre, want_c, want_s, dims, gdn.UNFUSED)
+    for v in gdn.DECODE.catalogue(gdn.GdnShape(1, HK, hv, DK, DV, K), device_info(DEV)):
         try:
             cs, s = inp["conv_state"].clone(), inp["ssm"].clone()
-            y = D.gdn_decode(*pre, cs, s, dims, v)
+            y = gdn.gdn_decode(*pre, cs, s, dims, v)
             err = {"y_rel_err": rel(y, want), "ssm_rel_err": rel(s, want_s),
                    "conv_equal": bool(torch.equal(cs, want_c))}
-            ms = time_ms([lambda: D.gdn_decode(*pre, cs, s, dims, v)], DEV)
+            ms = time_ms([lambda: gdn.gdn_decode(*pre, cs, s, dims, v)], DEV)
             row["variants"][v.name] = {"ms": ms, "state_GBps": state_bytes / ms / 1e6, **err}
         except Exception as e:  # noqa: BLE001
             row["variants"][v.name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -125,13 +124,12 @@ def decode_case(hv: int) -> dict:
 def main(out: str) -> None:
     t0 = time.time()
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
         import fla as fla_pkg
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
         fla_version = getattr(fla_pkg, "__version__", "?")
     except Exception as e:  # noqa: BLE001
         fla, fla_version = None, f"fla unavailable ({type(e).__name__}: {e})"
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "triton": triton.__version__, "fla": fla_version, "dtype": "bf16",
+    res = {"date": now_iso(), **environment(DEV), "fla": fla_version, "dtype": "bf16",
            "command": " ".join(sys.argv), "prefill": [], "decode": [], "skipped": []}
 
     def save():

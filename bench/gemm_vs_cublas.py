@@ -1,9 +1,13 @@
-"""kiln's own tuned Triton GEMM against torch.matmul (cuBLAS) on every prefill GEMM shape of
-qwen3.5-0.8b and qwen3.5-9b (GDN in_proj_qkv/z/b/a and out_proj, attention q/k/v/o, MLP gate/up/down)
-at M = 512, 2048 and 8192; plus the cold tune time of qwen3.5-0.8b's GEMMs (`kiln tune --ops gemm`,
-empty Triton and kiln caches) and the warm-cache compile-and-tune stage of a load (all ops).
+"""kiln's tuned Triton GEMM against torch.matmul (cuBLAS) on the prefill projection shapes of qwen3.5-0.8b and 9b.
 
-    python bench/gemm_vs_cublas.py --out results.json [--commit SHA] [--log tune.log]
+The grid: every projection shape of the two checkpoints (GDN in_proj_qkv/z/b/a and out_proj,
+attention q/k/v/o, MLP gate/up/down: 14 (N, K) pairs) at M = 512, 2048 and 8192, 42 GEMMs. Also the
+cold tune time of qwen3.5-0.8b's GEMMs (`kiln tune --ops gemm`, empty Triton and kiln caches) and
+the warm-cache compile-and-tune stage of a load (all ops). With --packed the grid is instead the
+GEMMs the models run: kiln merges q|k|v, gate|up and GDN's in_proj_qkv|z|b|a at load.
+
+    python bench/gemm_vs_cublas.py --out OUT.json [--log tune.log] [--budget S]     (GPU)
+    python bench/gemm_vs_cublas.py --out OUT.json --only 1024x3584 --ms 512 --no-cold --no-load-stage   (a sweep)
 
 Both sides are timed the same way (kiln.tune.timing: CUDA-graph replays over input sets rotated
 past L2, median), bf16 in and out, y = x @ w^T with w stored [N, K] as in the checkpoints.
@@ -12,7 +16,6 @@ past L2, median), bf16 in and out, y = x @ w^T with w stored [N, K] as in the ch
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -42,16 +45,21 @@ def kiln_tune(args: list[str], env: dict, log) -> dict:
             "tune_s": float(m[3]), "stage_s": round(float(m[2]) + float(m[3]), 2), "cache": m[4]}
 
 
-def projections(model: str) -> dict[tuple[int, int], list[str]]:
-    """(N, K) -> the projection names with that shape (LM head excluded: prefill runs it on one row)."""
-    from kiln.models import model_class
-    from kiln.models.base import config_from_dict
-    from kiln.synth import synth_config
+def projections(model: str, packed: bool = False) -> dict[tuple[int, int], list[str]]:
+    """(N, K) -> the projection names with that shape (LM head excluded: prefill runs it on one row).
+    packed: the GEMMs the model declares it runs at prefill (projections merged at load), unnamed."""
+    from kiln.models import checkpoint_shapes, model_config
+    from kiln.weights.synth import synth_config
 
-    cfg = synth_config(model)
-    cls = model_class(cfg["model_type"])
     out: dict[tuple[int, int], list[str]] = {}
-    for name, shape in cls.weight_shapes(config_from_dict(cls.config_class, cfg)).items():
+    if packed:
+        cls, cfg = model_config(synth_config(model))
+        for ks in cls.kernel_shapes(cfg, (max(MS),), (64,)):
+            dims = dict(ks.dims)
+            if ks.op == "gemm" and dims["rows"] > 1:
+                out[(dims["n"], dims["k"])] = ["kernel_shapes"]
+        return out
+    for name, shape in checkpoint_shapes(synth_config(model)).items():
         if len(shape) == 2 and "embed" not in name and name != "lm_head.weight":
             short = name.split(".")[-2]
             out.setdefault(tuple(shape), [])
@@ -61,22 +69,22 @@ def projections(model: str) -> dict[tuple[int, int], list[str]]:
 
 
 def grid(log, budget: float, device: str = "cuda", models=MODELS, ms=MS, dtype=None,
-         only: set | None = None) -> tuple[list[dict], object]:
+         only: set | None = None, packed: bool = False) -> tuple[list[dict], object]:
     import torch
 
-    from kiln.backends.cuda import gemm as G
+    from kiln.ops.gemm import gemm
     from kiln.tune import timing
     from kiln.tune.cache import TuneCache
     from kiln.tune.tuner import Tuner, Workload
 
     rows, work, names = [], [], {}
     for model in models:
-        for (n, k), projs in projections(model).items():
+        for (n, k), projs in projections(model, packed).items():
             names.setdefault((n, k), set()).update(f"{model}:{p}" for p in projs)
     for (n, k) in names:
         if only and (n, k) not in only:
             continue
-        work += [Workload(G.OP, G.GemmShape(m, n, k)) for m in ms]
+        work += [Workload(gemm.OP, gemm.GemmShape(m, n, k)) for m in ms]
     dev, dtype = torch.device(device), dtype or torch.bfloat16
     tuner = Tuner(dev, dtype, cache=TuneCache(Path(tempfile.mkdtemp()) / "tune"), budget_s=budget,
                   log=lambda line: log.write(line + "\n"))
@@ -93,9 +101,10 @@ def grid(log, budget: float, device: str = "cuda", models=MODELS, ms=MS, dtype=N
             sets.append((x, wt, torch.empty(m, n, device=dev, dtype=dtype)))
         x, wt, y = sets[0]
         ref = torch.matmul(x.float(), wt.float().t())
-        G.OP.run(v, {"x": x, "w": wt}, {"y": y}, plan)
+        gemm.OP.run(v, {"x": x, "w": wt}, {"y": y}, plan)
         err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
-        kiln_ms = timing.time_ms([lambda s=s: G.OP.run(v, {"x": s[0], "w": s[1]}, {"y": s[2]}, plan) for s in sets], dev)
+        kiln_ms = timing.time_ms([lambda s=s: gemm.OP.run(v, {"x": s[0], "w": s[1]}, {"y": s[2]}, plan)
+                                  for s in sets], dev)
         torch_ms = timing.time_ms([lambda s=s: torch.matmul(s[0], s[1].t(), out=s[2]) for s in sets], dev)
         flops = 2 * m * n * k
         rows.append({"m": m, "n": n, "k": k, "projections": sorted(names[(n, k)]), "variant": v.name,
@@ -110,11 +119,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--log", default=None)
-    ap.add_argument("--commit", default=None)
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--no-load-stage", action="store_true",
                     help="skip the full and warm 0.8b tunes (kiln bench reports the load's tune stage too)")
-    ap.add_argument("--only", default=None, help="NxK[,NxK...]: only these projection shapes (a sweep, not the issue's grid)")
+    ap.add_argument("--only", default=None, help="NxK[,NxK...]: only these projection shapes (a sweep, not the grid)")
+    ap.add_argument("--packed", action="store_true",
+                    help="the GEMMs the models run (projections merged at load), not the checkpoints' projections")
     ap.add_argument("--ms", default=None, help="row counts, comma-separated (default 512,2048,8192)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold tune of the 0.8b GEMMs")
     ap.add_argument("--caches", default=None, help="folder for the Triton and kiln caches (default: a new temp dir)")
@@ -137,20 +147,18 @@ def main() -> int:
     print(f"full tune {full}\nwarm {warm}", flush=True)
 
     import torch
-    import triton
 
-    from kiln.benchutil import _nvidia_driver
+    from kiln.tools.benchutil import environment, now_iso
 
-    rows, report = grid(log, a.budget, ms=ms, only=only)
+    rows, report = grid(log, a.budget, ms=ms, only=only, packed=a.packed)
     log.close()
     ratios = [r["ratio"] for r in rows]
     result = {
-        "bench": "gemm_vs_cublas", "gpu": torch.cuda.get_device_name(), "driver": _nvidia_driver(),
-        "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton.__version__,
-        "kiln_commit": a.commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "bench": "gemm_vs_cublas", **environment(torch.device("cuda")), "cuda": torch.version.cuda, "date": now_iso(),
         "command": "python bench/gemm_vs_cublas.py " + " ".join(sys.argv[1:]),
         "cold_tune_08b_gemms": cold, "full_tune_08b": full, "warm_load_stage_08b": warm,
-        "grid_tune": {"kernels": report.compiled, "compile_s": round(report.compile_s, 1), "tune_s": round(report.tune_s, 1)},
+        "grid_tune": {"kernels": report.compiled, "compile_s": round(report.compile_s, 1),
+                      "tune_s": round(report.tune_s, 1)},
         "median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
         "median_ratio_by_m": {m: statistics.median(r["ratio"] for r in rows if r["m"] == m) for m in ms},
         "rows": rows, "wall_s": round(time.perf_counter() - t0, 1),
@@ -160,8 +168,9 @@ def main() -> int:
     for r in rows:
         print(f"{r['m']:5d} {r['n']:6d} {r['k']:6d} {r['kiln_ms']:9.4f} {r['torch_ms']:9.4f} {r['kiln_tflops']:8.1f} "
               f"{r['ratio']:6.3f}  {r['variant']}")
-    print(f"median ratio {result['median_ratio']:.3f}, min {result['min_ratio']:.3f}; by M {result['median_ratio_by_m']}; "
-          f"cold {cold.get('wall_s')} s (stage {cold.get('stage_s')} s), warm stage {(warm or {}).get('stage_s')} s")
+    print(f"median ratio {result['median_ratio']:.3f}, min {result['min_ratio']:.3f}; "
+          f"by M {result['median_ratio_by_m']}; cold {cold.get('wall_s')} s (stage {cold.get('stage_s')} s), "
+          f"warm stage {(warm or {}).get('stage_s')} s")
     return 0
 
 

@@ -1,8 +1,10 @@
-"""kiln's routed-experts kernels (kiln/backends/cuda/moe.py) against the reference op (a Python loop
-over experts, cuBLAS GEMMs) and torch._grouped_mm (where this torch has it), at qwen3.5-35b-a3b's
-shapes (E=256, k=8, H=2048, I=512, silu, bf16) and T = 1, 512, 8192 tokens.
+"""kiln's routed-experts kernels against torch._grouped_mm and the reference op, at qwen3.5-35b-a3b's shapes.
 
-    PYTHONPATH=. python3 bench/moe_gpu.py OUT.json
+The peers: torch._grouped_mm (two grouped GEMMs over rows sorted by expert, where this torch has it)
+and the reference backend's op (a Python loop over the hit experts, cuBLAS GEMMs). Shapes: E=256,
+k=8, H=2048, I=512 (the expert FFN), silu, bf16, at T = 1, 512 and 8192 tokens.
+
+    PYTHONPATH=. python3 bench/moe_gpu.py OUT.json     (GPU; about two minutes)
 
 Each kiln variant is first checked against the reference (max error, bit-equal fraction), then
 timed with kiln.tune.timing (CUDA-graph replays, median) over input sets whose routing differs, so
@@ -21,14 +23,14 @@ import traceback
 
 import torch
 
-from kiln.backends.cuda import moe as M
-from kiln.backends.cuda.common import device_info
 from kiln.backends.reference import ReferenceOps
-from kiln.benchutil import environment, now_iso
 from kiln.fsutil import write_atomic
+from kiln.ops.moe import kernels as moe
+from kiln.tools.benchutil import environment, now_iso
 from kiln.tune import timing
+from kiln.tune.device import device_info
 
-E, K, H, I, ACT = 256, 8, 2048, 512, "silu"
+E, K, H, FFN, ACT = 256, 8, 2048, 512, "silu"   # experts, top-k, hidden, expert FFN
 TOKENS = (1, 512, 8192)
 SETS = 16                  # routings rotated through at T = 1: 16 x 8 distinct experts (768 MB) pass L2
 # (prefill reads every expert each call: two sets are enough)
@@ -68,7 +70,7 @@ def events_ms(fn, reps: int = 10) -> float:
 def grouped_mm_moe(x, idx, weights, gate_up, down):
     """A torch baseline with the same layout: rows sorted by expert, two grouped GEMMs
     (torch._grouped_mm), act * up and the weighting in torch, an index_add combine."""
-    order, starts = M.sort_pairs(idx, E)
+    order, starts = moe.sort_pairs(idx, E)
     offs = starts[1:].to(torch.int32)
     rows = x[order // K]
     gu = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
@@ -80,31 +82,32 @@ def grouped_mm_moe(x, idx, weights, gate_up, down):
 
 def flops_or_bytes(t: int, ms: float) -> dict:
     if t == 1:
-        return {"gb_s": round(K * 3 * H * I * 2 / ms / 1e6, 1)}
-    return {"tflops": round(6 * t * K * H * I / ms / 1e9, 1)}
+        return {"gb_s": round(K * 3 * H * FFN * 2 / ms / 1e6, 1)}
+    return {"tflops": round(6 * t * K * H * FFN / ms / 1e9, 1)}
 
 
 def accuracy(got: torch.Tensor, want: torch.Tensor) -> dict:
     err = (got.float() - want.float()).abs().max().item()
-    return {"max_err": err, "scale": want.abs().max().item(), "bit_equal": round(float((got == want).float().mean()), 5)}
+    equal = round(float((got == want).float().mean()), 5)
+    return {"max_err": err, "scale": want.abs().max().item(), "bit_equal": equal}
 
 
 def bench_kiln(t, sets, gate_up, down, want, t_start) -> list[dict]:
-    shape = M.MoeShape(t, E, K, H, I, ACT)
+    shape = moe.MoeShape(t, E, K, H, FFN, ACT)
     dev = device_info(DEV)
-    forms = list(dict.fromkeys([M.OP.default(shape, dev)] + M.OP.candidates(shape, dev)))
+    forms = list(dict.fromkeys([moe.OP.default(shape, dev)] + moe.OP.candidates(shape, dev)))
     rows = []
     for v in forms:
-        row = {"impl": "kiln", "variant": v.name, "default": v == M.OP.default(shape, dev)}
+        row = {"impl": "kiln", "variant": v.name, "default": v == moe.OP.default(shape, dev)}
         if time.perf_counter() - t_start > BUDGET_S:
             rows.append({**row, "skipped": "time budget"})
             continue
         try:
             s0 = sets[0]
-            got = M.moe_experts(s0["x"], s0["idx"], s0["weights"], gate_up, down, ACT, v)
+            got = moe.moe_experts(s0["x"], s0["idx"], s0["weights"], gate_up, down, ACT, v)
             row.update(accuracy(got, want))
             outs = [torch.empty_like(s["x"]) for s in sets]
-            runs = [lambda s=s, o=o: M.moe_experts(s["x"], s["idx"], s["weights"], gate_up, down, ACT, v, o)
+            runs = [lambda s=s, o=o: moe.moe_experts(s["x"], s["idx"], s["weights"], gate_up, down, ACT, v, o)
                     for s, o in zip(sets, outs)]
             ms = timing.time_ms(runs, DEV)
             row.update({"ms": round(ms, 5), **flops_or_bytes(t, ms)})
@@ -140,10 +143,10 @@ def main() -> int:
     out_path = sys.argv[1] if len(sys.argv) > 1 else "moe_gpu.json"
     t_start = time.perf_counter()
     gen = torch.Generator(device=DEV).manual_seed(0)
-    gate_up = (torch.randn(E, 2 * I, H, generator=gen, device=DEV) * 0.02).bfloat16()
-    down = (torch.randn(E, H, I, generator=gen, device=DEV) * 0.02).bfloat16()
+    gate_up = (torch.randn(E, 2 * FFN, H, generator=gen, device=DEV) * 0.02).bfloat16()
+    down = (torch.randn(E, H, FFN, generator=gen, device=DEV) * 0.02).bfloat16()
     result = {"date": now_iso(), "command": " ".join(sys.argv), **environment(DEV),
-              "shape": {"E": E, "k": K, "H": H, "I": I, "act": ACT, "dtype": "bf16"}, "cases": []}
+              "shape": {"E": E, "k": K, "H": H, "I": FFN, "act": ACT, "dtype": "bf16"}, "cases": []}
     for t in TOKENS:
         case = {"tokens": t, "rows": []}
         try:

@@ -1,10 +1,10 @@
 """Compile every GPU candidate of a model's tuned ops for a CUDA target, on a machine without a GPU.
 
-    PYTHONPATH=/tmp/triton36:. python3 bench/cross_compile.py synth:qwen3.5-0.8b [--arch 90] [--ops gemm,act_gemm]
+    PYTHONPATH=/tmp/triton36:. python3 tools/cross_compile.py synth:qwen3.5-0.8b [--arch 90] [--ops gemm,act_gemm]
 
 Why: the interpreter (CI) never runs Triton's compiler, and the GPU machine's Triton (3.6) is older
 than CI's; a candidate that fails to compile there is only seen as "cannot run" lines in a device
-run (it cost the 0.8b decode 30% once: every GEMV form failed to build). This runs each candidate's
+run, and the tuner then falls back to slower forms without failing. This runs each candidate's
 real launch path (op.run on the gate's full and partial blocks) with CPU tensors, but every Triton
 launch only compiles, through a stand-in driver that reports an sm_ARCH GPU. Install the GPU
 machine's Triton into a folder of its own (pip install --no-deps --target DIR triton==3.6.0) and
@@ -69,11 +69,12 @@ def compile_only() -> None:
 
 
 def pretend_gpu(arch: int, sms: int) -> None:
-    """kiln's kernel families see an sm_ARCH device with SMS SMs (the GPU catalogue, PDL on)."""
-    from kiln.backends import cuda
-    from kiln.backends.cuda import common
+    """kiln's kernel families see an sm_ARCH device with SMS SMs (the GPU catalogue, PDL on): every
+    module of kiln.ops, kiln.tune and the cuda backend that holds device_info or pdl gets the fakes."""
+    import kiln.ops
+    from kiln.tune import device
 
-    info = common.DeviceInfo(f"cross-compile sm_{arch}", sms, (arch // 10, arch % 10), torch.device("cpu"))
+    info = device.DeviceInfo(f"cross-compile sm_{arch}", sms, (arch // 10, arch % 10), torch.device("cpu"))
     pdl_on = os.environ.get("KILN_PDL", "1") != "0" and arch >= 90
 
     def device_info(device=None):
@@ -81,9 +82,11 @@ def pretend_gpu(arch: int, sms: int) -> None:
 
     def pdl(t):
         return {"PDL": True, "launch_pdl": True} if pdl_on else {"PDL": False}
-    for m in pkgutil.iter_modules(cuda.__path__):
-        importlib.import_module(f"kiln.backends.cuda.{m.name}")
-    for mod in [common] + [sys.modules[n] for n in list(sys.modules) if n.startswith("kiln.backends.cuda.")]:
+    importlib.import_module("kiln.backends.cuda")      # imports every kernel family (each registers its ops)
+    for m in pkgutil.walk_packages(kiln.ops.__path__, "kiln.ops."):
+        importlib.import_module(m.name)
+    prefixes = ("kiln.ops.", "kiln.tune.", "kiln.backends.cuda")
+    for mod in [sys.modules[n] for n in list(sys.modules) if n.startswith(prefixes)]:
         for name, fake in (("device_info", device_info), ("pdl", pdl)):
             if hasattr(mod, name):
                 setattr(mod, name, fake)
@@ -92,7 +95,8 @@ def pretend_gpu(arch: int, sms: int) -> None:
 def untuned_kernels(config: dict, dtype) -> list:
     """(name, launch) of the kernels that are not tuned ops: the greedy choice, and for a Qwen MoE
     the router and the shared-expert gate, at the model's decode shapes."""
-    from kiln.backends.cuda import moe, sample
+    from kiln.ops.moe import kernels as moe
+    from kiln.ops.sample import kernels as sample
     one, h = torch.zeros(1, dtype=torch.long), config["hidden_size"]
     out = [("greedy", lambda: sample.greedy_next(torch.empty(config["vocab_size"], dtype=dtype), one, one.clone()))]
     if config.get("num_experts") and config.get("num_experts_per_tok"):
@@ -100,7 +104,8 @@ def untuned_kernels(config: dict, dtype) -> list:
         x = torch.empty(1, h, dtype=dtype)
         out += [("router", lambda: moe.router_topk(torch.empty(1, e, dtype=dtype), k)),
                 ("shared_gate", lambda: moe.shared_gate_add(x, x, torch.empty(1, h, dtype=dtype), x)),
-                ("gated_combine", lambda: moe.combine(torch.empty(k, h, dtype=dtype), torch.zeros(1, k, dtype=torch.long),
+                ("gated_combine", lambda: moe.combine(torch.empty(k, h, dtype=dtype),
+                                                      torch.zeros(1, k, dtype=torch.long),
                                                       torch.empty(1, h, dtype=dtype), x,
                                                       (torch.empty(1, h, dtype=dtype), x)))]
     return out
@@ -108,14 +113,14 @@ def untuned_kernels(config: dict, dtype) -> list:
 
 def attention_workloads(specs: list[str], m_values) -> list:
     """Prefill (each m > 1) and decode (a 4096-token context) attention workloads for H:KV:D[:WINDOW]."""
-    from kiln.backends.cuda import attention as A
+    from kiln.ops.attention import kernels as attention
     from kiln.tune.tuner import Workload
     out = []
     for spec in specs:
         h, kv, d, *w = (int(x) for x in spec.split(":"))
         window = w[0] if w else None
-        out += [Workload(A.PREFILL_OP, A.PrefillShape(m, h, kv, d, window)) for m in m_values if m > 1]
-        out.append(Workload(A.DECODE_OP, A.DecodeShape(4096, h, kv, d, window)))
+        out += [Workload(attention.PREFILL_OP, attention.PrefillShape(m, h, kv, d, window)) for m in m_values if m > 1]
+        out.append(Workload(attention.DECODE_OP, attention.DecodeShape(4096, h, kv, d, window)))
     return out
 
 
@@ -135,9 +140,11 @@ def main() -> int:
     driver.set_active(CrossDriver(a.arch))
     compile_only()
     pretend_gpu(a.arch, a.sms)
-    from kiln.synth import synth_config
+    from kiln.backends.cuda import DECODE_ROWS, PREFILL_CHUNK, workloads
+    from kiln.models import model_config
+    from kiln.tune.device import device_info
     from kiln.tune.registry import candidates
-    from kiln.tune.workloads import DECODE_ROWS, PREFILL_CHUNK, config_workloads
+    from kiln.weights.synth import synth_config
 
     if a.model.startswith("synth:"):
         config = synth_config(a.model.split(":", 1)[1])
@@ -149,13 +156,13 @@ def main() -> int:
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[a.dtype]
     ops = tuple(a.ops.split(",")) if a.ops else None
     m_values = tuple(a.m) if a.m else (PREFILL_CHUNK, DECODE_ROWS)
-    workloads = config_workloads(config, m_values, ops) if ops else config_workloads(config, m_values)
-    workloads += attention_workloads(a.attention, m_values)
-    from kiln.backends.cuda import common
-    dev = common.device_info()
+    cls, cfg = model_config(config)
+    work = workloads(cls, cfg, m_values, ops) if ops else workloads(cls, cfg, m_values)
+    work += attention_workloads(a.attention, m_values)
+    dev = device_info("cpu")      # the fake above: the sm_ARCH device
     gen = torch.Generator().manual_seed(0)
     seen, failed, t0 = set(), [], time.perf_counter()
-    for w in workloads:
+    for w in work:
         op, shape = w.op, w.shape
         forms = list(dict.fromkeys([op.trusted(shape, dev)] + candidates(op, shape, dev)))
         for v in forms:
@@ -183,7 +190,7 @@ def main() -> int:
     for name, n in sorted(fused_16bit.items()):
         failed.append(f"{name}: {n} 16-bit FMA(s) in its PTX (a product's rounding contracted away)")
         print(f"[cross] FAIL {failed[-1]}", flush=True)
-    print(f"[cross] triton {triton.__version__} sm_{a.arch}: {len(seen)} candidates of {len(workloads)} workloads, "
+    print(f"[cross] triton {triton.__version__} sm_{a.arch}: {len(seen)} candidates of {len(work)} workloads, "
           f"{len(failed)} failed, {time.perf_counter() - t0:.0f} s", flush=True)
     return 1 if failed else 0
 

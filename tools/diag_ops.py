@@ -1,8 +1,9 @@
-"""Which op makes the cuda backend differ from the reference: every stateless op call of a prefill
-(and a few decode steps) is also run by the reference backend on the same inputs, and the worst
-relative error per op is reported. A diagnosis tool, not a benchmark.
+"""Which op makes the cuda backend differ from the reference: the worst relative error per op on the same inputs.
 
-    python bench/diag_ops.py synth:qwen3.5-35b-a3b:layers=4 512 [OUT.json]
+Every stateless op call of a prefill (and 3 eager decode steps) on the cuda backend is also run by
+the reference backend on clones of its inputs.
+
+    python tools/diag_ops.py synth:qwen3.5-35b-a3b:layers=4 512 [OUT.json]      (GPU; on CPU under TRITON_INTERPRET=1)
 
 The reference runs on clones of the inputs, so the cuda backend's own flow is untouched; ops that
 keep state (attention's cache, the GDN state) are compared through their outputs' effect downstream.
@@ -68,7 +69,8 @@ def shadow(ops, ref, worst: dict, calls: dict) -> None:
             worst[_name] = max(worst.get(_name, 0.0), *errs) if errs else worst.get(_name, 0.0)
             if calls[_name] <= 2 or max(errs or [0]) > 0.05:
                 rows = flat(args)[0].shape[0] if flat(args) else 0
-                print(f"  {_name} call {calls[_name]} rows {rows}: rel err {', '.join(f'{e:.2e}' for e in errs)}", flush=True)
+                listed = ", ".join(f"{e:.2e}" for e in errs)
+                print(f"  {_name} call {calls[_name]} rows {rows}: rel err {listed}", flush=True)
             return got
 
         setattr(ops, name, wrapped)
@@ -77,7 +79,7 @@ def shadow(ops, ref, worst: dict, calls: dict) -> None:
 def main(spec: str, n: int, out: str | None) -> None:
     import kiln
     from kiln.backends.reference import ReferenceOps
-    from kiln.synth import random_prompt
+    from kiln.weights.synth import random_prompt
 
     llm = kiln.load(spec, dtype="bf16", backend="cuda", enforce_eager=True)   # the shadow calls cannot live in a graph
     ops = llm.model.ops

@@ -1,7 +1,8 @@
-"""Every Gated DeltaNet prefill form on the GPU, each in its own process (an illegal memory access
-poisons the CUDA context, so one crashing form must not take the others down).
+"""Every Gated DeltaNet prefill form on the GPU, each in its own process: its error, faults, time and kernels.
 
-    PYTHONPATH=. python3 bench/gdn_diag.py OUT.json
+An illegal memory access poisons the CUDA context, so one crashing form must not take the others down.
+
+    PYTHONPATH=. python3 tools/gdn_diag.py OUT.json
     GDN_DIAG_FORMS=name,... GDN_DIAG_STEPS=check,time,profile   (defaults: every form, every step)
 
 Per form: a check run at T = 8192, 16 heads, with CUDA_LAUNCH_BLOCKING=1 (a crash names the kernel
@@ -14,7 +15,6 @@ is timed on the same inputs for comparison.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import shutil
@@ -31,23 +31,23 @@ PROFILED = ("split_h16w4_o128w8_pw8_bf16_inv-tf32_p2", "split_h16w4_o64w8_pw8_tf
 
 
 def forms() -> list[str]:
-    """The candidates (the ieee scan, torch_chunked and the 16-bit scans were measured on 2026-11-30:
-    43 ms, 7.7 ms, illegal address) and fla."""
-    from kiln.backends.cuda import gdn as D
-    return [v.name for v in D.split_next_forms(DV) + D.split_forms(DV)] + ["fla"]
+    """The split forms (the tuner's GPU candidates and the catalogue-only ones) and fla. Any other
+    form of the catalogue runs when GDN_DIAG_FORMS names it (the scans are far slower: bench/NOTES.md)."""
+    from kiln.ops.gdn import kernels as gdn
+    return [v.name for v in gdn.split_next_forms(DV) + gdn.split_forms(DV)] + ["fla"]
 
 
 def variant(name: str):
-    from kiln.backends.cuda import gdn as D
-    by_name = {v.name: v for v in D.PREFILL.catalogue(D.GdnShape(1, HK, 16, DK, DV, K), _dev())}
-    by_name.update({v.name: v for v in D.split_forms(DV) + D.split_next_forms(DV)})
+    from kiln.ops.gdn import kernels as gdn
+    by_name = {v.name: v for v in gdn.PREFILL.catalogue(gdn.GdnShape(1, HK, 16, DK, DV, K), _dev())}
+    by_name.update({v.name: v for v in gdn.split_forms(DV) + gdn.split_next_forms(DV)})
     return by_name[name]
 
 
 def _dev():
     import torch
 
-    from kiln.backends.cuda.common import device_info
+    from kiln.tune.device import device_info
     return device_info(torch.device("cuda"))
 
 
@@ -63,14 +63,15 @@ def child(mode: str, names: str) -> dict:
 def one(mode: str, name: str, t: int, hv: int) -> dict:
     import torch
 
-    from kiln.backends.cuda import gdn as D
     from kiln.backends.reference import ReferenceOps
+    from kiln.ops.gdn import kernels as gdn
     from kiln.tune.timing import time_ms
 
     dev = torch.device("cuda")
-    inp = D.gdn_inputs(D.GdnShape(t, HK, hv, DK, DV, K), torch.bfloat16, dev, torch.Generator(device=dev).manual_seed(t + hv))
+    gen = torch.Generator(device=dev).manual_seed(t + hv)
+    inp = gdn.gdn_inputs(gdn.GdnShape(t, HK, hv, DK, DV, K), torch.bfloat16, dev, gen)
     dims = inp["dims"]
-    xc = D.conv(inp["qkv"], inp["conv_w"], inp["conv_state"].clone())
+    xc = gdn.conv(inp["qkv"], inp["conv_w"], inp["conv_state"].clone())
     args = [inp[n] for n in ("z", "b", "a", "A_log", "dt_bias", "norm_w")]
     if name == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
@@ -78,22 +79,24 @@ def one(mode: str, name: str, t: int, hv: int) -> dict:
         q, k, v = xc.split([HK * DK, HK * DK, hv * DV], dim=-1)
         q, k = (x.view(1, t, HK, DK).repeat_interleave(rep, dim=2).contiguous() for x in (q, k))
         v = v.reshape(1, t, hv, DV).contiguous()
-        g = (-inp["A_log"].float().exp() * torch.nn.functional.softplus(inp["a"].float() + inp["dt_bias"].float()))[None]
+        decay = torch.nn.functional.softplus(inp["a"].float() + inp["dt_bias"].float())
+        g = (-inp["A_log"].float().exp() * decay)[None]
         beta = torch.sigmoid(inp["b"])[None].contiguous()
         s0 = inp["ssm"].clone()[None]
 
         def run():
             o, _ = fla(q, k, v, g, beta, scale=DK ** -0.5, initial_state=s0, output_final_state=True,
                        use_qk_l2norm_in_kernel=True)
-            return ReferenceOps(dev).gated_rmsnorm(o[0].to(torch.bfloat16), inp["z"].view(t, hv, DV), inp["norm_w"], 1e-6)
+            o16 = o[0].to(torch.bfloat16)
+            return ReferenceOps(dev).gated_rmsnorm(o16, inp["z"].view(t, hv, DV), inp["norm_w"], 1e-6)
         run()
         return kernels(run) if mode == "profile" else {"ms": time_ms([run], dev)}
-    v = D.TORCH if name == "torch_chunked" else variant(name)
+    v = gdn.TORCH if name == "torch_chunked" else variant(name)
     y, s = torch.empty((t, hv * DV), dtype=torch.bfloat16, device=dev), inp["ssm"].clone()
 
     def run():
         s.copy_(inp["ssm"])
-        D.mix(xc, *args, s, dims, v, y)
+        gdn.mix(xc, *args, s, dims, v, y)
     run()
     torch.cuda.synchronize()
     if mode == "profile":
@@ -101,7 +104,7 @@ def one(mode: str, name: str, t: int, hv: int) -> dict:
     if mode == "time":
         return {"ms": time_ms([run], dev)}
     ry, rs = torch.empty_like(y), inp["ssm"].clone()
-    D.chunked(xc, *args, rs, dims, ry, D.chunk_variant(32, 8, "ieee", 8).p)
+    gdn.chunked(xc, *args, rs, dims, ry, gdn.chunk_variant(32, 8, "ieee", 8).p)
     rel = lambda a, b: (a.float() - b.float()).abs().max().item() / b.float().abs().max().item()  # noqa: E731
     return {"y_rel_err_vs_ieee": rel(y, ry), "ssm_rel_err_vs_ieee": rel(s, rs), "nan": bool(torch.isnan(y).any())}
 
@@ -162,10 +165,10 @@ def sanitize(name: str) -> str:
 
 def main(out: str) -> None:
     import torch
-    import triton
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "triton": triton.__version__, "kiln_commit": os.environ.get("KILN_COMMIT"),
-           "command": " ".join(sys.argv), "hk": HK, "dk": DK, "dv": DV, "cases": []}
+
+    from kiln.tools.benchutil import environment, now_iso
+    res = {"date": now_iso(), **environment(torch.device("cuda")), "command": " ".join(sys.argv),
+           "hk": HK, "dk": DK, "dv": DV, "cases": []}
     t0 = time.time()
     only = [f for f in os.environ.get("GDN_DIAG_FORMS", "").split(",") if f]
     steps = os.environ.get("GDN_DIAG_STEPS", "check,time,profile").split(",")

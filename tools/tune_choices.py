@@ -1,7 +1,8 @@
-"""The tuner's decode-step choices in a tune cache file: for each one-row (decode) workload, the
-variant picked and whether it is a fused form, with its time and the best unfused time beside it.
+"""The tuner's decode-step choices in tune cache files: each one-row workload's pick, fused or not, and its time.
 
-    python3 bench/tune_choices.py .kiln-cache/tune/nvidia-h200_<model>_bf16.json [...]
+For a fusion op the best unfused time (or the best fused one) is printed beside the pick.
+
+    python3 tools/tune_choices.py $KILN_CACHE_DIR/tune/nvidia-h200_<signature>_bf16.json [...]
 
 Fusion ops: rmsnorm_gemm (norm in the GEMV's prologue or not), gemm_act (activation in the gate_up
 epilogue), act_gemm (the activation in the down GEMV's prologue), gdn_decode (the whole step in one

@@ -1,5 +1,7 @@
-"""How far apart do two valid bf16 runs of one model land? The reference's own bf16-vs-f32 spread,
-next to kiln's distance from the reference, on the same teacher-forced sequence.
+"""The reference's own bf16-vs-f32 spread beside kiln's distance from the reference, on one teacher-forced sequence.
+
+How far apart do two valid bf16 runs of one model land? The numeric contract's rule for synthesized
+weights (docs/synth.md) compares these two distances.
 
     PYTHONPATH=. python3 bench/precision_probe.py synth:qwen3.5-0.8b --tokens 256 [--device cpu]
         [--backend reference|cuda] [--json OUT]
@@ -15,16 +17,16 @@ kiln's remaining divergences are the model's bf16 noise, not a kiln defect.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 
 import torch
 
 import kiln
-from kiln.compare import near_tie, top2
-from kiln.reference_hf import load_hf_reference
-from kiln.synth import random_prompt
+from kiln.tools.benchutil import environment, now_iso
+from kiln.tools.compare import near_tie, top2
+from kiln.tools.hf_reference import load_hf_reference
+from kiln.weights.synth import random_prompt
 
 
 @torch.inference_mode()
@@ -72,9 +74,8 @@ def main() -> int:
     bf16 = hf_logits(path, "bf16", ids, a.device)
     ours = kiln_logits(a.model, ids, a.device, a.backend)
     scale = float(f32.abs().max())
-    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(sys.argv), "model": a.model, "tokens": a.tokens, "device": a.device,
-           "backend": a.backend, "f32_logit_scale": scale,
+    res = {"date": now_iso(), "command": " ".join(sys.argv), **environment(torch.device(a.device)), "model": a.model,
+           "tokens": a.tokens, "device": a.device, "backend": a.backend, "f32_logit_scale": scale,
            "hf_bf16_vs_hf_f32": distance(f32, bf16, scale),
            "kiln_bf16_vs_hf_f32": distance(f32, ours, scale),
            "kiln_bf16_vs_hf_bf16": distance(bf16, ours, scale)}
