@@ -1,4 +1,4 @@
-"""The Python API's public pieces on the hand-built tool model (test_server_support), whose greedy
+"""The Python API's public pieces on the hand-built tool model (tests/server/support.py), whose greedy
 answers are known: plain text continues "!!!..." for as long as allowed; a chat prompt gets a tool
 call, then the end-of-turn token. LLM.encode on text and on ids; Generation iterated and completed."""
 
@@ -8,7 +8,8 @@ import pytest
 
 import kiln
 from kiln import Generation, KilnError, SamplingParams
-from test_server_support import CALL, build_tool_model
+
+from .server.support import CALL, build_tool_model
 
 
 @pytest.fixture(scope="module")

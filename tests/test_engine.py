@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kiln
-from kiln import graphs
+from kiln.backends import graphs
 from kiln.engine import GraphState
 from kiln.sampling import Sampler, SamplingParams
 
@@ -97,3 +97,19 @@ def test_decode_steps_replay_the_graph_only_on_its_own_state(monkeypatch):
     pos = len(PROMPT) + 4
     assert torch.equal(eng.decode_step(want[-1], pos, ours), eng.decode_step(want[-1], pos, plain))
     assert len(calls) == 5
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_a_request_that_does_not_reuse_ends_what_a_later_one_could_reuse(graph, monkeypatch):
+    """On the graph path every request runs on the one persistent state: a non-reusing request in
+    between overwrites what the last reusing one left there, so the next reusing request must start
+    fresh (the tokens of a fresh start), not resume from that state."""
+    eng = _engine(graph, monkeypatch)
+    params = SamplingParams(max_new_tokens=6)
+    first = list(eng.generate(PROMPT, params, [], reuse=True).ids)
+    other = [(5 * i + 1) % 331 for i in range(40)]     # longer than the prefix: the state could "rewind" to it
+    list(eng.generate(other, params, [], reuse=False).ids)
+    follow = PROMPT + first + [2]
+    stream = eng.generate(follow, params, [], reuse=True)
+    assert list(stream.ids) == _host_loop(eng, follow, params, set())[0]
+    assert stream.times.cached_tokens == (0 if graph else len(PROMPT) + len(first) - 1)

@@ -131,7 +131,8 @@ def test_filters_combined_with_repetition_penalty_match_transformers():
     theirs = torch.isfinite(_hf_scores(logits, procs, history))
     assert torch.equal(ours, theirs)
     assert torch.equal(ours, torch.isfinite(Sampler(params).process(logits, history)))
-    no_penalty = torch.isfinite(Sampler(SamplingParams(temperature=0.9, top_k=60, top_p=0.9, min_p=0.05)).process(logits))
+    plain = SamplingParams(temperature=0.9, top_k=60, top_p=0.9, min_p=0.05)
+    no_penalty = torch.isfinite(Sampler(plain).process(logits))
     assert not torch.equal(ours, no_penalty)
 
 

@@ -14,9 +14,9 @@ import shutil
 import pytest
 
 from kiln import hub
+from kiln import tokenizer as tokenizer_module
 from kiln.errors import KilnError
 from kiln.tokenizer import StreamDecoder, Tokenizer
-from kiln import tokenizer as tokenizer_module
 from kiln.weights.gguf_file import GGUFFile
 
 MODELS = ["smollm2-135m", "gemma3-270m"]
@@ -225,7 +225,8 @@ def test_hf_dir_without_tokenizer_json_is_a_kiln_error(tmp_path):
 def test_named_templates_are_public_and_read_only(tmp_path):
     """A folder's default template and its extra ones (additional_chat_templates/NAME.jinja), by
     name; apply_chat_template renders "tool_use" when it is given tools."""
-    from tokenizers import Tokenizer as Backend, models
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
 
     Backend(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
     assert Tokenizer.from_hf_dir(tmp_path).templates == {}

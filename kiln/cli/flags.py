@@ -16,37 +16,25 @@ class Parser(argparse.ArgumentParser):
         raise KilnError(message)
 
 
-def positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
-
-
-def nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}")
-    return v
-
-
-def at_least(lo: int):
-    """An argparse type: an integer >= lo."""
+def bounded_int(lo: int, what: str):
+    """An argparse type: an integer >= lo, or the error "expected {what}"."""
     def parse(s: str) -> int:
         try:
             v = int(s)
         except ValueError:
             v = lo - 1
         if v < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
         return v
     return parse
+
+
+positive_int = bounded_int(1, "a positive integer")
+nonneg_int = bounded_int(0, "an integer >= 0")
+
+
+def at_least(lo: int):
+    return bounded_int(lo, f"an integer >= {lo}")
 
 
 def finite(s: str) -> float:

@@ -1,5 +1,6 @@
-"""kiln/weights/upload.py: the chunked staging copy (from a tensor or read from the file) gives back every byte (CPU: same logic with
-plain buffers and blocking copies; the pinned, overlapped form runs on a GPU only)."""
+"""kiln/weights/upload.py: the chunked staging copy (from a tensor or read from the file) gives back every
+byte (CPU: same logic with plain buffers and blocking copies; the pinned, overlapped form runs on a GPU
+only)."""
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from kiln.weights.upload import Uploader, pinned_upload_on
 def test_chunked_upload_gives_back_every_byte(dtype):
     up = Uploader("cpu", chunk_bytes=1000, pin=False)
     gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(37, 129, generator=gen), torch.randn(5, generator=gen), torch.randn(3, 400, generator=gen).t()]
+    tensors = [torch.randn(37, 129, generator=gen), torch.randn(5, generator=gen),
+               torch.randn(3, 400, generator=gen).t()]
     for src in tensors:
         src = src.to(dtype) if dtype.is_floating_point else (src * 50).to(dtype)
         got = up.upload(src, dtype)
@@ -97,15 +99,17 @@ def test_a_wrapped_loader_disables_locating(tmp_path):
 def test_load_strict_takes_the_file_read_path(tmp_path, monkeypatch):
     import functools
 
+    import kiln.models.base as base
     import kiln.weights.upload as U
     from kiln.models.base import load_strict
 
     monkeypatch.setenv("KILN_UPLOAD_READ", "1")
-    monkeypatch.setattr(U, "pinned_upload_on", lambda device: True)
-    monkeypatch.setattr(U, "Uploader", functools.partial(U.Uploader, chunk_bytes=512, pin=False))
+    # load_strict (kiln.models.base) uses the names it imported from kiln.weights.upload
+    monkeypatch.setattr(base, "pinned_upload_on", lambda device: True)
+    monkeypatch.setattr(base, "Uploader", functools.partial(U.Uploader, chunk_bytes=512, pin=False))
     spans = []
-    real = U.Uploader.func.upload_span
-    monkeypatch.setattr(U.Uploader.func, "upload_span", lambda self, s, d: spans.append(s.shape) or real(self, s, d))
+    real = U.Uploader.upload_span
+    monkeypatch.setattr(U.Uploader, "upload_span", lambda self, s, d: spans.append(s.shape) or real(self, s, d))
     ckpt, tensors = _checkpoint(tmp_path, _tensors()), _tensors()
     got = load_strict(ckpt, {n: tuple(t.shape) for n, t in tensors.items()}, torch.float32, "cpu")
     assert len(spans) == 4 and all(torch.equal(got[n], t.float()) for n, t in tensors.items())

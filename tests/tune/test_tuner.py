@@ -13,28 +13,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"   # before kiln's kernels are decorated
-
 pytest.importorskip("triton")
 
-from kiln.backends.cuda import gemm as G  # noqa: E402
-from kiln.backends.cuda import rmsnorm as R  # noqa: E402
-from kiln.backends.cuda.common import device_info, interpreting  # noqa: E402
+from kiln.backends.cuda import DECODE_ROWS, PREFILL_CHUNK, workloads  # noqa: E402
 from kiln.errors import KilnError  # noqa: E402
-from kiln.synth import synth_config  # noqa: E402
-from kiln.tune import cache as C  # noqa: E402
+from kiln.models import model_config  # noqa: E402
+from kiln.ops.gemm import gemm  # noqa: E402
+from kiln.ops.norm import kernels as norm_kernels  # noqa: E402
+from kiln.tune import cache as tune_cache  # noqa: E402
 from kiln.tune import gate, timing  # noqa: E402
+from kiln.tune.device import device_info, interpreting  # noqa: E402
 from kiln.tune.registry import extra_variant, variant  # noqa: E402
 from kiln.tune.tuner import Plan, Tuner, Workload  # noqa: E402
-from kiln.tune.workloads import config_workloads  # noqa: E402
+from kiln.weights.synth import synth_config  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-SHAPE = G.GemmShape(100, 100, 40)          # full block 128 rows, partial block 100 rows
-WORK = Workload(G.OP, SHAPE)
+SHAPE = gemm.GemmShape(100, 100, 40)          # full block 128 rows, partial block 100 rows
+WORK = Workload(gemm.OP, SHAPE)
 TIMES = re.compile(r"^\[autotune\] (\S+) (\S+): ((?:\S+ \d+\.\d+ ms, )*\S+ \d+\.\d+ ms) -> (\S+)$")
-SUMMARY = re.compile(r"^\[kiln\] (\d+) kernels compiled in (\d+\.\d) s, tuned in (\d+\.\d) s \(cache (hit|miss): (.+)\)$")
+SUMMARY = re.compile(r"^\[kiln\] (\d+) kernels compiled in (\d+\.\d) s, tuned in (\d+\.\d) s "
+                     r"\(cache (hit|miss): (.+)\)$")
 
 
 def wrong_constant(inputs, outputs, plan):
@@ -60,7 +59,7 @@ FAST = variant("torch_linear", run=torch_linear)
 
 def tune(tmp_path, workloads=(WORK,), **kw):
     lines: list[str] = []
-    kw.setdefault("cache", C.TuneCache(tmp_path / "tune", warn=lines.append))
+    kw.setdefault("cache", tune_cache.TuneCache(tmp_path / "tune", warn=lines.append))
     kw.setdefault("reps", 3 if DEVICE.type == "cpu" else None)   # a median, not one sample, on a busy CPU
     plan, report = Tuner(DEVICE, DTYPE, log=lines.append, **kw).tune(list(workloads))
     return plan, report, lines
@@ -77,7 +76,7 @@ def planted_timer(monkeypatch, ms: dict[str, float]) -> list:
     was handed once (as the real timer does), notes which variant that was, and returns ms[name]
     for it (1 ms for any variant not named: slower than every planted one). The wall clock of a
     CPU, loaded or not, decides nothing. Returns the variants timed, in order."""
-    timed, ran, run = [], [], G.OP.run
+    timed, ran, run = [], [], gemm.OP.run
 
     def run_noting(v, inputs, outputs, plan=None):
         ran.append(v)
@@ -91,7 +90,7 @@ def planted_timer(monkeypatch, ms: dict[str, float]) -> list:
         timed.append(ran[0])
         return ms.get(ran[0].name, 1.0)
 
-    monkeypatch.setattr(G.OP, "run", run_noting)
+    monkeypatch.setattr(gemm.OP, "run", run_noting)
     monkeypatch.setattr(timing, "time_ms", time_ms)
     return timed
 
@@ -128,17 +127,17 @@ def test_gate_rejects_wrong_faster_candidates_on_full_and_partial_blocks(tmp_pat
 def test_partial_block_catches_what_the_full_block_misses():
     dev = device_info(DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    cases = gate.trusted_cases(G.OP, SHAPE, G.OP.trusted(SHAPE, dev), DTYPE, DEVICE, gen)
+    cases = gate.trusted_cases(gemm.OP, SHAPE, gemm.OP.trusted(SHAPE, dev), DTYPE, DEVICE, gen)
     assert [c.shape.rows for c in cases] == [128, 100]
-    assert gate.check(G.OP, PARTIAL, cases[:1]).ok                  # the full block alone passes it
-    verdict = gate.check(G.OP, PARTIAL, cases)
+    assert gate.check(gemm.OP, PARTIAL, cases[:1]).ok                  # the full block alone passes it
+    verdict = gate.check(gemm.OP, PARTIAL, cases)
     assert not verdict.ok and verdict.err != verdict.err            # NaN: rows left unwritten
-    assert gate.check(G.OP, G.TRUSTED, cases).ok and gate.check(G.OP, FAST, cases).ok
+    assert gate.check(gemm.OP, gemm.TRUSTED, cases).ok and gate.check(gemm.OP, FAST, cases).ok
 
 
 def test_gate_threshold_is_one_64th_of_the_trusted_max():
     dev = device_info(DEVICE)
-    cases = gate.trusted_cases(G.OP, SHAPE, G.OP.trusted(SHAPE, dev), DTYPE, DEVICE,
+    cases = gate.trusted_cases(gemm.OP, SHAPE, gemm.OP.trusted(SHAPE, dev), DTYPE, DEVICE,
                                torch.Generator(device=DEVICE).manual_seed(1))
 
     def off_by(delta):
@@ -147,8 +146,8 @@ def test_gate_threshold_is_one_64th_of_the_trusted_max():
             outputs["y"].copy_(y + delta * y.abs().max())
         return variant(f"off_{delta}", run=run)
 
-    assert gate.check(G.OP, off_by(1 / 128), cases).ok
-    assert not gate.check(G.OP, off_by(1 / 32), cases).ok
+    assert gate.check(gemm.OP, off_by(1 / 128), cases).ok
+    assert not gate.check(gemm.OP, off_by(1 / 32), cases).ok
 
 
 def test_timing_line_stars_the_fastest_and_picks_it(tmp_path):
@@ -167,7 +166,7 @@ def test_cache_round_trip_measures_nothing_the_second_time(tmp_path, monkeypatch
     plan1, report1, _ = tune(tmp_path)
     assert report1.path.exists() and not report1.hit
     saved = json.loads(report1.path.read_text())
-    assert saved["key"]["dtype"] == C.DTYPE_NAMES[DTYPE] and saved["key"]["gpu"] == device_info(DEVICE).name
+    assert saved["key"]["dtype"] == tune_cache.DTYPE_NAMES[DTYPE] and saved["key"]["gpu"] == device_info(DEVICE).name
     for k in ("sms", "capability", "driver", "cuda", "torch", "triton", "sources", "model"):
         assert k in saved["key"]
 
@@ -184,7 +183,7 @@ def test_cache_round_trip_measures_nothing_the_second_time(tmp_path, monkeypatch
         tune(tmp_path, retune=True)
 
 
-class EditableGemm(G.GemmOp):
+class EditableGemm(gemm.GemmOp):
     """The gemm op with a kernel source file of the test's own, to edit."""
 
 
@@ -205,7 +204,7 @@ def test_changed_kernel_source_invalidates_the_cache(tmp_path):
     assert after.hit
 
 
-class EditableNorm(R.RmsnormOp):
+class EditableNorm(norm_kernels.RmsnormOp):
     """The rmsnorm op with a kernel source file of the test's own."""
 
 
@@ -217,7 +216,7 @@ def test_a_changed_source_measures_only_its_own_op_again(tmp_path, monkeypatch):
     norm_src.write_text("# norm 1\n")
     g, n = EditableGemm(), EditableNorm()
     g.sources, n.sources = (str(gemm_src),), (str(norm_src),)
-    work = [Workload(g, SHAPE), Workload(n, R.NormShape(5, 48, "llama"))]
+    work = [Workload(g, SHAPE), Workload(n, norm_kernels.NormShape(5, 48, "llama"))]
     tune(tmp_path, work)
     norm_src.write_text("# norm 2\n")
     measured = []
@@ -233,11 +232,11 @@ def test_a_changed_source_measures_only_its_own_op_again(tmp_path, monkeypatch):
 
 def test_changed_versions_invalidate_the_cache(tmp_path, monkeypatch):
     tune(tmp_path)
-    env = C.environment
-    monkeypatch.setattr(C, "environment", lambda dev: {**env(dev), "triton": "0.0.0-test"})
+    env = tune_cache.environment
+    monkeypatch.setattr(tune_cache, "environment", lambda dev: {**env(dev), "triton": "0.0.0-test"})
     _, report, lines = tune(tmp_path)
     assert not report.hit and any("stale tune cache" in line and "triton" in line for line in lines)
-    monkeypatch.setattr(C, "environment", lambda dev: {**env(dev), "torch": "0.0.0-test"})
+    monkeypatch.setattr(tune_cache, "environment", lambda dev: {**env(dev), "torch": "0.0.0-test"})
     _, report, lines = tune(tmp_path)
     assert not report.hit and any("torch" in line for line in lines if "stale" in line)
 
@@ -253,7 +252,7 @@ def test_a_shape_tuned_for_one_model_is_not_measured_again_for_another(tmp_path,
     """Another model (or context) that runs a shape already tuned under the same GPU, versions and
     kernel sources takes that choice from the other file; only its new shapes are measured, and
     its own file then holds everything (the next load is a plain hit)."""
-    other = Workload(G.OP, G.GemmShape(24, 48, 40))
+    other = Workload(gemm.OP, gemm.GemmShape(24, 48, 40))
     plan1, first, _ = tune(tmp_path, [WORK])
     measured = _measured(monkeypatch)
     plan2, second, lines = tune(tmp_path, [WORK, other])
@@ -271,15 +270,15 @@ def test_choices_are_not_borrowed_across_versions_or_changed_sources(tmp_path, m
     src.write_text("# version 1\n")
     op = EditableGemm()
     op.sources = (str(src),)
-    mine, other = Workload(op, SHAPE), Workload(op, G.GemmShape(24, 48, 40))
+    mine, other = Workload(op, SHAPE), Workload(op, gemm.GemmShape(24, 48, 40))
     tune(tmp_path, [mine])
     measured = _measured(monkeypatch)
     src.write_text("# version 2\n")
     tune(tmp_path, [mine, other])                      # the first file's gemm sources differ
     assert sorted(measured) == sorted([mine.label, other.label])
     measured.clear()
-    env = C.environment
-    monkeypatch.setattr(C, "environment", lambda dev: {**env(dev), "triton": "0.0.0-test"})
+    env = tune_cache.environment
+    monkeypatch.setattr(tune_cache, "environment", lambda dev: {**env(dev), "triton": "0.0.0-test"})
     tune(tmp_path, [mine])                             # other versions: nothing to borrow
     assert measured == [mine.label]
 
@@ -297,7 +296,7 @@ def test_corrupt_or_partial_cache_file_is_ignored_with_a_warning(tmp_path, damag
 
 
 def test_concurrent_writers_leave_a_whole_file(tmp_path):
-    cache = C.TuneCache(tmp_path, warn=lambda line: pytest.fail(line))
+    cache = tune_cache.TuneCache(tmp_path, warn=lambda line: pytest.fail(line))
     key = {"gpu": "test gpu", "model": "m", "dtype": "f32", "sources": {"gemm": "0"}}
     big = {f"gemm {i}x1x1": {"variant": "v" * 200, "ms": i} for i in range(300)}
 
@@ -317,13 +316,13 @@ def test_concurrent_writers_leave_a_whole_file(tmp_path):
 
 
 def test_pinned_variant_is_used_unmeasured_and_still_gated(tmp_path):
-    pin = G.tile_variant(64, 128, 32, 4, 1) if DEVICE.type == "cpu" else G.tile_variant(64, 64, 64, 4, 4)
+    pin = gemm.tile_variant(64, 128, 32, 4, 1) if DEVICE.type == "cpu" else gemm.tile_variant(64, 64, 64, 4, 4)
     plan, report, lines = tune(tmp_path, pins={"gemm": pin.name})
     assert plan.choices["gemm 100x100x40"] == pin and report.rows[0][3] == "pinned"
     assert not [line for line in lines if TIMES.match(line)]
     with extra_variant("gemm", WRONG):
         plan, _, lines = tune(tmp_path, pins={"gemm": WRONG.name})
-    assert plan.choices["gemm 100x100x40"] == G.TRUSTED
+    assert plan.choices["gemm 100x100x40"] == gemm.TRUSTED
     assert any(f"never picked: {WRONG.name}" in line for line in lines)
     with pytest.raises(KilnError, match="no such variant"):
         tune(tmp_path, pins={"gemm": "bm7_bn7"})
@@ -331,7 +330,7 @@ def test_pinned_variant_is_used_unmeasured_and_still_gated(tmp_path):
 
 def test_budget_spent_takes_the_default_unmeasured(tmp_path):
     plan, report, lines = tune(tmp_path, budget_s=0.0)
-    assert plan.choices["gemm 100x100x40"] == G.OP.default(SHAPE, device_info(DEVICE))
+    assert plan.choices["gemm 100x100x40"] == gemm.OP.default(SHAPE, device_info(DEVICE))
     assert report.rows[0][3] == "default" and any("budget" in line for line in lines)
     assert not report.path.exists() or "gemm 100x100x40" not in json.loads(report.path.read_text())["entries"]
 
@@ -339,15 +338,16 @@ def test_budget_spent_takes_the_default_unmeasured(tmp_path):
 def test_plan_chooses_the_nearest_measured_rows_at_or_above():
     dev = device_info(DEVICE)
     plan = Plan(dev, DTYPE)
-    a, b = G.tile_variant(16, 64, 64, 4, 1), G.tile_variant(128, 128, 32, 4, 1)
-    plan.set(Workload(G.OP, G.GemmShape(1, 48, 40)), a)
-    plan.set(Workload(G.OP, G.GemmShape(512, 48, 40)), b)
-    assert [plan.choose(G.OP, G.GemmShape(m, 48, 40)) for m in (1, 2, 300, 512, 4096)] == [a, b, b, b, b]
-    assert plan.choose(G.OP, G.GemmShape(7, 99, 40)) == G.OP.default(G.GemmShape(7, 99, 40), dev)
+    a, b = gemm.tile_variant(16, 64, 64, 4, 1), gemm.tile_variant(128, 128, 32, 4, 1)
+    plan.set(Workload(gemm.OP, gemm.GemmShape(1, 48, 40)), a)
+    plan.set(Workload(gemm.OP, gemm.GemmShape(512, 48, 40)), b)
+    assert [plan.choose(gemm.OP, gemm.GemmShape(m, 48, 40)) for m in (1, 2, 300, 512, 4096)] == [a, b, b, b, b]
+    assert plan.choose(gemm.OP, gemm.GemmShape(7, 99, 40)) == gemm.OP.default(gemm.GemmShape(7, 99, 40), dev)
 
 
 def test_workloads_of_qwen35_08b_are_its_projections():
-    work = config_workloads(synth_config("qwen3.5-0.8b"))
+    cls, cfg = model_config(synth_config("qwen3.5-0.8b"))
+    work = workloads(cls, cfg, (PREFILL_CHUNK, DECODE_ROWS))
     gemms = {(w.shape.rows, w.shape.n, w.shape.k) for w in work if w.op.name == "gemm"}
     prefill = {(n, k) for m, n, k in gemms if m == 512}
     # GDN qkv|z|b|a (6144 + 2048 + 16 + 16) and out; attention q(+gate)|k|v (4096 + 512 + 512) and o;
@@ -358,21 +358,20 @@ def test_workloads_of_qwen35_08b_are_its_projections():
     assert {(512, 1024, "offset"), (512 * 8, 256, "offset"), (512 * 2, 256, "offset"), (1, 1024, "offset")} <= norms
     # the final norm with the LM head; at decode, each mixer's first projections with the residual
     # add and its input norm (and the MLP's gate|up with the post-attention one, where gemm_act is tuned)
-    fused = {(w.shape.rows, w.shape.n, w.shape.k, w.shape.style, w.shape.add) for w in work if w.op.name == "rmsnorm_gemm"}
+    fused = {(w.shape.rows, w.shape.n, w.shape.k, w.shape.style, w.shape.add) for w in work
+             if w.op.name == "rmsnorm_gemm"}
     decode = {(1, 8224, 1024, "offset", True), (1, 5120, 1024, "offset", True), (1, 7168, 1024, "offset", True)}
     assert fused == {(1, 248320, 1024, "offset", False)} | (set() if interpreting() else decode)
 
 
 def test_tune_skip_keeps_a_named_variant_from_running(monkeypatch):
     """KILN_TUNE_SKIP=op=variant: a variant that faults on some GPU never compiles or runs."""
-    from kiln.backends.cuda import rmsnorm as R
-    from kiln.backends.cuda.common import device_info
     from kiln.tune.registry import candidates
 
-    shape, dev = R.NormShape(8, 64, "llama"), device_info("cpu")
-    names = [v.name for v in candidates(R.OP, shape, dev)]
+    shape, dev = norm_kernels.NormShape(8, 64, "llama"), device_info("cpu")
+    names = [v.name for v in candidates(norm_kernels.OP, shape, dev)]
     monkeypatch.setenv("KILN_TUNE_SKIP", f"rmsnorm={names[1]}, gemm={names[0]}")
-    left = [v.name for v in candidates(R.OP, shape, dev)]
+    left = [v.name for v in candidates(norm_kernels.OP, shape, dev)]
     assert left == [n for n in names if n != names[1]]
 
 
@@ -382,13 +381,13 @@ def test_a_variant_that_faults_the_device_stops_the_tune_and_names_the_skip(tmp_
     from kiln.errors import KilnError
 
     victim = Tuner(DEVICE, DTYPE).candidates(WORK)[1]
-    real = G.OP.compile
+    real = gemm.OP.compile
 
     def compile(v, *a, **k):
         if v == victim:
             raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
         return real(v, *a, **k)
-    monkeypatch.setattr(G.OP, "compile", compile)
+    monkeypatch.setattr(gemm.OP, "compile", compile)
     with pytest.raises(KilnError, match=f"KILN_TUNE_SKIP=gemm={victim.name}"):
         tune(tmp_path)
 
@@ -409,7 +408,7 @@ def test_compiled_kernels_default_to_the_kiln_cache_dir(tmp_path):
     import subprocess
     import sys
 
-    code = "import os, kiln.backends.cuda.common; print(os.environ['TRITON_CACHE_DIR'])"
+    code = "import os, kiln.ops.common; print(os.environ['TRITON_CACHE_DIR'])"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"} | {"KILN_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(tmp_path / "triton")

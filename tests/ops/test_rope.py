@@ -1,24 +1,20 @@
-"""The fused q/k norm + rotary + KV-cache write (kiln.backends.cuda.rope) against the reference
+"""The fused q/k norm + rotary + KV-cache write (kiln.ops.rope) against the reference
 composition (ReferenceOps.rmsnorm, then ReferenceOps.apply_rope, then the buffer write): partial and
 full rotary, with and without the norm, q a strided view of a q|gate projection, scattered cache
 slots. Under Triton's interpreter on CPU (small shapes); the `gpu` test runs Qwen3.5-0.8b's shape."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"   # before kiln's kernels are decorated
+pytest.importorskip("triton")
 
-triton = pytest.importorskip("triton")
-
-from kiln.backends.cuda import rope as P  # noqa: E402
-from kiln.backends.cuda.common import device_info  # noqa: E402
-from kiln.backends.reference import ReferenceOps, inv_freq  # noqa: E402
+from kiln.backends.reference import ReferenceOps  # noqa: E402
+from kiln.models.rope import inv_freq  # noqa: E402
+from kiln.ops.rope import kernels as rope_kernels  # noqa: E402
 from kiln.tune import gate  # noqa: E402
+from kiln.tune.device import device_info  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 REF = ReferenceOps(DEVICE)
@@ -55,7 +51,7 @@ def reference(c):
 
 def kiln(c, var=None):
     kb, vb = c["k_buf"].clone(), c["v_buf"].clone()
-    q = P.qk_rope(*(c[n] for n in P.ARGS), kb, vb, c["positions"], var)
+    q = rope_kernels.qk_rope(*(c[n] for n in rope_kernels.ARGS), kb, vb, c["positions"], var)
     return q, kb, vb
 
 
@@ -93,7 +89,7 @@ def test_qk_rope_equals_reference(style, t, r, dtype):
     assert torch.equal(got[1][:START], c["k_buf"][:START]) and torch.equal(got[2][START + t:], c["v_buf"][START + t:])
 
 
-@pytest.mark.parametrize("var", [P.rope_variant(1, 4), P.rope_variant(4, 2)])
+@pytest.mark.parametrize("var", [rope_kernels.rope_variant(1, 4), rope_kernels.rope_variant(4, 2)])
 def test_variants_plain_style_and_f16(var):
     for dtype in (torch.float16, torch.bfloat16):
         c = case(7, dtype, "plain", r=16, seed=3)
@@ -102,16 +98,17 @@ def test_variants_plain_style_and_f16(var):
 
 def test_supports():
     c = case(3, torch.bfloat16, "offset")
-    assert P.supports(c["q"], c["k"], c["v"], c["k_buf"], c["cos"])
-    assert not P.supports(c["q"], c["k"], c["v"], c["k_buf"].float(), c["cos"])
-    assert not P.supports(c["q"][..., :24], c["k"][..., :24], c["v"][..., :24], c["k_buf"][..., :24], c["cos"])
+    assert rope_kernels.supports(c["q"], c["k"], c["v"], c["k_buf"], c["cos"])
+    assert not rope_kernels.supports(c["q"], c["k"], c["v"], c["k_buf"].float(), c["cos"])
+    narrow = [c[n][..., :24] for n in ("q", "k", "v", "k_buf")]
+    assert not rope_kernels.supports(*narrow, c["cos"])
 
 
 def test_op_gate_passes_every_candidate_and_keeps_inputs():
     """The registry op: outputs are q_out and copies of the buffers; every candidate passes the gate;
     the inputs' buffers are untouched, so every variant sees the same."""
-    op, dev = P.OP, device_info(DEVICE)
-    s = P.RopeShape(5, 4, 2, 32, 16, "offset")
+    op, dev = rope_kernels.OP, device_info(DEVICE)
+    s = rope_kernels.RopeShape(5, 4, 2, 32, 16, "offset")
     gen = torch.Generator(device=DEVICE).manual_seed(11)
     cases = gate.trusted_cases(op, s, op.trusted(s, dev), torch.bfloat16, DEVICE, gen)
     before = cases[0].inputs["k_buf"].clone()
@@ -133,8 +130,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 def test_gpu_qwen35_shape_every_candidate(t):
     """H=8, KV=2, D=256, R=64 (partial rotary), offset norm, bf16, every candidate (the GPU's casts
     round to nearest even like torch's; only rstd's sum differs: see assert_match)."""
-    s = P.RopeShape(t, 8, 2, 256, 64, "offset")
-    for v in P.OP.candidates(s, device_info(DEVICE)):
+    s = rope_kernels.RopeShape(t, 8, 2, 256, 64, "offset")
+    for v in rope_kernels.OP.candidates(s, device_info(DEVICE)):
         c = case(t, torch.bfloat16, "offset", h=8, kv=2, d=256, r=64, seed=t)
         assert_match(kiln(c, v), reference(c), exact=False)
 
@@ -144,11 +141,11 @@ def test_gpu_qwen35_shape_every_candidate(t):
 def test_gpu_decode_captures_in_a_cuda_graph():
     c = case(1, torch.bfloat16, "offset", h=8, kv=2, d=256, r=64, seed=5)
     kb, vb = c["k_buf"].clone(), c["v_buf"].clone()
-    args = [c[n] for n in P.ARGS]
-    P.qk_rope(*args, kb.clone(), vb.clone(), c["positions"])          # compile
+    args = [c[n] for n in rope_kernels.ARGS]
+    rope_kernels.qk_rope(*args, kb.clone(), vb.clone(), c["positions"])          # compile
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q = P.qk_rope(*args, kb, vb, c["positions"])
+        q = rope_kernels.qk_rope(*args, kb, vb, c["positions"])
     c["positions"].fill_(START + 2)                                    # read on the device at replay
     graph.replay()
     torch.cuda.synchronize()

@@ -329,8 +329,8 @@ REAL_26B_A4B = dict(  # ../shared/REFERENCE.md, as the published config.json spe
 def test_weight_shapes_match_hf_at_every_size(config):
     """kiln's declared checkpoint equals HF's state dict (built on the meta device, no memory),
     for the real 26B-A4B config as published and as transformers re-saves it."""
-    from kiln.models.gemma4 import Gemma4, Gemma4Config
     from kiln.models.base import config_from_dict
+    from kiln.models.gemma4 import Gemma4, Gemma4Config
     if config.startswith("26b"):
         hf_cfg = transformers.Gemma4TextConfig(**{k: v for k, v in REAL_26B_A4B.items() if k != "model_type"})
         raw = hf_cfg.to_dict() if config.endswith("saved") else REAL_26B_A4B

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from kiln import hub
-from kiln.bench import Baseline, run_protocol, summarise
-from kiln.benchutil import resident_fraction
 from kiln.cli import main as kiln_main
-from kiln.profile import OpTimer
+from kiln.tools.bench import Baseline, run_protocol, summarise
+from kiln.tools.benchutil import resident_fraction
+from kiln.tools.profile import OpTimer
 
 BENCH_FIELDS = ["engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
-                "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "tune_s", "tune_cache", "peak_mem_gb",
-                "launches_per_token", "results", "baseline"]
+                "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "tune_s", "tune_cache",
+                "peak_mem_gb", "launches_per_token", "results", "baseline"]
 RESULT_TYPES = {"prompt_tokens": int, "prefill_tok_s": float, "decode_tok_s": float, "gen_tokens": int}
 
 
@@ -168,12 +168,16 @@ def test_profile_prints_per_op_shares_that_sum_to_100(tmp_path):
 ])
 def test_bad_flags_exit_2_with_one_line_before_loading(args, says, monkeypatch, capsys):
     import kiln.api
+    import kiln.cli.flags
+    import kiln.tools.bench
 
     def no_load(*a, **k):
         raise AssertionError("a bad flag must be refused before the model loads")
 
     monkeypatch.setattr(kiln.api, "load", no_load)
     monkeypatch.setattr(kiln.api, "resolve_model", no_load)
+    monkeypatch.setattr(kiln.cli.flags, "load", no_load)             # bench and profile load through it
+    monkeypatch.setattr(kiln.tools.bench, "resolve_model", no_load)  # the name bench calls it by
     assert kiln_main(args) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and err.startswith("kiln: error:") and says in err, err

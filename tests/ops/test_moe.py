@@ -1,23 +1,18 @@
-"""The MoE kernels (kiln/backends/cuda/moe.py) equal ReferenceOps.moe_experts: under Triton's
+"""The MoE kernels (kiln/ops/moe/kernels.py) equal ReferenceOps.moe_experts: under Triton's
 interpreter on small shapes (ragged ones, one token, experts with no tokens, f32 routing weights),
 and on the GPU at the real Qwen3.5-35B-A3B and Gemma 4 26B-A4B shapes, graph-captured too."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"   # before kiln's kernels are decorated
+pytest.importorskip("triton")
 
-triton = pytest.importorskip("triton")
-
-from kiln.backends.cuda import moe as M  # noqa: E402
-from kiln.backends.cuda.common import device_info  # noqa: E402
 from kiln.backends.reference import ReferenceOps  # noqa: E402
+from kiln.ops.moe import kernels as moe_kernels  # noqa: E402
 from kiln.tune import gate  # noqa: E402
+from kiln.tune.device import device_info  # noqa: E402
 from kiln.tune.registry import get_op  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -25,13 +20,15 @@ REF = ReferenceOps(DEVICE)
 # (T, k, H, I, act): one token, a few, ragged H/I (not multiples of the tiles), more rows than a tile.
 CASES = [(1, 2, 64, 32, "silu"), (3, 3, 48, 40, "gelu_pytorch_tanh"), (17, 3, 64, 32, "gelu_pytorch_tanh"),
          (40, 2, 48, 40, "silu")]
-FORMS = [M.TRUSTED, M.grouped_variant(64, 64, 32, 4, 1), M.grouped_variant(32, 32, 64, 4, 1), M.gemv_variant(64, 64, 4)]
+FORMS = [moe_kernels.TRUSTED, moe_kernels.grouped_variant(64, 64, 32, 4, 1),
+         moe_kernels.grouped_variant(32, 32, 64, 4, 1), moe_kernels.gemv_variant(64, 64, 4)]
 
 
 def inputs(t, k, h, i, act, dtype, e=8, route_dtype=None, seed=0):
     """moe_inputs, rescaled so that gate/up/down outputs are O(1): the activations see their whole range."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    d = M.moe_inputs(M.MoeShape(t, e, k, h, i, act), torch.float32, DEVICE, gen, route_dtype=torch.float32)
+    d = moe_kernels.moe_inputs(moe_kernels.MoeShape(t, e, k, h, i, act), torch.float32, DEVICE, gen,
+                               route_dtype=torch.float32)
     d["gate_up"] *= 1.5 * h ** -0.5 / 0.02
     d["down"] *= i ** -0.5 / 0.02
     for name in ("x", "gate_up", "down"):
@@ -41,7 +38,7 @@ def inputs(t, k, h, i, act, dtype, e=8, route_dtype=None, seed=0):
 
 
 def run(d, v):
-    return M.moe_experts(d["x"], d["idx"], d["weights"], d["gate_up"], d["down"], d["act"], v)
+    return moe_kernels.moe_experts(d["x"], d["idx"], d["weights"], d["gate_up"], d["down"], d["act"], v)
 
 
 def reference(d):
@@ -77,7 +74,8 @@ def test_moe_equals_reference(t, k, h, i, act, dtype):
         assert_close(run(d, v), want, k, exact_fraction=0.99)
 
 
-@pytest.mark.parametrize("form", [M.grouped_variant(32, 32, 64, 4, 1), M.gemv_variant(64, 64, 4)], ids=lambda v: v.name)
+@pytest.mark.parametrize("form", [moe_kernels.grouped_variant(32, 32, 64, 4, 1), moe_kernels.gemv_variant(64, 64, 4)],
+                         ids=lambda v: v.name)
 def test_moe_f32_routing_weights(form):
     """Gemma 4: routing weights in f32, the down output times the weight in f32, rounded once."""
     d = inputs(17, 3, 48, 40, "gelu_pytorch_tanh", torch.bfloat16, route_dtype=torch.float32, seed=3)
@@ -90,7 +88,7 @@ def test_moe_crowded_experts_and_exact_blocks():
     d = inputs(16, 2, 64, 32, "silu", torch.bfloat16, seed=7)
     d["idx"] = torch.tensor([[5, 2]] * 16, device=DEVICE)
     want = reference(d)
-    for v in (M.TRUSTED, M.grouped_variant(32, 32, 64, 4, 1), M.gemv_variant(64, 64, 4)):
+    for v in (moe_kernels.TRUSTED, moe_kernels.grouped_variant(32, 32, 64, 4, 1), moe_kernels.gemv_variant(64, 64, 4)):
         assert_close(run(d, v), want, 2, exact_fraction=0.99)
 
 
@@ -98,8 +96,8 @@ def test_moe_op_registered_inputs_and_gate():
     """The registry op: its inputs are what the brief asks for, and every CPU candidate passes the
     tuner's gate (outputs poisoned with NaN first) against the trusted variant."""
     op = get_op("moe")
-    assert op is M.OP
-    shape = M.MoeShape(9, 8, 3, 48, 40, "silu")
+    assert op is moe_kernels.OP
+    shape = moe_kernels.MoeShape(9, 8, 3, 48, 40, "silu")
     assert shape.key == (8, 3, 48, 40, "silu")
     dev = device_info(DEVICE)
     d = op.inputs(shape, torch.float32, DEVICE, torch.Generator(device=DEVICE).manual_seed(1))
@@ -127,8 +125,9 @@ def test_cuda_ops_route_moe_to_the_kernels():
 
     d = inputs(3, 2, 64, 32, "silu", torch.bfloat16, seed=11)
     x, idx, w, gu, dn = d["x"], d["idx"], d["weights"], d["gate_up"], d["down"]
-    assert M.supports(x, gu, dn) and not M.supports(x, gu, dn, "gelu") and not M.supports(x, gu.float(), dn)
-    assert M.OP.supports(x, idx, w.float(), gu, dn, "silu")
+    assert moe_kernels.supports(x, gu, dn) and not moe_kernels.supports(x, gu, dn, "gelu")
+    assert not moe_kernels.supports(x, gu.float(), dn)
+    assert moe_kernels.OP.supports(x, idx, w.float(), gu, dn, "silu")
     assert_close(CudaOps(DEVICE).moe_experts(x, idx, w, gu, dn, "silu"), reference(d), 2, exact_fraction=0.99)
 
 
@@ -137,7 +136,7 @@ def test_max_blocks_bounds_the_padded_layout():
         for e in (1, 8, 256):
             for bm in (16, 32, 64):
                 counts = torch.bincount(torch.randint(0, e, (pairs,)), minlength=e)
-                assert int(((counts + bm - 1) // bm).sum()) <= M.max_blocks(pairs, e, bm)
+                assert int(((counts + bm - 1) // bm).sum()) <= moe_kernels.max_blocks(pairs, e, bm)
 
 
 # -- on the GPU: the real shapes ---------------------------------------------------------------------
@@ -149,12 +148,14 @@ GEMMA = (128, 8, 2816, 704, "gelu_pytorch_tanh", torch.float32)         # gemma4
 
 def real_inputs(t, e, k, h, i, act, route_dtype):
     gen = torch.Generator(device=DEVICE).manual_seed(t)
-    return M.moe_inputs(M.MoeShape(t, e, k, h, i, act), torch.bfloat16, DEVICE, gen, route_dtype=route_dtype)
+    return moe_kernels.moe_inputs(moe_kernels.MoeShape(t, e, k, h, i, act), torch.bfloat16, DEVICE, gen,
+                                  route_dtype=route_dtype)
 
 
 def gpu_forms(shape):
     dev = device_info(DEVICE)
-    return list(dict.fromkeys([M.OP.trusted(shape, dev), M.OP.default(shape, dev)] + M.OP.candidates(shape, dev)))
+    op = moe_kernels.OP
+    return list(dict.fromkeys([op.trusted(shape, dev), op.default(shape, dev)] + op.candidates(shape, dev)))
 
 
 @pytest.mark.gpu
@@ -165,20 +166,22 @@ def test_gpu_moe_real_shapes(model, t):
     e, k, h, i, act, route = model
     d = real_inputs(t, e, k, h, i, act, route)
     want = reference(d)
-    shape = M.MoeShape(t, e, k, h, i, act)
+    shape = moe_kernels.MoeShape(t, e, k, h, i, act)
     for v in gpu_forms(shape):
         same = assert_close(run(d, v), want, k, exact_fraction=0.9)
-        print(f"{M.OP.shape_str(shape)} {v.name}: {same:.4f} of the elements bit-equal to the reference")
+        print(f"{moe_kernels.OP.shape_str(shape)} {v.name}: {same:.4f} of the elements bit-equal to the reference")
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("form", [M.gemv_variant(16, 256, 4), M.grouped_variant(16, 64, 128, 4, 3)], ids=lambda v: v.name)
+@pytest.mark.parametrize("form", [moe_kernels.gemv_variant(16, 256, 4), moe_kernels.grouped_variant(16, 64, 128, 4, 3)],
+                         ids=lambda v: v.name)
 def test_gpu_moe_captures_in_a_cuda_graph(form):
     """No host sync anywhere: the op replays from a graph, and new routing gives new outputs."""
     d = real_inputs(4, *QWEN[:5], None)
     out = torch.empty_like(d["x"])
-    run_once = lambda: M.moe_experts(d["x"], d["idx"], d["weights"], d["gate_up"], d["down"], "silu", form, out)  # noqa: E731
+    run_once = lambda: moe_kernels.moe_experts(d["x"], d["idx"], d["weights"], d["gate_up"], d["down"], "silu",  # noqa: E731
+                                               form, out)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -204,7 +207,7 @@ def test_router_topk_kernel_equals_reference(t, e, k, renorm, dtype):
     grid = torch.stack([torch.randperm(e, generator=g) for _ in range(t)]).float() - e / 2
     logits = (grid / 16).to(device=DEVICE, dtype=dtype)
     want_w, want_i = REF.router_topk(logits, k, renorm)
-    got_w, got_i = M.router_topk(logits, k, renorm)
+    got_w, got_i = moe_kernels.router_topk(logits, k, renorm)
     assert got_i.dtype == torch.long and got_w.dtype == dtype
     assert torch.equal(got_i, want_i)
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6
@@ -214,7 +217,7 @@ def test_router_topk_kernel_equals_reference(t, e, k, renorm, dtype):
 def test_router_topk_ties_go_to_the_lower_expert():
     logits = torch.zeros(1, 16, device=DEVICE)
     logits[0, [3, 9, 12]] = 1.0
-    w, idx = M.router_topk(logits, 4)
+    w, idx = moe_kernels.router_topk(logits, 4)
     assert idx[0].tolist()[:3] == [3, 9, 12] and idx[0, 3] == 0
     assert torch.allclose(w.sum(), torch.tensor(1.0, device=DEVICE))
 
@@ -229,7 +232,7 @@ def test_shared_gate_add_equals_reference(t, h, dtype):
     rnd = lambda *s: torch.randn(*s, generator=g).to(device=DEVICE, dtype=dtype)  # noqa: E731
     routed, x, shared, gate_w = rnd(t, h), rnd(t, h), rnd(t, h), rnd(1, h) * h ** -0.5
     want = REF.shared_gate_add(routed, x, gate_w, shared)
-    got = M.shared_gate_add(routed, x, gate_w, shared)
+    got = moe_kernels.shared_gate_add(routed, x, gate_w, shared)
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
     assert got.dtype == dtype and (got.float() - want.float()).abs().max() <= ulp * want.float().abs().max()
 
@@ -238,8 +241,8 @@ def test_cuda_ops_route_router_and_shared_gate_to_the_kernels(monkeypatch):
     from kiln.backends.cuda import CudaOps
 
     ops, calls = CudaOps(DEVICE), []
-    monkeypatch.setattr(M, "router_topk", lambda *a: calls.append("router") or REF.router_topk(*a))
-    monkeypatch.setattr(M, "shared_gate_add", lambda *a: calls.append("gate") or REF.shared_gate_add(*a))
+    monkeypatch.setattr(moe_kernels, "router_topk", lambda *a: calls.append("router") or REF.router_topk(*a))
+    monkeypatch.setattr(moe_kernels, "shared_gate_add", lambda *a: calls.append("gate") or REF.shared_gate_add(*a))
     x = torch.randn(2, 32, device=DEVICE, dtype=torch.bfloat16)
     ops.router_topk(torch.randn(2, 64, device=DEVICE, dtype=torch.bfloat16), 4)
     ops.shared_gate_add(x, x, x[:1], x)
@@ -255,13 +258,13 @@ def test_gpu_router_and_shared_gate_at_qwen35_35b_shapes(t):
     grid = torch.stack([torch.randperm(256, generator=g) for _ in range(t)]).float() - 128
     logits = (grid / 16).to(device=DEVICE, dtype=torch.bfloat16)
     want_w, want_i = REF.router_topk(logits, 8)
-    got_w, got_i = M.router_topk(logits, 8)
+    got_w, got_i = moe_kernels.router_topk(logits, 8)
     assert torch.equal(got_i, want_i)
     assert (got_w.float() - want_w.float()).abs().max() <= 2.0 ** -7 * want_w.float().abs().max()
     rnd = lambda *s: torch.randn(*s, generator=g).to(device=DEVICE, dtype=torch.bfloat16)  # noqa: E731
     routed, x, shared, gate_w = rnd(t, 2048), rnd(t, 2048), rnd(t, 2048), rnd(1, 2048) * 2048 ** -0.5
     want = REF.shared_gate_add(routed, x, gate_w, shared).float()
-    got = M.shared_gate_add(routed, x, gate_w, shared).float()
+    got = moe_kernels.shared_gate_add(routed, x, gate_w, shared).float()
     assert (got - want).abs().max() <= 2.0 ** -7 * want.abs().max()
 
 
@@ -277,8 +280,8 @@ def test_moe_experts_gated_equals_reference(t, k, h, i, act, dtype):
     gate_w = (torch.randn(1, h, generator=g) * h ** -0.5).to(device=DEVICE, dtype=dtype)
     args = (d["x"], d["idx"], d["weights"], d["gate_up"], d["down"], act)
     want = REF.moe_experts_gated(*args, gate_w, shared).float()
-    for form in (M.gemv_variant(64, 64, 4), M.grouped_variant(32, 32, 64, 4, 1)):
-        got = M.moe_experts(*args, v=form, gate=(gate_w, shared)).float()
+    for form in (moe_kernels.gemv_variant(64, 64, 4), moe_kernels.grouped_variant(32, 32, 64, 4, 1)):
+        got = moe_kernels.moe_experts(*args, v=form, gate=(gate_w, shared)).float()
         ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
         assert (got - want).abs().max() <= ulp * want.abs().max(), form.name
 
@@ -287,8 +290,9 @@ def test_cuda_ops_fuse_the_shared_gate_into_the_combine(monkeypatch):
     from kiln.backends.cuda import CudaOps
 
     ops, seen = CudaOps(DEVICE), []
-    real = M.moe_experts
-    monkeypatch.setattr(M, "moe_experts", lambda *a, **kw: seen.append(kw.get("gate") is not None) or real(*a, **kw))
+    real = moe_kernels.moe_experts
+    monkeypatch.setattr(moe_kernels, "moe_experts",
+                        lambda *a, **kw: seen.append(kw.get("gate") is not None) or real(*a, **kw))
     d = inputs(2, 2, 64, 32, "silu", torch.bfloat16)
     x = d["x"]
     ops.moe_experts_gated(x, d["idx"], d["weights"], d["gate_up"], d["down"], "silu", x[:1], x)

@@ -1,5 +1,5 @@
 """Tool calls: the parsers on real formatted strings of each format, and a round trip through a
-real server with the official openai client on a model whose template takes tools (test_server_support)."""
+real server with the official openai client on a model whose template takes tools (support.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 from kiln.server import tools
 from kiln.server.tools import ToolCall, ToolStream
-from test_server_support import ANSWER, TEMPLATE, TOOLS, Server, build_tool_model
+
+from .support import ANSWER, TEMPLATE, TOOLS, Server, build_tool_model
 
 # What the models write (from their model cards and chat templates), and the calls in it.
 REAL = {

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from kiln import hub
+from kiln import hub, load
+from kiln.weights.synth import random_prompt
 
 
 def kiln(*args, stdin: str | None = None, env=None, timeout=300):
@@ -109,3 +110,33 @@ def test_models_lists_bundled_names():
     assert r.returncode == 0
     assert "smollm2-135m (default)" in r.stdout and "gemma3-270m" in r.stdout
     assert str(hub.model_path("smollm2-135m")) in r.stdout
+
+
+# -- token-id prompts on `kiln run` ----------------------------------------------------------------
+
+def test_run_takes_prompt_ids_and_prints_token_ids():
+    r = kiln("run", "synth:tiny-llama", "--prompt-ids", "1,2,3", "--max-new", "6", "--device", "cpu", "--quiet")
+    assert r.returncode == 0, r.stderr
+    expected = load("synth:tiny-llama", device="cpu").generate([1, 2, 3], max_new_tokens=6).token_ids
+    assert r.stdout.strip() == ",".join(map(str, expected))
+
+
+def test_run_random_prompt_is_seeded():
+    args = ["run", "synth:tiny-llama", "--random-prompt", "9", "--max-new", "5", "--device", "cpu", "--quiet"]
+    a, b = kiln(*args, "--seed", "3"), kiln(*args, "--seed", "4")
+    assert a.returncode == b.returncode == 0
+    prompt = random_prompt(9, 331, seed=3)
+    expected = load("synth:tiny-llama", device="cpu").generate(prompt, max_new_tokens=5).token_ids
+    assert a.stdout.strip() == ",".join(map(str, expected)) != b.stdout.strip()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--prompt", "hello"], "no tokenizer"),
+    (["--prompt-ids", "1,x"], "token ids"),
+    (["--prompt-ids", "1,331"], "[0, 331)"),
+    (["--prompt-ids", "1", "--random-prompt", "3"], "not allowed with"),
+    ([], "one of the arguments"),
+])
+def test_run_prompt_mistakes_exit_2(args, says):
+    r = kiln("run", "synth:tiny-llama", "--device", "cpu", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and says in r.stderr, r.stderr

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import kiln
-from kiln import synth
 from kiln.backends.reference import ReferenceOps
 from kiln.cli import main as cli_main
-from kiln.compare import Greedy, judge, near_tie, ulp
 from kiln.models import MODEL_TYPES
+from kiln.tools.compare import Greedy, judge, near_tie, ulp
+from kiln.weights import synth
 
 pytest.importorskip("transformers")
 
@@ -151,6 +151,7 @@ def test_compare_passes_tune_pins_and_retune_to_the_kiln_load(tmp_path, monkeypa
     """--tune OP=VARIANT and --retune reach kiln.load (they were once parsed and dropped). The load
     is stopped right there: only what it was asked for matters here."""
     import kiln.api
+    import kiln.tools.compare
     from kiln.errors import KilnError
 
     seen = {}
@@ -161,6 +162,7 @@ def test_compare_passes_tune_pins_and_retune_to_the_kiln_load(tmp_path, monkeypa
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(kiln.api, "load", spy)
+    monkeypatch.setattr(kiln.tools.compare, "load", spy)     # the name compare calls it by
     _compare(tmp_path, "synth:tiny-llama", "--dtype", "f32", "--random-prompt", "20", "--tokens", "4",
              "--backend", "cuda", "--tune", "gemm=bm128_bn128_bk32_w4_s1", "--retune")
     assert seen["tune"] == {"gemm": "bm128_bn128_bk32_w4_s1"} and seen["retune"] is True
@@ -216,7 +218,7 @@ def test_reference_runs_the_modeling_files_own_pytorch(monkeypatch):
 
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mod
 
-    from kiln.reference_hf import load_hf_reference
+    from kiln.tools.hf_reference import load_hf_reference
 
     @functools.wraps(inspect.unwrap(mod.torch_chunk_gated_delta_rule))
     def optional_kernel(*args, **kwargs):

@@ -12,12 +12,12 @@ import sys
 
 import pytest
 
-# Only the subprocesses import Triton: importing it here, before another test file sets
-# TRITON_INTERPRET, would leave that file's kernels compiled for a GPU.
+# Only the subprocesses import Triton (with TRITON_INTERPRET set or not, as each test asks).
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs triton", allow_module_level=True)
 
-SUMMARY = re.compile(r"^\[kiln\] (\d+) kernels compiled in \d+\.\d s, tuned in \d+\.\d s \(cache (hit|miss): (\S+\.json)\)$")
+SUMMARY = re.compile(r"^\[kiln\] (\d+) kernels compiled in \d+\.\d s, tuned in \d+\.\d s "
+                     r"\(cache (hit|miss): (\S+\.json)\)$")
 
 
 def kiln(*args, cache, interpret=True, timeout=900):

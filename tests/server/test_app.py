@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from kiln import hub
-from test_server_support import ROOT, Server, assert_openai_error, request, wait_health
+
+from .support import ROOT, Server, assert_openai_error, request, wait_health
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"

@@ -11,8 +11,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import kiln.hub
-from kiln.errors import KilnError
 import kiln.weights.dequant as dq
+from kiln.errors import KilnError
 from kiln.weights.dequant import SUPPORTED, dequantize, type_name
 from kiln.weights.gguf_file import GGUFFile
 

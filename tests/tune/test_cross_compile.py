@@ -1,4 +1,4 @@
-"""bench/cross_compile.py compiles kernels for sm_90 with no GPU (in a child process: it replaces
+"""tools/cross_compile.py compiles kernels for sm_90 with no GPU (in a child process: it replaces
 Triton's launch path). Here: the kernels that round a product to 16 bits before an add, whose PTX
 must hold no 16-bit FMA (docs/compiler.md, "16-bit FMAs")."""
 
@@ -12,18 +12,17 @@ from pathlib import Path
 
 import pytest
 
-# Not imported here: a Triton imported before a later test file sets TRITON_INTERPRET compiles its kernels
-# for a GPU (the child process imports it).
+# Not imported here: the child process imports Triton, without TRITON_INTERPRET, to compile for a GPU.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cross_compile(model: str, ops: str, tmp_path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_CACHE_DIR": str(tmp_path / "triton"), "KILN_CACHE_DIR": str(tmp_path / "kiln"),
             "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "cross_compile.py"), model, "--ops", ops],
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "cross_compile.py"), model, "--ops", ops],
                           capture_output=True, text=True, env=env, timeout=600)
 
 

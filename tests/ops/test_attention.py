@@ -5,21 +5,16 @@ of the catalogue equals the reference at the real models' shapes."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"   # before kiln's kernels are decorated
+pytest.importorskip("triton")
 
-triton = pytest.importorskip("triton")
-
-from kiln.backends.cuda import attention as A  # noqa: E402
-from kiln.backends.cuda.common import device_info  # noqa: E402
 from kiln.backends.reference import ReferenceOps  # noqa: E402
 from kiln.cache import KVCache  # noqa: E402
-from kiln.tune import cache as C  # noqa: E402
+from kiln.ops.attention import kernels as attention_kernels  # noqa: E402
+from kiln.tune import cache as tune_cache  # noqa: E402
+from kiln.tune.device import device_info  # noqa: E402
 from kiln.tune.registry import extra_variant, variant  # noqa: E402
 from kiln.tune.tuner import Tuner, Workload  # noqa: E402
 
@@ -70,7 +65,8 @@ def assert_attention_close(got: torch.Tensor, want: torch.Tensor):
 PREFILL_CASES = [(1, 0, 4, 2, 32, None, None), (5, 13, 4, 2, 64, 8, 30.0), (37, 13, 4, 2, 32, None, None),
                  (64, 64, 4, 2, 16, 8, None), (70, 0, 4, 2, 32, None, 30.0), (70, 64, 4, 2, 64, None, None),
                  (37, 13, 6, 2, 32, 8, None), (20, 5, 2, 2, 16, None, None), (70, 64, 4, 2, 16, 40, None)]
-PREFILL_FORMS = [A.scalar_variant(16, 16), A.tile_variant(64, 32, 4, 1), A.tile_variant(32, 16, 4, 1, pack=True)]
+PREFILL_FORMS = [attention_kernels.scalar_variant(16, 16), attention_kernels.tile_variant(64, 32, 4, 1),
+                 attention_kernels.tile_variant(32, 16, 4, 1, pack=True)]
 
 
 def case_id(c):
@@ -85,7 +81,8 @@ def test_prefill_attention_equals_reference(case, dtype):
     q, k, v, cache = filled_cache(t, q_start, h, kv, d, dtype, q_scale=10.0 if softcap else 1.0)
     want = reference(q, k, v, cache, q_start, window, softcap)
     for form in PREFILL_FORMS:
-        got = A.prefill_attention(q, cache.k, cache.v, q_start, q_start + t, d ** -0.5, window, softcap, form)
+        got = attention_kernels.prefill_attention(q, cache.k, cache.v, q_start, q_start + t, d ** -0.5, window, softcap,
+                                                  form)
         assert_attention_close(got, want)
 
 
@@ -93,7 +90,8 @@ def test_prefill_attention_equals_reference(case, dtype):
 # windows inside and across splits, softcap, GQA group 3 and 4.
 DECODE_CASES = [(0, 4, 2, 32, None, None), (100, 4, 2, 32, None, None), (77, 8, 2, 16, 8, None),
                 (200, 4, 1, 64, 40, 30.0), (150, 6, 2, 32, None, None)]
-DECODE_FORMS = [A.decode_trusted_variant(16), A.decode_variant(32, 16, 4), A.decode_variant(64, 32, 4)]
+DECODE_FORMS = [attention_kernels.decode_trusted_variant(16), attention_kernels.decode_variant(32, 16, 4),
+                attention_kernels.decode_variant(64, 32, 4)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -105,39 +103,41 @@ def test_decode_attention_equals_reference(case, dtype):
     assert cache.k.shape[0] > pos + 1 or pos == 0
     p = torch.tensor([pos], dtype=torch.int64, device=DEVICE)
     for form in DECODE_FORMS:
-        assert_attention_close(A.decode_attention(q, cache.k, cache.v, p, d ** -0.5, window, softcap, form), want)
+        got = attention_kernels.decode_attention(q, cache.k, cache.v, p, d ** -0.5, window, softcap, form)
+        assert_attention_close(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_attention_with_a_gate_equals_act_mul_after_it(dtype):
     """Qwen3.5's output gate in the combine kernel: sigmoid(gate) * o rounded exactly as act_mul on
     the kernel's own o (the gate a strided view beside q, as the model splits them)."""
-    from kiln.backends.cuda import elementwise as E
+    from kiln.ops.gemm import activation
 
     pos, h, kv, d = 100, 4, 2, 32
     q, _, _, cache = filled_cache(1, pos + 1, h, kv, d, dtype, seed=3)
     qg = (torch.randn(1, h, 2 * d, generator=torch.Generator().manual_seed(4)) * 3).to(dtype=dtype, device=DEVICE)
     q, gate = qg.chunk(2, dim=-1)
-    assert A.gate_ok(q, gate) and not gate.is_contiguous()
+    assert attention_kernels.gate_ok(q, gate) and not gate.is_contiguous()
     p = torch.tensor([pos], dtype=torch.int64, device=DEVICE)
     for form in DECODE_FORMS:
-        plain = A.decode_attention(q, cache.k, cache.v, p, d ** -0.5, None, None, form)
-        gated = A.decode_attention(q, cache.k, cache.v, p, d ** -0.5, None, None, form, gate=gate)
-        assert torch.equal(gated, E.act_mul(gate, plain, "sigmoid")), form.name
+        plain = attention_kernels.decode_attention(q, cache.k, cache.v, p, d ** -0.5, None, None, form)
+        gated = attention_kernels.decode_attention(q, cache.k, cache.v, p, d ** -0.5, None, None, form, gate=gate)
+        assert torch.equal(gated, activation.act_mul(gate, plain, "sigmoid")), form.name
 
 
 def test_default_variants_and_supports():
     q, k, v, cache = filled_cache(9, 7, 4, 2, 16, torch.float32)
     want = reference(q, k, v, cache, 7, None, None)
-    assert_attention_close(A.prefill_attention(q, cache.k, cache.v, 7, 16, 0.25, None, None), want)
+    assert_attention_close(attention_kernels.prefill_attention(q, cache.k, cache.v, 7, 16, 0.25, None, None), want)
     q1 = q[-1:]
     want1 = reference(q1, k[-1:], v[-1:], cache, 16, None, None)
     p = torch.tensor([16], dtype=torch.int64, device=DEVICE)
-    assert_attention_close(A.decode_attention(q1, cache.k, cache.v, p, 0.25, None, None), want1)
-    assert A.supports(q, cache.k) and A.supports(q1, cache.k, cache.v)
-    assert A.PREFILL_OP.supports(q, cache.k, cache.v) and A.DECODE_OP.supports(q1, cache.k, cache.v)
-    assert not A.DECODE_OP.supports(q, cache.k, cache.v)                    # decode takes one query
-    assert not A.PREFILL_OP.supports(q[..., :12], cache.k[..., :12], cache.v[..., :12])   # head_dim 12
+    assert_attention_close(attention_kernels.decode_attention(q1, cache.k, cache.v, p, 0.25, None, None), want1)
+    assert attention_kernels.supports(q, cache.k) and attention_kernels.supports(q1, cache.k, cache.v)
+    assert attention_kernels.PREFILL_OP.supports(q, cache.k, cache.v)
+    assert attention_kernels.DECODE_OP.supports(q1, cache.k, cache.v)
+    assert not attention_kernels.DECODE_OP.supports(q, cache.k, cache.v)                    # decode takes one query
+    assert not attention_kernels.PREFILL_OP.supports(q[..., :12], cache.k[..., :12], cache.v[..., :12])   # head_dim 12
 
 
 def test_cuda_ops_attention_runs_the_kernels():
@@ -156,18 +156,20 @@ def test_cuda_ops_attention_runs_the_kernels():
 def wrong_window(inputs, outputs, plan):
     """Attends to the whole prefix: right without a window, wrong with one."""
     i = inputs
-    A.run_prefill(i["q"], i["k_buf"], i["v_buf"], i["q_start"], i["kv_len"], i["scale"], None, i["softcap"],
-                  A.tile_variant(*A.CPU_TILES[0]), outputs["o"])
+    form = attention_kernels.tile_variant(*attention_kernels.CPU_TILES[0])
+    attention_kernels.run_prefill(i["q"], i["k_buf"], i["v_buf"], i["q_start"], i["kv_len"], i["scale"], None,
+                                  i["softcap"], form, outputs["o"])
 
 
 def test_tuner_gates_and_picks_every_attention_candidate(tmp_path):
     """Every candidate of both ops passes the gate against the trusted scalar forms; a planted
     wrong one does not."""
     lines: list[str] = []
-    works = [Workload(A.PREFILL_OP, A.PrefillShape(40, 4, 2, 16, window=8, kv_prefix=16)),
-             Workload(A.DECODE_OP, A.DecodeShape(100, 4, 2, 32, softcap=30.0))]
+    works = [Workload(attention_kernels.PREFILL_OP,
+                      attention_kernels.PrefillShape(40, 4, 2, 16, window=8, kv_prefix=16)),
+             Workload(attention_kernels.DECODE_OP, attention_kernels.DecodeShape(100, 4, 2, 32, softcap=30.0))]
     tuner = Tuner(DEVICE, torch.float32 if DEVICE.type == "cpu" else torch.bfloat16, log=lines.append, reps=1,
-                  cache=C.TuneCache(tmp_path / "tune", warn=lines.append))
+                  cache=tune_cache.TuneCache(tmp_path / "tune", warn=lines.append))
     bad = variant("wrong_window", run=wrong_window)
     with extra_variant("attention", bad):
         plan, report = tuner.tune(works)
@@ -197,9 +199,10 @@ def test_gpu_prefill_variants_equal_reference(model, q_start):
     q, k, v, cache = filled_cache(512, q_start, h, kv, d, torch.bfloat16)
     want = reference(q, k, v, cache, q_start, window, None)
     dev = device_info(DEVICE)
-    shape = A.PrefillShape(512, h, kv, d, window)
-    for form in A.PREFILL_OP.catalogue(shape, dev) + [A.PREFILL_OP.trusted(shape, dev)]:
-        got = A.prefill_attention(q, cache.k, cache.v, q_start, q_start + 512, d ** -0.5, window, None, form)
+    shape = attention_kernels.PrefillShape(512, h, kv, d, window)
+    for form in attention_kernels.PREFILL_OP.catalogue(shape, dev) + [attention_kernels.PREFILL_OP.trusted(shape, dev)]:
+        got = attention_kernels.prefill_attention(q, cache.k, cache.v, q_start, q_start + 512, d ** -0.5, window, None,
+                                                  form)
         assert_attention_close(got, want)
 
 
@@ -212,10 +215,11 @@ def test_gpu_decode_variants_equal_reference(model, pos):
     q, k, v, cache = filled_cache(1, pos, h, kv, d, torch.bfloat16, seed=2)
     want = reference(q, k, v, cache, pos, window, None)
     dev = device_info(DEVICE)
-    shape = A.DecodeShape(pos + 1, h, kv, d, window)
+    shape = attention_kernels.DecodeShape(pos + 1, h, kv, d, window)
     p = torch.tensor([pos], dtype=torch.int64, device=DEVICE)
-    for form in A.DECODE_OP.catalogue(shape, dev) + [A.DECODE_OP.trusted(shape, dev)]:
-        assert_attention_close(A.decode_attention(q, cache.k, cache.v, p, d ** -0.5, window, None, form), want)
+    for form in attention_kernels.DECODE_OP.catalogue(shape, dev) + [attention_kernels.DECODE_OP.trusted(shape, dev)]:
+        got = attention_kernels.decode_attention(q, cache.k, cache.v, p, d ** -0.5, window, None, form)
+        assert_attention_close(got, want)
 
 
 @pytest.mark.gpu
@@ -226,12 +230,12 @@ def test_gpu_decode_replays_in_a_cuda_graph_at_new_positions():
     q, k, v, cache = filled_cache(1, 3000, h, kv, d, torch.bfloat16, seed=3)
     reference(q, k, v, cache, 3000, None, None)          # fills cache.k/v with 3001 positions
     pos = torch.tensor([100], dtype=torch.int64, device=DEVICE)
-    form = A.decode_variant(256, 64, 4)
-    A.decode_attention(q, cache.k, cache.v, pos, d ** -0.5, None, None, form)    # compile before capture
+    form = attention_kernels.decode_variant(256, 64, 4)
+    attention_kernels.decode_attention(q, cache.k, cache.v, pos, d ** -0.5, None, None, form)   # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = A.decode_attention(q, cache.k, cache.v, pos, d ** -0.5, None, None, form)
+        out = attention_kernels.decode_attention(q, cache.k, cache.v, pos, d ** -0.5, None, None, form)
     for p in (100, 2999, 7):
         pos.fill_(p)
         graph.replay()

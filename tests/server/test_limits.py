@@ -14,7 +14,7 @@ import time
 import openai
 import pytest
 
-from test_server_support import ROOT, Server, assert_openai_error, build_tool_model, request, wait_health
+from .support import ROOT, Server, assert_openai_error, build_tool_model, request, wait_health
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -58,7 +58,7 @@ def test_a_non_loopback_bind_needs_a_key_or_insecure(monkeypatch, capsys):
     import os
 
     from kiln.cli import main
-    from kiln.server.cli import is_loopback
+    from kiln.cli.serve import is_loopback
 
     env = {k: v for k, v in os.environ.items() if k != "KILN_API_KEY"}
     refused = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", "--host", "0.0.0.0"], capture_output=True,

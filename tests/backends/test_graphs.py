@@ -1,0 +1,99 @@
+"""The decode step as one CUDA graph (kiln/backends/graphs.py): on the GPU, replayed it gives the
+tokens of the same kernels run eagerly; a capture that fails warns once and decodes eagerly; and the
+pipelined greedy loop (DecodeGraph.greedy_tokens, fed by the step's own greedy choice) gives the
+host's argmax loop's tokens. On CPU the runner's capture is made to fail, so each step runs the
+graph's body (the reference backend's ops)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln
+from kiln.backends import graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_decode_graph_gives_the_eager_tokens_and_counts_launches():
+    """The decode step replayed as a CUDA graph gives the tokens of the same kernels run eagerly,
+    across two requests on the one persistent state (the second replays the first's graph)."""
+    prompt = [(11 * i + 5) % 397 for i in range(40)]
+    eager = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cuda", dtype="bf16", enforce_eager=True)
+    want = eager.generate(prompt, max_new_tokens=12, temperature=0).token_ids
+    graph = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cuda", dtype="bf16")
+    assert graph.engine.graph is not None
+    for _ in range(2):
+        assert graph.generate(prompt, max_new_tokens=12, temperature=0).token_ids == want
+    assert graph.engine.graph.captures == 1
+    assert graph.engine.launches_per_token is None or graph.engine.launches_per_token > 0
+
+
+def test_a_failed_capture_warns_once_and_decodes_eagerly(monkeypatch, capsys):
+    """A decode step that cannot be captured (an op that is not graph-safe) must not fail the request:
+    the graph runner restores the layers' lengths, warns once, and runs every later step eagerly."""
+    llm = kiln.load("synth:tiny-llama", device="cpu", dtype="f32")   # KV buffers that stay put
+    model, eng = llm.model, llm.engine
+    runner = graphs.DecodeGraph(model, torch.device("cpu"))
+
+    def broken(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner, "_capture", broken)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    ids = [5, 9, 77, 3]
+    ours, plain = eng.new_state(16), eng.new_state(16)
+    eng.prefill(ids, ours)
+    eng.prefill(ids, plain)
+    tokens = [11, 12, 13]
+    for k, tok in enumerate(tokens):
+        got = runner.step(tok, len(ids) + k, ours)
+        want = eng.decode_step(tok, len(ids) + k, plain)
+        assert torch.equal(got, want)
+    assert runner.failed and runner.graph is None
+    assert [layer.length for layer in ours] == [layer.length for layer in plain]
+    assert capsys.readouterr().err.count("could not be captured") == 1
+
+
+def _runner_and_states(monkeypatch):
+    llm = kiln.load("synth:tiny-llama", device="cpu", dtype="f32")
+    runner = graphs.DecodeGraph(llm.model, torch.device("cpu"))
+    monkeypatch.setattr(runner, "_capture", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no graphs")))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    return llm.engine, runner
+
+
+def test_pipelined_greedy_tokens_equal_the_host_loop_and_count_what_was_fed(monkeypatch):
+    """The device-fed loop (here the CPU runner: eager steps, reference argmax) gives the host loop's
+    tokens; a consumer that stops after 3 tokens leaves two more steps run, and `fed` lists every
+    token the state was fed, so the layers' lengths match it."""
+    eng, runner = _runner_and_states(monkeypatch)
+    ids = [5, 9, 77, 3]
+    ours, plain = eng.new_state(32), eng.new_state(32)
+    first = int(torch.argmax(eng.prefill(ids, ours)))
+    assert first == int(torch.argmax(eng.prefill(ids, plain)))
+    want, tok = [], first
+    for k in range(8):
+        tok = int(torch.argmax(eng.decode_step(tok, len(ids) + k, plain)))
+        want.append(tok)
+    fed: list[int] = []
+    assert list(runner.greedy_tokens(first, len(ids), ours, 8, fed)) == want
+    assert fed == [first] + want[:7] and ours[0].length == len(ids) + 8
+
+    again = eng.new_state(32)
+    eng.prefill(ids, again)
+    fed = []
+    stream = runner.greedy_tokens(first, len(ids), again, 8, fed)
+    assert [next(stream) for _ in range(3)] == want[:3]
+    stream.close()
+    assert fed == [first] + want[:4] and again[0].length == len(ids) + len(fed)
+
+
+def test_greedy_generate_gives_the_sampler_paths_tokens(monkeypatch):
+    """generate() in greedy mode runs the pipelined loop: the same tokens as the sampler path (a
+    repetition penalty of 1 + tiny epsilon is never exactly 1, so it takes the host loop)."""
+    llm = kiln.load("synth:tiny-llama", device="cpu", dtype="f32")
+    prompt = [5, 9, 77, 3, 41]
+    fast = llm.generate(prompt, max_new_tokens=10, temperature=0).token_ids
+    slow = llm.generate(prompt, max_new_tokens=10, temperature=0, repetition_penalty=1.0 + 1e-9).token_ids
+    assert fast == slow and len(fast) == 10

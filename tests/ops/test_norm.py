@@ -1,0 +1,70 @@
+"""The RMSNorm kernels (kiln.ops.norm) equal the reference op on a grid of small shapes, ragged ones
+included: under Triton's interpreter on CPU (CI), natively on a GPU. The `gpu` test checks every GPU
+variant on a real model's shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kiln.backends.cuda import CudaOps  # noqa: E402
+from kiln.ops.norm import kernels as norm_kernels  # noqa: E402
+from kiln.tune.device import device_info  # noqa: E402
+
+from .support import DEVICE, DTYPES, REF, STYLES, assert_rounding_close, rand  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("shape", [(37, 96), (130, 40), (1, 200)])
+def test_rmsnorm_equals_reference(shape, style, dtype):
+    x = rand(*shape, dtype=dtype, scale=3.0)
+    w = rand(shape[-1], dtype=dtype, seed=1, scale=0.2, shift=0.0 if style == "offset" else 1.0)
+    want = REF.rmsnorm(x, w, 1e-6, style)
+    for v in (norm_kernels.TRUSTED, norm_kernels.norm_variant(4, 2), norm_kernels.norm_variant(64, 4)):
+        assert_rounding_close(norm_kernels.rmsnorm(x, w, 1e-6, style, v), want)
+
+
+def test_rmsnorm_reads_strided_heads():
+    """q after Qwen3.5's per-head split is a strided view [T, H, D]: normed per head, in place of a copy."""
+    qg = rand(5, 3, 2 * 40, dtype=torch.bfloat16, scale=2.0)
+    q = qg.chunk(2, dim=-1)[0]
+    w = rand(40, dtype=torch.bfloat16, seed=2, scale=0.2)
+    assert not q.is_contiguous()
+    assert_rounding_close(norm_kernels.rmsnorm(q, w, 1e-6, "offset", norm_kernels.norm_variant(4, 4)),
+                          REF.rmsnorm(q, w, 1e-6, "offset"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("shape", [(1, 96), (37, 200)])
+def test_add_rmsnorm_equals_reference(shape, style, dtype):
+    """The residual sum is rounded then normalised: s bit-equal to torch's add, y as rmsnorm of it."""
+    x, r = rand(*shape, dtype=dtype, scale=3.0), rand(*shape, dtype=dtype, seed=3)
+    w = rand(shape[-1], dtype=dtype, seed=1, scale=0.2, shift=0.0 if style == "offset" else 1.0)
+    want_s, want_y = REF.add_rmsnorm(x, r, w, 1e-6, style)
+    for v in (norm_kernels.TRUSTED, norm_kernels.norm_variant(4, 2)):
+        s = torch.full_like(x, float("nan"))
+        y = norm_kernels.rmsnorm(x, w, 1e-6, style, v, add=r, s=s)
+        assert torch.equal(s, want_s)
+        assert_rounding_close(y, want_y)
+    s, y = CudaOps(DEVICE).add_rmsnorm(x, r, w, 1e-6, style)
+    assert torch.equal(s, want_s) and not torch.isnan(y).any()
+
+
+# -- on the GPU: every variant of the catalogue on a real model's shape --------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("style", STYLES)
+def test_gpu_rmsnorm_variants_equal_reference(style):
+    x = rand(513, 1024, dtype=torch.bfloat16, scale=3.0)
+    w = rand(1024, dtype=torch.bfloat16, seed=1, scale=0.2, shift=0.0 if style == "offset" else 1.0)
+    want = REF.rmsnorm(x, w, 1e-6, style)
+    for v in norm_kernels.OP.catalogue(norm_kernels.NormShape(513, 1024, style), device_info(DEVICE)):
+        assert_rounding_close(norm_kernels.rmsnorm(x, w, 1e-6, style, v), want, exact_fraction=0.95)
