@@ -240,7 +240,8 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     if tokenizer is not None:
         eos += [i for i in tokenizer.eos_ids if i not in eos]
     stage("tokenizer")
-    engine = Engine(net, dt, dev, limit, prefill_chunk=getattr(ops, "prefill_chunk", 512), graphs=getattr(ops, "graphs", False) and not enforce_eager, quiet=quiet)
+    engine = Engine(net, dt, dev, limit, prefill_chunk=ops.prefill_chunk, graphs=ops.graphs and not enforce_eager,
+                    quiet=quiet)
     stage("engine")
     llm = LLM(path, net, tokenizer, engine, eos, time.perf_counter() - t0)
     llm.load_stages = stages

@@ -102,7 +102,8 @@ def _pip_download(specs: tuple[str, ...], into: Path, quiet: bool) -> list[Path]
     if quiet:
         cmd.append("-q")
     # pip's progress goes to stderr: stdout stays for generated text.
-    proc = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
         raise KilnError(f"could not download {' '.join(specs)}: {last}")

@@ -265,7 +265,8 @@ def _sentencepiece(md: dict, tokens: list[str], phi3: bool) -> _Backend:
     merges = _file_merges(md) or _merges_from_vocab(vocab, dict(zip(tokens, md.get("tokenizer.ggml.scores") or [])))
     backend = _Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
     if phi3:   # Phi-3 adds the prefix space in a normalizer, so "  hi" keeps all its spaces
-        backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPM_SPACE), normalizers.Replace(" ", _SPM_SPACE)])
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPM_SPACE),
+                                                   normalizers.Replace(" ", _SPM_SPACE)])
     else:
         backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPM_SPACE, prepend_scheme="first", split=False)
     backend.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),

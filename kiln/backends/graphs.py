@@ -138,8 +138,9 @@ class DecodeGraph:
                 layer.length = n
             self.failed, self.graph, self.logits, self.key = True, None, None, None
             torch.cuda.synchronize(self.device)
-            print(f"[kiln] warning: the decode step could not be captured as a CUDA graph "
-                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); decoding eagerly", file=sys.stderr)
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"[kiln] warning: the decode step could not be captured as a CUDA graph ({why}); decoding eagerly",
+                  file=sys.stderr)
             return False
 
     def _capture(self, state: list, key: tuple, quiet: bool) -> None:

@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
 
     chat = sub.add_parser("chat", help="chat with the model's template (interactive, or --messages once)")
     add_runtime_flags(chat)
-    chat.add_argument("--messages", default=None, help="JSON array of messages (file path or '-' for stdin); answers once")
+    chat.add_argument("--messages", default=None,
+                      help="JSON array of messages (file path or '-' for stdin); answers once")
     chat.add_argument("--system", default=None, help="system message")
     add_sampling_flags(chat, temperature=0.7)
     chat.set_defaults(main=cmd_chat)

@@ -31,7 +31,8 @@ def load_strict(ckpt, expected: dict[str, tuple[int, ...]], dtype, device, tied:
     `tied` names may be absent (they alias another weight)."""
     extra = sorted(set(ckpt.shapes) - set(expected))
     if extra:
-        raise KilnError(f"unexpected tensor in checkpoint: {extra[0]}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise KilnError(f"unexpected tensor in checkpoint: {extra[0]}{more}")
     uploader = Uploader(device) if pinned_upload_on(device) else None
     weights = {}
     try:

@@ -57,7 +57,8 @@ class Gemma3(Model):
     def __init__(self, cfg, weights, ops):
         super().__init__(cfg, weights, ops)
         c = cfg
-        factor = (c.rope_scaling or {}).get("factor", 1.0) if (c.rope_scaling or {}).get("rope_type", (c.rope_scaling or {}).get("type")) == "linear" else 1.0
+        scaling = c.rope_scaling or {}
+        factor = scaling.get("factor", 1.0) if scaling.get("rope_type", scaling.get("type")) == "linear" else 1.0
         self.inv_freq = {
             "full_attention": inv_freq(c.head_dim, c.rope_theta, factor).to(ops.device),
             "sliding_attention": inv_freq(c.head_dim, c.rope_local_base_freq).to(ops.device),
@@ -71,7 +72,8 @@ class Gemma3(Model):
         h, d = c.hidden_size, c.head_dim
         shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,),
                   "lm_head.weight": (c.vocab_size, h)}
-        norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+        norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm")
         qk_norms = {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."

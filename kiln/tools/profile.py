@@ -184,7 +184,8 @@ def main(a) -> int:
             "prefill": _mean([p for p, _ in steps]), "decode": _mean([d for _, d in steps])}
     print(table(prof), flush=True)
     if not a.quiet:
-        print(f"[profile] {prof['model']} {eng.model.ops.name} {eng.device} {prof['dtype']}: prefill chunk of {n - start} "
+        print(f"[profile] {prof['model']} {eng.model.ops.name} {eng.device} {prof['dtype']}: "
+              f"prefill chunk of {n - start} "
               f"tokens at positions {start}-{n - 1}, decode step at position {n}; exclusive time per op, "
               f"{prof['clock']}, mean of {a.repeats} after 1 warm-up", file=sys.stderr)
     if a.json_path:

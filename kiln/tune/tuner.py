@@ -187,7 +187,9 @@ class Tuner:
         from; choices read from the tune cache are loaded here (no workers to start)."""
         failed: dict[tuple, str] = {}
         work = {k: j for k, j in jobs.items() if j[2].run is None}
-        workers = self.workers if self.workers is not None else int(os.environ.get("KILN_COMPILE_WORKERS", os.cpu_count() or 1))
+        workers = self.workers
+        if workers is None:
+            workers = int(os.environ.get("KILN_COMPILE_WORKERS", os.cpu_count() or 1))
         if parallel and self.device.type == "cuda" and workers > 1 and len(work) >= 8:
             failed.update(self.compile_in_workers(work, min(workers, len(work), 32)))
         for k, (op, shape, v) in work.items():
@@ -287,7 +289,8 @@ class Tuner:
         """A pinned variant is not measured, but it is still gated: a wrong one is never run."""
         gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(w.label.encode()))
         trusted = w.op.trusted(w.shape, self.dev)
-        verdict = gate.check(w.op, v, gate.trusted_cases(w.op, w.shape, trusted, self.dtype, self.device, gen, plan), plan)
+        cases = gate.trusted_cases(w.op, w.shape, trusted, self.dtype, self.device, gen, plan)
+        verdict = gate.check(w.op, v, cases, plan)
         if not verdict.ok:
             self.log(f"[autotune] {w.label}: wrong against trusted, never picked: {v.name} "
                      f"(max err {verdict.err:.1e} of {verdict.scale:.1e})" if not verdict.reason else

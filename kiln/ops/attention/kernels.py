@@ -298,7 +298,8 @@ def prefill_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     contiguous -> [T, H, D] contiguous in q's dtype. `v` defaults to the op's default variant."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if v is None:
-        v = PREFILL_OP.default(PrefillShape(q.shape[0], q.shape[1], k_buf.shape[1], q.shape[2], window, softcap), _dev(q))
+        shape = PrefillShape(q.shape[0], q.shape[1], k_buf.shape[1], q.shape[2], window, softcap)
+        v = PREFILL_OP.default(shape, _dev(q))
     return run_prefill(q, k_buf, v_buf, q_start, kv_len, scale, window, softcap, v, out)
 
 

@@ -105,8 +105,8 @@ def chunked(xc, z, b, a, A_log, dt_bias, norm_w, ssm, dims, y, p: dict) -> None:
     w, u, cum = prep(xc, b, a, A_log, dt_bias, dims, p["pw"], prec, dot16, upcast, rne, None)
     o = y if bv == dv else torch.empty_like(y)
     scan_kernel[(hv, dv // bv)](xc, z, norm_w, w, u, cum, ssm, y, o, t, eps, dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv,
-                                BV=bv, BT=CHUNK, PREC=prec, DOT16=dot16, UPCAST=upcast, ROUND_WN=round_wn(xc, norm_w), RNE=rne,
-                                num_warps=p["w"])
+                                BV=bv, BT=CHUNK, PREC=prec, DOT16=dot16, UPCAST=upcast, ROUND_WN=round_wn(xc, norm_w),
+                                RNE=rne, num_warps=p["w"])
     if bv != dv:
         gated_norm_pass(o, z, norm_w, y, eps, dv)
 
@@ -327,7 +327,7 @@ def split_next_forms(dv: int) -> list[Variant]:
     slower than the bf16 one. The dots-form solve (unit_lower_inverse_dots) is never offered on a
     GPU: it faults there (docs/compiler.md)."""
     hbv, half = min(16, dv), max(16, dv // 2)
-    return [split_variant(hbv, 4, half, 8, "tf32x3", pw=8, prep2=True), split_variant(hbv, 4, dv, 8, "tf32x3", pw=8, prep2=True)]
+    return [split_variant(hbv, 4, bv, 8, "tf32x3", pw=8, prep2=True) for bv in (half, dv)]
 
 
 def gdn_inputs(s: GdnShape, dtype, device, gen) -> dict:

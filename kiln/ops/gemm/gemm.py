@@ -206,7 +206,8 @@ def x_slice(x_ptr, m, rk, K: tl.constexpr, EVEN: tl.constexpr, ACT: tl.constexpr
     else:
         xv = masked_k(x_ptr + m * K + rk, rk, K, EVEN, False).to(tl.float32)
         if NORM == 2:
-            xv = round_to(xv + masked_k(r_ptr + m * K + rk, rk, K, EVEN, False).to(tl.float32), dtype, RNE).to(tl.float32)
+            rv = masked_k(r_ptr + m * K + rk, rk, K, EVEN, False).to(tl.float32)
+            xv = round_to(xv + rv, dtype, RNE).to(tl.float32)
         if NORM > 0:
             wv = masked_k(nw_ptr + rk, rk, K, EVEN, False).to(tl.float32)
             # [1, BK] through the rmsnorm kernel's own rounding, back to [BK] (a sum of one term is exact)
@@ -289,7 +290,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: t
             xv = x_slice(x_ptr, m, rs, K, EVEN, ACT, RNE, NORM, STYLE, r_ptr, nw_ptr, rstd)
             total = tl.sum(w0.to(tl.float32) * xv[None, :], axis=1)
         else:
-            acc = w0.to(tl.float32) * x_slice(x_ptr, m, rk, K, EVEN, ACT, RNE, NORM, STYLE, r_ptr, nw_ptr, rstd)[None, :]
+            xv = x_slice(x_ptr, m, rk, K, EVEN, ACT, RNE, NORM, STYLE, r_ptr, nw_ptr, rstd)
+            acc = w0.to(tl.float32) * xv[None, :]
             for k in range(BK, SPAN, BK):
                 wv = masked_k(wrow + k, rk + k, K, EVEN, True)
                 xv = x_slice(x_ptr, m, rk + k, K, EVEN, ACT, RNE, NORM, STYLE, r_ptr, nw_ptr, rstd)
@@ -367,7 +369,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = 
         yd = TensorDescriptor(y, [m, n], [n, 1], [p["bm"], p["bn"]])
         programs = min(sms, tiles(m, n, p)) if p.get("persistent") else tiles(m, n, p)
         gemm_tma_kernel[(programs,)](xd, wd, yd, m, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"], GROUP_M=GROUP_M,
-                                     PROGRAMS=sms if p.get("persistent") else 0, UPCAST=flags["UPCAST"], RNE=rne, **opts)
+                                     PROGRAMS=sms if p.get("persistent") else 0, UPCAST=flags["UPCAST"], RNE=rne,
+                                     **opts)
         return y
     sk, serial = p.get("sk", 1), not p.get("sum", False)
     ws = y if sk == 1 else torch.empty((sk, m, n), dtype=torch.float32, device=x.device)
@@ -460,7 +463,8 @@ TMA_TILES = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (
 TMA_SPLIT_TILES = [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
 GEMV_FORMS = [(bn, bk, sk, 4) for bn in (8, 16, 32) for bk in (256, 512) for sk in (1, 2, 4, 8)]
 GEMV_FORMS += [(64, 128, 1, 8), (128, 64, 1, 8), (64, 256, 1, 8)]   # wide blocks: the LM head's 248k columns
-CPU_GEMV = [(16, 64, 1, 4), (8, 32, 3, 4), (16, 32, 2, 4, 2, True)]   # tests only: the interpreter's cost is per program (and per row)
+# tests only: the interpreter's cost is per program (and per row)
+CPU_GEMV = [(16, 64, 1, 4), (8, 32, 3, 4), (16, 32, 2, 4, 2, True)]
 # Under the interpreter, whose cost is per program: few, large tiles that still take every code
 # path (ragged tiles, K not a multiple of BK, split-K).
 CPU_TILES = [(256, 256, 64, 4, 1), (64, 128, 32, 4, 1), (16, 128, 64, 4, 1)]
@@ -508,7 +512,8 @@ class GemmOp(Op):
 
     def catalogue(self, s: GemmShape, dev) -> list[Variant]:
         if dev.capability is None:
-            forms = [TRUSTED] + [tile_variant(*t) for t in CPU_TILES] + [tile_variant(*t, sk=k, sum_kernel=f) for t, k, f in CPU_SPLITS]
+            forms = [TRUSTED] + [tile_variant(*t) for t in CPU_TILES]
+            forms += [tile_variant(*t, sk=k, sum_kernel=f) for t, k, f in CPU_SPLITS]
         else:
             forms = [TRUSTED] + [tile_variant(*t) for t in GPU_TILES]
             forms += [tile_variant(*t, sk=k, sum_kernel=sum_kernel) for t in SPLIT_TILES for k in (2, 4, 8)
@@ -590,8 +595,8 @@ class GemmOp(Op):
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("gemv"):
-            return [gemv_kernel, masked_k, x_slice, x_normed_row, norm_source, act_f32, pdl_wait, round_to, last_arrival,
-                    norm_rstd, scale_normed]
+            return [gemv_kernel, masked_k, x_slice, x_normed_row, norm_source, act_f32, pdl_wait, round_to,
+                    last_arrival, norm_rstd, scale_normed]
         if v.p.get("tma"):
             return ([gemm_tma_sk_kernel, tile_of, mma, round_to, splitk_finish, last_arrival] if v.p.get("sk", 1) > 1
                     else [gemm_tma_kernel, tma_tile, tile_of, mma])

@@ -118,8 +118,9 @@ def gemm_act(x: torch.Tensor, w: torch.Tensor, act: str, v: Variant, y: torch.Te
     ws = y if sk == 1 else torch.empty((sk, 2, m, n), dtype=torch.float32, device=x.device)
     counts = gemm.arrival_counters(x.device, gemm.tiles(m, n, p)) if sk > 1 else y
     gemm_act_kernel[(gemm.tiles(m, n, p), sk)](x, w, y, ws, counts, m, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
-                                            GROUP_M=gemm.GROUP_M, SPLIT_K=sk, ACT=activation.ACTS[act], RNE=rne_flag(x.dtype),
-                                            **dot_flags(x.dtype), num_warps=p["w"], num_stages=p["s"], **pdl(x))
+                                               GROUP_M=gemm.GROUP_M, SPLIT_K=sk, ACT=activation.ACTS[act],
+                                               RNE=rne_flag(x.dtype), **dot_flags(x.dtype), num_warps=p["w"],
+                                               num_stages=p["s"], **pdl(x))
     return y
 
 
@@ -235,8 +236,8 @@ class GemmActOp(ActShapes, Op):
     def kernel_sources(self, v: Variant) -> list:
         if v.run is not None:
             return []
-        return [gemm_act_kernel, act_mul_epilogue, activation.act_f32, gemm.tile_of, gemm.mma, gemm.masked_k, gemm.last_arrival, round_to,
-                pdl_wait]
+        return [gemm_act_kernel, act_mul_epilogue, activation.act_f32, gemm.tile_of, gemm.mma, gemm.masked_k,
+                gemm.last_arrival, round_to, pdl_wait]
 
     def supports(self, x, w, act) -> bool:
         return x.dtype in SUPPORTED and w.dtype == x.dtype and act in activation.ACTS and w.shape[0] % 2 == 0
@@ -335,11 +336,12 @@ class ActGemmOp(ActShapes, Op):
     def kernel_sources(self, v: Variant) -> list:
         if v.run is not None:
             return []
-        return [gemm.gemv_kernel, gemm.masked_k, gemm.x_slice, activation.act_f32, pdl_wait, round_to, gemm.last_arrival]
+        return [gemm.gemv_kernel, gemm.masked_k, gemm.x_slice, activation.act_f32, pdl_wait, round_to,
+                gemm.last_arrival]
 
     def supports(self, gu, w, act) -> bool:
-        return (gu.dtype in SUPPORTED and w.dtype == gu.dtype and act in activation.ACTS and gu.shape[-1] == 2 * w.shape[1]
-                and gu.is_contiguous())
+        return (gu.dtype in SUPPORTED and w.dtype == gu.dtype and act in activation.ACTS
+                and gu.shape[-1] == 2 * w.shape[1] and gu.is_contiguous())
 
 
 ACT_OP = register(ActGemmOp())

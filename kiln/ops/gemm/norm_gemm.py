@@ -65,8 +65,9 @@ def rmsnorm_gemm(x: torch.Tensor, nw: torch.Tensor, eps: float, style: str, w: t
         return y
     p = v.p
     rmsnorm_gemm_kernel[(gemm.tiles(m, n, p),)](x, nw, w, y, m, eps, N=n, K=k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
-                                             GROUP_M=gemm.GROUP_M, STYLE=norm_kernels.STYLES[style], RNE=rne_flag(x.dtype),
-                                             **dot_flags(x.dtype), num_warps=p["w"], num_stages=p["s"])
+                                                GROUP_M=gemm.GROUP_M, STYLE=norm_kernels.STYLES[style],
+                                                RNE=rne_flag(x.dtype), **dot_flags(x.dtype), num_warps=p["w"],
+                                                num_stages=p["s"])
     return y
 
 
@@ -186,8 +187,8 @@ class RmsnormGemmOp(Op):
         y = torch.empty((1, s.n), dtype=dtype, device=device)
         p = v.p
         return [rmsnorm_gemm_kernel.warmup(x, x[0], w, y, 1, 1e-6, N=s.n, K=s.k, BM=p["bm"], BN=p["bn"], BK=p["bk"],
-                                           GROUP_M=gemm.GROUP_M, STYLE=norm_kernels.STYLES[s.style], RNE=False, **dot_flags(dtype),
-                                           num_warps=p["w"], num_stages=p["s"], grid=(1,))]
+                                           GROUP_M=gemm.GROUP_M, STYLE=norm_kernels.STYLES[s.style], RNE=False,
+                                           **dot_flags(dtype), num_warps=p["w"], num_stages=p["s"], grid=(1,))]
 
     def kernel_sources(self, v: Variant) -> list:
         if v.run is not None:

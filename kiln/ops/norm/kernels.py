@@ -77,8 +77,8 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, style: str, v: Variant
     p = v.p
     extra = {} if add is None else {"r_ptr": add.contiguous(), "s_ptr": s, "ADD": True}
     rmsnorm_kernel[(cdiv(rows, p["rows"]),)](x2, w, y, rows, x2.stride(0), eps, D=d, BLOCK_D=next_pow2(d),
-                                              ROWS=p["rows"], STYLE=STYLES[style], RNE=rne_flag(x.dtype), num_warps=p["w"],
-                                              **extra, **pdl(x2))
+                                             ROWS=p["rows"], STYLE=STYLES[style], RNE=rne_flag(x.dtype),
+                                             num_warps=p["w"], **extra, **pdl(x2))
     return y
 
 
