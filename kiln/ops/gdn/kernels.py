@@ -5,7 +5,8 @@ State: conv [K, C] (activation dtype, the last K conv inputs, oldest first) and 
 both updated in place. Model dimensions (Hk, Hv, dk, dv, K) are `tl.constexpr`; the token count T is
 a runtime argument that is not specialised.
 
-Kernels:
+This file holds the launchers and the tuner's ops; the kernels are in recurrent.py (conv, recurrent,
+decode, norm) and chunked.py (prep, solve, wu, scan, state, output):
   conv_kernel       causal depthwise conv over [conv[1:], x] + SiLU; the program of the first token
                     block (the only one reading the state) writes the new last K inputs.
   recurrent_kernel  token by token (no tl.dot), one program per value head, gated norm fused: the
