@@ -51,7 +51,7 @@ def load_hf_reference(path: str | Path, dtype: str = "f32", device: str = "cpu",
 def _plain_pytorch(module) -> None:
     """Point the modeling file's kernel-decorated functions (GDN chunk/recurrent rule, causal conv1d)
     back at its own PyTorch bodies: transformers binds flash-linear-attention / causal-conv1d instead
-    when they are installed, and those are not the reference (REFERENCE.md).
+    when they are installed, and those are not the reference (docs/models.md).
     NOTE: this changes the module for the whole process."""
     for name, fn in list(vars(module).items()):
         inner = inspect.unwrap(fn) if inspect.isfunction(fn) else fn

@@ -39,7 +39,7 @@ WORKERS = min(8, os.cpu_count() or 1)
 
 # -- the configurations -------------------------------------------------------------------------
 
-_QWEN35 = dict(  # shared by every Qwen3.5 / 3.6 text model (REFERENCE.md)
+_QWEN35 = dict(  # shared by every Qwen3.5 / 3.6 text model (their published config.json; docs/synth.md)
     vocab_size=248320, head_dim=256, attn_output_gate=True, linear_key_head_dim=128, linear_value_head_dim=128,
     linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6, hidden_act="silu",
     max_position_embeddings=262144, attention_bias=False, eos_token_id=248044,
@@ -111,7 +111,7 @@ CONFIGS: dict[str, dict] = {
     "qwen3.5-397b-a17b": _qwen35_moe(4096, 60, 32, 2, 512, 10, 1024, 1024, 16, 64),
     "qwen3-next-80b-a3b": _QWEN3_NEXT_80B,
     "gemma4-26b-a4b": _GEMMA4_26B,
-    # The bundled models' shapes (REFERENCE.md), for benchmarks and memory tests on random weights.
+    # The bundled models' shapes (their config.json), for benchmarks and memory tests on random weights.
     "smollm2-135m": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          rms_norm_eps=1e-5, rope_theta=100_000.0, tie_word_embeddings=True, hidden_act="silu",

@@ -317,7 +317,7 @@ def test_experts_stored_one_by_one_load(tmp_path):
         assert (_forward(_load(tmp_path), ids) - model(ids[None]).logits[0]).abs().max() < 1e-5
 
 
-REAL_26B_A4B = dict(  # ../shared/REFERENCE.md, as the published config.json spells it (legacy keys)
+REAL_26B_A4B = dict(  # as the published config.json spells it (legacy keys)
     model_type="gemma4_text", vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
     num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
     attention_k_eq_v=True, sliding_window=1024, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,

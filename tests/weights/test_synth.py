@@ -1,4 +1,4 @@
-"""Synthesized checkpoints: the config table against REFERENCE.md and transformers, seeded tensors,
+"""Synthesized checkpoints: the config table against the published configurations and transformers, seeded tensors,
 the folder writer (strict HF load, streaming memory), the `synth:` spec, and non-degenerate init."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _hf_config(config: dict):
 
 # -- the table ----------------------------------------------------------------------------------
 
-# REFERENCE.md, "Real configurations": hidden, layers, full-attention layers, heads, KV heads,
+# The published configurations (docs/synth.md): hidden, layers, full-attention layers, heads, KV heads,
 # intermediate, GDN key heads, GDN value heads, tied.
 DENSE = {"qwen3.5-0.8b": (1024, 24, 6, 8, 2, 3584, 16, 16, True),
          "qwen3.5-2b": (2048, 24, 6, 8, 2, 6144, 16, 16, True),
