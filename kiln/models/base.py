@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import KilnError
+from ..weights.quantized import QuantizedWeight, cat_rows
 from ..weights.upload import Uploader, file_reads_on, pinned_upload_on
 
 
@@ -57,6 +58,14 @@ def _load_one(ckpt, name: str, dtype, device, uploader):
     if uploader is not None and file_reads_on() and (span := ckpt.locate(name)) is not None:
         return uploader.upload_span(span, dtype)
     stored = ckpt.load(name)
+    if isinstance(stored, QuantizedWeight):   # the words as they are; scales and biases in `dtype`
+        place = lambda t, dt: _place(t, dt, device, uploader)  # noqa: E731
+        return QuantizedWeight(place(stored.packed, stored.packed.dtype), place(stored.scales, dtype),
+                               place(stored.biases, dtype), stored.bits, stored.group_size)
+    return _place(stored, dtype, device, uploader)
+
+
+def _place(stored: torch.Tensor, dtype, device, uploader) -> torch.Tensor:
     if uploader is not None and stored.device.type == "cpu":
         return uploader.upload(stored, dtype)
     w = stored.to(device=device, dtype=dtype)    # to the GPU straight from the file's pages
@@ -69,7 +78,7 @@ def merge_packed(weights: dict[str, torch.Tensor], groups: dict[str, list[str]])
     """Each group's parts replaced, in place, by one tensor of their rows in order (one GEMM serves
     them all); a part's memory is freed as soon as it is copied."""
     for merged, parts in groups.items():
-        weights[merged] = torch.cat([weights[n] for n in parts])
+        weights[merged] = cat_rows([weights[n] for n in parts])
         for n in parts:
             del weights[n]
 

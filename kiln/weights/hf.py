@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from ..errors import KilnError
 from .checkpoint import Checkpoint, FileSpan
+from .quantized import quantized_view
 
 # Multimodal wrappers keep the text model under these prefixes; they map to ForCausalLM names.
 _TEXT_PREFIXES = [
@@ -133,4 +134,4 @@ def open_hf_dir(d: Path) -> Checkpoint:
 
     gen_path = d / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.exists() else {}
-    return Checkpoint(d, "hf", config, shapes, load, generation, locator=locate, located=load)
+    return quantized_view(Checkpoint(d, "hf", config, shapes, load, generation, locator=locate, located=load))

@@ -7,13 +7,20 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import TunedOps
+from ..quant.reference import QuantizedWeight
 from . import activation, gemm, gemm_act, norm_gemm
 from .reference import GemmReference
 
 
+def dense(*ws) -> bool:
+    """No quantised weight among ws: quantised ones run the reference (dequantise, then the op) until
+    the quant family's kernels exist."""
+    return not any(isinstance(w, QuantizedWeight) for w in ws)
+
+
 class GemmCuda(TunedOps, GemmReference):
     def linear(self, x, w, b=None):
-        if b is not None or not self.on("gemm", x) or not gemm.OP.supports(x, w):
+        if b is not None or not dense(w) or not self.on("gemm", x) or not gemm.OP.supports(x, w):
             return super().linear(x, w, b)
         n, k = w.shape
         x2 = x.reshape(-1, k).contiguous()
@@ -25,12 +32,12 @@ class GemmCuda(TunedOps, GemmReference):
         return y.view(*x.shape[:-1], n)
 
     def linear_split(self, x, w, sizes):
-        if not self.on("gemm", x):
+        if not dense(w) or not self.on("gemm", x):
             return super().linear_split(x, w, sizes)
         return list(self.linear(x, w).split(sizes, dim=-1))
 
     def gated_mlp(self, x, gate_up, down, act):
-        if not self.on("gemm", x) or not gemm_act.OP.supports(x, gate_up, act):
+        if not dense(gate_up, down) or not self.on("gemm", x) or not gemm_act.OP.supports(x, gate_up, act):
             gate, up = self.linear_split(x, gate_up, [down.shape[1]] * 2)
             return self.linear(self.act_mul(gate, up, act), down)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
@@ -55,7 +62,7 @@ class GemmCuda(TunedOps, GemmReference):
         gate|up): s = x + r and gate|up of rmsnorm(s) in one launch, then the down projection."""
         v = self._norm_gemv_choice(x, r, norm_w, gate_up, style)
         shape = gemm_act.GemmActShape(1, down.shape[1], x.shape[-1], act)
-        if v is None or self.choose(gemm_act.OP, shape).run is None:
+        if v is None or not dense(down) or self.choose(gemm_act.OP, shape).run is None:
             return super().add_rmsnorm_gated_mlp(x, r, norm_w, eps, style, gate_up, down, act)
         s, gu = self._norm_gemv(v, x, r, norm_w, eps, style, gate_up)
         return s.view(x.shape), self._act_down(gu, down, act).view(x.shape)
@@ -63,8 +70,8 @@ class GemmCuda(TunedOps, GemmReference):
     def _norm_gemv_choice(self, x, r, norm_w, w, style):
         """The tuned GEMV form with add + norm in its prologue for this one-row input, or None (not
         one row, unsupported, or the tuner kept the unfused form)."""
-        if (x.numel() != x.shape[-1] or not self.on("gemm", x) or r.shape != x.shape or r.dtype != x.dtype
-                or not norm_gemm.OP.supports(x, norm_w, w, style)):
+        if (x.numel() != x.shape[-1] or not dense(w) or not self.on("gemm", x) or r.shape != x.shape
+                or r.dtype != x.dtype or not norm_gemm.OP.supports(x, norm_w, w, style)):
             return None
         v = self.choose(norm_gemm.OP, norm_gemm.NormGemmShape(1, w.shape[0], x.shape[-1], style, add=True))
         return v if v.p.get("gemv") else None
@@ -94,7 +101,7 @@ class GemmCuda(TunedOps, GemmReference):
         return activation.act_mul(g, u, act)
 
     def rmsnorm_linear(self, x, norm_w, eps, style, w):
-        if not self.on("gemm", x) or not norm_gemm.OP.supports(x, norm_w, w, style):
+        if not dense(w) or not self.on("gemm", x) or not norm_gemm.OP.supports(x, norm_w, w, style):
             return super().rmsnorm_linear(x, norm_w, eps, style, w)
         n, k = w.shape
         x2 = x.reshape(-1, k).contiguous()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..quant.reference import QuantizedWeight, dequantize
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -19,13 +21,14 @@ class GemmReference:
     """Needs the norm family beside it (rmsnorm, add_rmsnorm) for the fused forms."""
 
     def embed(self, ids: torch.Tensor, table: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        x = F.embedding(ids, table)
+        x = dequantize(table.rows(ids)) if isinstance(table, QuantizedWeight) else F.embedding(ids, table)
         if scale is not None:  # Gemma: the scale is cast to the weight dtype first, as HF does
             x = x * torch.tensor(scale, dtype=table.dtype)   # a CPU scalar: no copy, so a graph can hold it
         return x
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, w, b)
+        """x @ w^T (+ b); a quantised w is dequantised first, exactly as mlx does (the specification)."""
+        return F.linear(x, dequantize(w) if isinstance(w, QuantizedWeight) else w, b)
 
     def act_mul(self, g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
         """act(g) * u, each rounded to the activation dtype as torch does (one pass on GPU)."""

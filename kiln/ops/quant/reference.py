@@ -10,32 +10,13 @@ G * b bits fill whole words); scales and biases are stored in the weight's dtype
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from ...weights.quantized import QuantizedWeight, cat_rows  # noqa: F401  (the format's container)
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 EPS = 1e-7      # the smallest scale mlx lets a group have (a constant group)
-
-
-@dataclass
-class QuantizedWeight:
-    """A weight [rows, cols] as mlx stores it: `packed` [rows, cols * bits / 32] uint32 (held as
-    int32: torch has no uint32 arithmetic), `scales` and `biases` [rows, cols / group_size]."""
-    packed: torch.Tensor
-    scales: torch.Tensor
-    biases: torch.Tensor
-    bits: int
-    group_size: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (*self.packed.shape[:-1], self.packed.shape[-1] * 32 // self.bits)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.scales.dtype
 
 
 def check_format(bits: int, group_size: int) -> None:

@@ -1,0 +1,93 @@
+"""Quantised checkpoints as mlx-lm writes them, kept quantised by kiln: tiny models of each family
+kiln reads quantised so far, quantised by mlx-lm itself (4 or 8 bits, the MLP's down projection at
+8 bits: a module at its own bits),
+give mlx-lm's own greedy tokens on kiln's reference backend and on its cuda backend under the
+interpreter. The reference dequantises exactly as mx.dequantize (tests/ops/test_quant.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import kiln
+from kiln.models import model_config
+from kiln.weights import open_checkpoint
+from kiln.weights.quantized import QuantizedWeight
+from kiln.weights.synth import CONFIGS, Synthesis, write_checkpoint
+
+mx = pytest.importorskip("mlx.core")
+mlx_utils = pytest.importorskip("mlx_lm.utils")
+mlx_generate = pytest.importorskip("mlx_lm.generate")
+
+PROMPT = [5, 17, 200, 33, 91, 4, 250, 12, 7, 301, 66, 2, 150, 88]
+# dims multiples of 64 so mlx-lm quantises every projection; the vocabulary 320 = 5 x 64
+SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=320)
+FAMILIES = {"llama": dict(CONFIGS["tiny-llama"], **SHAPES),
+            "qwen3": dict(CONFIGS["tiny-qwen3"], **SHAPES, head_dim=32)}
+
+
+def hf_folder(config: dict, out: Path) -> Path:
+    cls, cfg = model_config(config)
+    drawn = Synthesis(config, cls.checkpoint_shapes(cfg), cls.norm_style == "offset", seed=3)
+    return write_checkpoint(drawn, out, "tiny", dtype="f32", quiet=True)
+
+
+def mlx_quantised(src: Path, out: Path, bits: int) -> Path:
+    """mlx-lm's own quantisation of the folder (group 64); the MLP's down projections at 8 bits."""
+    model, config = mlx_utils.load_model(src)
+    down_at_8 = lambda path, module: {"group_size": 64, "bits": 8} if path.endswith("down_proj") else True  # noqa: E731
+    model, config = mlx_utils.quantize_model(model, config, group_size=64, bits=bits, quant_predicate=down_at_8)
+    out.mkdir()
+    mlx_utils.save_model(out, model)
+    mlx_utils.save_config(config, out / "config.json")
+    return out
+
+
+def mlx_greedy(path: Path, n: int) -> list[int]:
+    model, _ = mlx_utils.load_model(path)
+    argmax = lambda logprobs: mx.argmax(logprobs, axis=-1)  # noqa: E731
+    return [int(t) for t, _ in mlx_generate.generate_step(mx.array(PROMPT), model, max_tokens=n, sampler=argmax)]
+
+
+@pytest.fixture(scope="module", params=[("llama", 4), ("qwen3", 8)], ids=lambda p: f"{p[0]}-{p[1]}bit")
+def quantised(request, tmp_path_factory):
+    family, bits = request.param
+    root = tmp_path_factory.mktemp(f"{family}{bits}")
+    path = mlx_quantised(hf_folder(FAMILIES[family], root / "hf"), root / "mlx", bits)
+    return path, mlx_greedy(path, 16)
+
+
+def test_the_reader_keeps_quantised_modules_quantised(quantised):
+    path, _ = quantised
+    ckpt = open_checkpoint(path)
+    assert not any(n.endswith((".scales", ".biases")) for n in ckpt.shapes)
+    down = ckpt.load("model.layers.0.mlp.down_proj.weight")
+    q = ckpt.load("model.layers.0.self_attn.q_proj.weight")
+    bits = json.loads((path / "config.json").read_text())["quantization"]["bits"]
+    assert isinstance(down, QuantizedWeight) and down.bits == 8
+    assert down.shape == ckpt.shapes["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(q, QuantizedWeight) and q.bits == bits
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_greedy_tokens_are_mlx_lms(quantised, backend, monkeypatch):
+    monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")    # each op's default variant: tuning is tested elsewhere
+    path, want = quantised
+    llm = kiln.load(str(path), device="cpu", dtype="f32", backend=backend)
+    assert isinstance(llm.model.w["model.layers.0.self_attn.qkv_proj.weight"], QuantizedWeight)   # kept quantised
+    assert llm.generate(PROMPT, max_new_tokens=16, temperature=0).token_ids == want
+
+
+def test_a_quantised_checkpoint_without_its_config_is_an_error(quantised, tmp_path):
+    path, _ = quantised
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in path.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    config = json.loads((broken / "config.json").read_text())
+    config.pop("quantization"), config.pop("quantization_config", None)
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(kiln.KilnError, match="no `quantization`"):
+        open_checkpoint(broken)
