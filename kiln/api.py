@@ -7,7 +7,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -32,18 +32,29 @@ class Stats:
     prefill_tok_s: float = 0.0
     decode_tok_s: float = 0.0
     load_s: float = 0.0
+    finish_reason: str | None = None    # as Completion's
+    max_context: int | None = None      # the limit a "context" finish hit
 
     def line(self) -> str:
         return (f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok | "
                 f"prefill {self.prefill_tok_s:.1f} tok/s | decode {self.decode_tok_s:.1f} tok/s | "
-                f"load {self.load_s:.2f} s")
+                f"load {self.load_s:.2f} s{self._finish()}")
+
+    def _finish(self) -> str:
+        if self.finish_reason is None:
+            return ""
+        if self.finish_reason == "context":     # a cut the user did not ask for: say where the limit is
+            return f" | finish context (max context {self.max_context} tokens)"
+        return f" | finish {self.finish_reason}"
 
 
 @dataclass
 class Completion:
     text: str
     token_ids: list[int]
-    finish_reason: str          # "stop" | "length"
+    # "length" (max_new_tokens reached), "context" (the max context reached first), "eos" (an end of
+    # sequence or turn token), "stop" (a stop string)
+    finish_reason: str
     stats: Stats = field(default_factory=Stats)
 
 
@@ -94,6 +105,14 @@ def load_tokenizer(ckpt):
     return None  # synthesized checkpoints: token ids in, token ids out
 
 
+def render_chat(tokenizer: Tokenizer | None, messages: list[dict], tools: list | None = None) -> str:
+    """The prompt text of a conversation, ready for the assistant's turn. KilnError for a model without
+    a tokenizer or a chat template, or a conversation its template refuses."""
+    if tokenizer is None:
+        raise KilnError("this model has no tokenizer, so it cannot chat")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+
+
 class LLM:
     def __init__(self, path: Path, model, tokenizer, engine: Engine, eos: list[int], load_s: float):
         self.path, self.model, self.tokenizer, self.engine = path, model, tokenizer, engine
@@ -119,10 +138,7 @@ class LLM:
         return ids
 
     def chat_prompt(self, messages: list[dict], tools: list | None = None) -> list[int]:
-        if self.tokenizer is None:
-            raise KilnError("this model has no tokenizer, so it cannot chat")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(render_chat(self.tokenizer, messages, tools), add_special_tokens=False)
 
     # -- generation ------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], **sampling) -> Iterator[str]:
@@ -145,7 +161,7 @@ class Generation:
     `Generation(llm, llm.encode(prompt), SamplingParams(...))` starts it (`prompt_ids` as `LLM.encode`
     or `LLM.chat_prompt` give them). Iterate it for the text pieces (each valid UTF-8, stop strings
     cut), or `complete()` it. `token_ids` collects every generated id, an end-of-turn id included;
-    `finish_reason` ("stop" | "length") and `stats()` are final once it is exhausted. `stream` is the
+    `finish_reason` (as Completion's) and `stats()` are final once it is exhausted. `stream` is the
     engine's TokenStream: its `ids` give the raw token ids (for a model without a tokenizer), its
     `times` the counts and timings."""
 
@@ -196,23 +212,27 @@ class Generation:
             prompt_tokens=t.prompt_tokens, generated_tokens=t.generated_tokens,
             prefill_tok_s=t.prompt_tokens / t.prefill_s if t.prefill_s else 0.0,
             decode_tok_s=decode_n / t.decode_s if t.decode_s and decode_n else 0.0,
-            load_s=self.llm.load_s,
+            load_s=self.llm.load_s, finish_reason=self.finish_reason, max_context=self.llm.engine.max_context,
         )
 
 
 def load(model: str | Path | None = None, device: str | None = "auto", dtype: str | None = None,
          backend: str = "auto", max_context: int | None = None, quiet: bool = True,
-         retune: bool = False, tune: dict[str, str] | None = None, enforce_eager: bool = False) -> LLM:
+         retune: bool = False, tune: dict[str, str] | None = None, enforce_eager: bool = False,
+         check: Callable[[Tokenizer | None], None] | None = None) -> LLM:
     """Load a model: a path (HF folder or GGUF file), a bundled model's name, or None (the default).
     A compiling backend tunes its kernels for the model here (`retune` measures again; `tune` pins
     op -> variant). Backend "auto" is cuda on a CUDA device, reference elsewhere; on cuda the decode
-    step runs as one CUDA graph unless `enforce_eager`."""
+    step runs as one CUDA graph unless `enforce_eager`. `check(tokenizer)` (None for a model without
+    one) runs before the weights load: the caller's chance to refuse, cheaply, what the model cannot do."""
     t0 = time.perf_counter()
     stages, mark = {}, [t0]
 
     def stage(name: str) -> None:      # seconds since the last stage, for load_stages
         now = time.perf_counter()
         stages[name], mark[0] = round(now - mark[0], 3), now
+    if max_context is not None and max_context < 2:
+        raise KilnError(f"max context must be at least 2 tokens, got {max_context}")
     path = resolve_model(model, quiet=quiet)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
@@ -220,26 +240,27 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     if backend == "auto":
         backend = "cuda" if dev.type == "cuda" else "reference"
     ops = get_ops(backend, dev)
+    if (retune or tune) and not hasattr(ops, "prepare"):
+        raise KilnError(f"--retune and --tune apply to the cuda backend, not {backend!r}")
     stage("open")
+    # The tokenizer comes before the weights (it is cheap), so `check` can refuse before the slow part.
+    tokenizer = load_tokenizer(ckpt)
+    if check is not None:
+        check(tokenizer)
+    stage("tokenizer")
     net = build_model(ckpt, ops, dt, dev, progress=not quiet)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)     # the weights' copies are done: their time is theirs
     stage("weights")
     if hasattr(ops, "prepare"):
         ops.prepare(net, dt, retune=retune, pins=tune, quiet=quiet)
-    elif retune or tune:
-        raise KilnError(f"--retune and --tune apply to the cuda backend, not {backend!r}")
     stage("tune")
     limit = net.cfg.max_position_embeddings
     if max_context is not None:
-        if max_context < 2:
-            raise KilnError(f"max context must be at least 2 tokens, got {max_context}")
         limit = min(limit, max_context)
-    tokenizer = load_tokenizer(ckpt)
     eos = eos_ids(ckpt.config, ckpt.generation)
     if tokenizer is not None:
         eos += [i for i in tokenizer.eos_ids if i not in eos]
-    stage("tokenizer")
     engine = Engine(net, dt, dev, limit, prefill_chunk=ops.prefill_chunk, graphs=ops.graphs and not enforce_eager,
                     quiet=quiet)
     stage("engine")

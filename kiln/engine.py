@@ -33,7 +33,7 @@ class TokenStream:
     """Iterates generated token ids; `finish_reason` and `times` are final once exhausted."""
     ids: Iterator[int]
     times: StepTimes = field(default_factory=StepTimes)
-    finish_reason: str | None = None
+    finish_reason: str | None = None    # "length" (max_new_tokens) | "context" (the max context) | "eos"
 
 
 class GraphState(list):
@@ -167,7 +167,7 @@ class Engine:
     @torch.inference_mode()     # the token sources call the step functions directly, not the public ones
     def _loop(self, prompt_ids, params, eos, stream: TokenStream, reuse: bool):
         """The one decode loop, around the token source the request chose: timing, the eos, length and
-        max-context stops. It lets the source run no decode step for a token nobody will read."""
+        max-context stops (its finish reason). It lets the source run no decode step for a token nobody will read."""
         times = stream.times
         times.prompt_tokens = len(prompt_ids)
         req, times.cached_tokens = self._start(prompt_ids, params.max_new_tokens, stream, reuse)
@@ -189,11 +189,13 @@ class Engine:
                 times.decode_s = now - t0
                 yield token
                 if token in eos:
-                    stream.finish_reason = "stop"
+                    stream.finish_reason = "eos"
                     return
         finally:
             tokens.close()      # the pipelined source completes `consumed` with the steps run past us
         times.decode_s = time.perf_counter() - t0
+        if times.generated_tokens < params.max_new_tokens:
+            stream.finish_reason = "context"    # the max context ran out first: the user should know why
 
     def _start(self, ids: list[int], max_new: int, stream: TokenStream, reuse: bool) -> tuple[_Request, int]:
         """The request, owning its state, and how many prompt tokens that state already holds."""

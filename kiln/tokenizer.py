@@ -97,6 +97,7 @@ class Tokenizer:
         probe = backend.encode("", add_special_tokens=True).ids
         self.add_bos = bos_id is not None and probe[:1] == [bos_id]
         self._byte_ids = _byte_fallback_ids(backend)
+        self._raw_byte_ids = _raw_byte_ids(backend)
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -150,6 +151,11 @@ class Tokenizer:
     def is_byte_token(self, i: int) -> bool:
         """True for a byte-fallback token like <0xE6>, whose text depends on its neighbours."""
         return i in self._byte_ids
+
+    def raw_byte_id(self, b: int) -> int | None:
+        """The id of a token that decodes to the one raw byte `b` (<0xNN> with byte fallback, the byte
+        alphabet's character in byte-level BPE), or None where the vocabulary has no such token."""
+        return self._raw_byte_ids.get(b)
 
     # -- chat -----------------------------------------------------------------------------
     @property
@@ -375,6 +381,17 @@ def _byte_fallback_ids(backend: _Backend) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None)
 
 
+def _raw_byte_ids(backend: _Backend) -> dict[int, int]:
+    """byte -> the id of the token that decodes to that one byte, in whichever spelling this decoder
+    reads as bytes (<0xNN>, or GPT-2's byte alphabet; a vocabulary may lack a few); {} when neither."""
+    for spell in (lambda b: f"<0x{b:02X}>", _bytes_to_unicode().get):
+        ids = {b: backend.token_to_id(spell(b)) for b in range(256)}
+        ids = {b: i for b, i in ids.items() if i is not None}
+        if 0xC3 in ids and 0xA9 in ids and backend.decode([ids[0xC3], ids[0xA9]]) == "é":
+            return ids
+    return {}
+
+
 # ---------------------------------------------------------------------------------------------
 # Cache (optional: see Tokenizer.from_gguf)
 
@@ -515,15 +532,22 @@ def _one_line(e: Exception) -> str:
 # Streaming detokenisation
 
 
+# Bytes that complete any UTF-8 sequence cut short: after the lead byte, 0x80 or 0xA0 fits each
+# lead's range for its second byte (E0: A0-BF, ED: 80-9F, F0: 90-BF, F4: 80-8F), 0x80 any later one.
+_COMPLETIONS = ((0x80,), (0xA0,), (0x80, 0x80), (0xA0, 0x80), (0x80, 0x80, 0x80), (0xA0, 0x80, 0x80))
+
+
 class StreamDecoder:
     """Turns generated ids into text pieces as they arrive.
 
     Each push decodes a small window (the last emitted token onwards) and returns what it adds to
     the text. Text is held back while it ends in U+FFFD (an incomplete UTF-8 sequence), and while the
     last token is a <0xNN> byte token: a run of those is decoded as one unit, so a byte that comes
-    later can still change how the earlier ones read. With `prompt_ids=None` the pieces plus
-    flush() add up to `tokenizer.decode(generated ids)` exactly; with prompt ids, the first piece
-    keeps the leading space a SentencePiece decoder would strip at the start of a text.
+    later can still change how the earlier ones read. At flush() a character still incomplete (the
+    generation ended inside it) is held back for good rather than sent as U+FFFD. With
+    `prompt_ids=None` the pieces plus flush() add up to `tokenizer.decode(generated ids)`, less that
+    cut character; with prompt ids, the first piece keeps the leading space a SentencePiece decoder
+    would strip at the start of a text.
     """
 
     _CONTEXT = 4   # prompt tokens kept for context; enough for the first piece's leading space
@@ -542,16 +566,32 @@ class StreamDecoder:
         return self._advance(final=False)
 
     def flush(self) -> str:
+        """The text held back, at the end of a generation."""
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
         before = self._tok.decode(self._ids[self._start:self._sent], self._skip)
         text = self._tok.decode(self._ids[self._start:], self._skip)
-        if not final and text.endswith("\ufffd"):
-            return ""
+        if text.endswith("\ufffd"):
+            if not final:
+                return ""
+            text = self._without_cut_character(text)
         self._start, self._sent = self._sent, len(self._ids)
         # Keep the list short; only ids from the window start on are ever decoded again.
         del self._ids[:self._start]
         self._sent -= self._start
         self._start = 0
         return text[len(before):]
+
+    def _without_cut_character(self, text: str) -> str:
+        """The window's `text` (ending in U+FFFD) less its last character when that is a UTF-8 sequence
+        cut short, which some continuation bytes would complete. Otherwise the U+FFFD is the text (a
+        byte no continuation makes valid, or a U+FFFD the model wrote) and stays."""
+        for tail in _COMPLETIONS:
+            ids = [self._tok.raw_byte_id(b) for b in tail]
+            if None in ids:
+                return text     # a vocabulary without byte tokens: nothing to tell them apart with
+            completed = self._tok.decode(self._ids[self._start:] + ids, self._skip)
+            if not completed.endswith("\ufffd"):
+                return completed[:-1]   # the completed character is the last one: drop it
+        return text

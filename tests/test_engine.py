@@ -36,9 +36,11 @@ def _host_loop(eng, prompt: list[int], params: SamplingParams, eos: set[int]) ->
     while True:
         out.append(sampler(logits, torch.tensor(fed)))
         if out[-1] in eos:
-            return out, "stop"
-        if len(out) == params.max_new_tokens or len(fed) + 1 >= eng.max_context:
+            return out, "eos"
+        if len(out) == params.max_new_tokens:
             return out, "length"
+        if len(fed) + 1 >= eng.max_context:
+            return out, "context"
         logits = eng.decode_step(out[-1], len(fed), state)
         fed.append(out[-1])
 
@@ -62,7 +64,7 @@ def test_generate_gives_the_host_loops_tokens_and_finish(kind, graph, monkeypatc
         assert times.prefill_s > 0 and times.decode_s >= 0
     eng.max_context = len(PROMPT) + 5                   # the context ends before max_new_tokens
     tokens, finish, _ = _generate(eng, PROMPT, params, set())
-    assert (tokens, finish) == (want[:5], "length")
+    assert (tokens, finish) == (want[:5], "context")
     assert isinstance(eng.new_state(8), GraphState) == graph
 
 

@@ -324,11 +324,40 @@ def test_stream_decoder_on_invalid_byte_runs(ours):
     # A byte that turns a finished character invalid again: gemma decodes a <0xNN> run as one unit.
     tok = ours["gemma3-270m"]
     byte = [tok.token_to_id(f"<0x{b:02X}>") for b in (0xC3, 0xA9, 0xA9, 0xE6)]
-    for ids in (byte[:2] + [byte[2]] + tok.encode(" ok", False), byte + tok.encode("a", False), [byte[3]], byte[:2]):
+    for ids in (byte[:2] + [byte[2]] + tok.encode(" ok", False), byte + tok.encode("a", False), byte[:2]):
         assert "".join(_pieces(tok, ids)) == tok.decode(ids), ids
     smol = ours["smollm2-135m"]
     lone = [smol.token_to_id("Ã")] + smol.encode("x", False)   # a lead byte with no continuation
     assert "".join(_pieces(smol, lone)) == smol.decode(lone)
+
+
+def test_stream_decoder_drops_an_incomplete_character_at_the_end(ours):
+    """A generation cut inside a character ends without it (held back for good, as mid-stream), not
+    in U+FFFD; the complete characters before it in the same token or byte run still come out."""
+    smol = ours["smollm2-135m"]
+    head, cut = smol.encode("、アニュラグ", False), smol.encode("ア", False)
+    assert len(cut) > 1 and smol.decode(head + cut[:1]).endswith("\ufffd")   # the issue's output
+    assert "".join(_pieces(smol, head + cut[:1])) == "、アニュラグ"
+    gemma = ours["gemma3-270m"]
+    ok = gemma.encode("ok ", False)
+    # the lead bytes whose second byte is restricted (E0, ED, F0, F4) and a complete "é" before a cut
+    for tail, want in ([0xE6], ""), ([0xE6, 0x97], ""), ([0xC3, 0xA9, 0xE6], "é"), ([0xE0], ""), \
+            ([0xED], ""), ([0xF0, 0x9F], ""), ([0xF4], ""):
+        ids = ok + [gemma.token_to_id(f"<0x{b:02X}>") for b in tail]
+        pieces = _pieces(gemma, ids)
+        assert "".join(pieces) == "ok " + want and not any("\ufffd" in p for p in pieces), tail
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_stream_decoder_keeps_invalid_bytes_and_real_replacement_chars_at_the_end(ours, name):
+    """Only an incomplete character is dropped: a byte that no continuation can make valid, or a
+    U+FFFD the model wrote, is text."""
+    tok = ours[name]
+    ids = tok.encode("x \ufffd", False)
+    assert "".join(_pieces(tok, ids)) == tok.decode(ids) == "x \ufffd"
+    stray = tok.token_to_id("<0xA9>" if name == "gemma3-270m" else "©")   # a lone continuation byte
+    ids = tok.encode("x", False) + [stray]
+    assert "".join(_pieces(tok, ids)) == tok.decode(ids) == "x\ufffd"
 
 
 @pytest.mark.parametrize("name", MODELS)

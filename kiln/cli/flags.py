@@ -9,6 +9,7 @@ import sys
 
 from ..api import LLM, load
 from ..errors import KilnError
+from ..sampling import SamplingParams
 
 
 class Parser(argparse.ArgumentParser):
@@ -77,7 +78,7 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
                         "auto (default) = cuda on a GPU")
     p.add_argument("--enforce-eager", action="store_true",
                    help="cuda backend: run decode steps eagerly, not as a CUDA graph")
-    p.add_argument("--max-context", type=positive_int, default=None, help="cap on prompt + generated tokens")
+    p.add_argument("--max-context", type=at_least(2), default=None, help="cap on prompt + generated tokens")
     p.add_argument("--retune", action="store_true", help="cuda backend: measure kernels again even on a cache hit")
     p.add_argument("--tune", action="append", default=[], metavar="OP=VARIANT",
                    help="cuda backend: pin a kernel variant for every shape of OP (repeatable)")
@@ -100,6 +101,14 @@ def sampling_kwargs(a) -> dict:
                 min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed, stop=tuple(a.stop))
 
 
+def sampling_params(a) -> SamplingParams:
+    """The sampling flags as SamplingParams, checked by its own rules now: a bad value is refused
+    before the model loads, not after."""
+    params = SamplingParams(**sampling_kwargs(a))
+    params.validate()
+    return params
+
+
 def parse_pins(items: list[str]) -> dict[str, str]:
     """`--tune OP=VARIANT` flags -> {op: variant} (the tuner checks that both exist)."""
     pins = {}
@@ -111,15 +120,16 @@ def parse_pins(items: list[str]) -> dict[str, str]:
     return pins
 
 
-def load_from_flags(a) -> LLM:
-    """kiln.load with the runtime flags of `add_runtime_flags`."""
+def load_from_flags(a, check=None) -> LLM:
+    """kiln.load with the runtime flags of `add_runtime_flags`; `check(tokenizer)` as kiln.load takes it."""
     return load(a.model, device=a.device, dtype=a.dtype, backend=a.backend, max_context=a.max_context,
-                quiet=a.quiet, retune=a.retune, tune=parse_pins(a.tune), enforce_eager=a.enforce_eager)
+                quiet=a.quiet, retune=a.retune, tune=parse_pins(a.tune), enforce_eager=a.enforce_eager,
+                check=check)
 
 
-def load_announced(a) -> LLM:
+def load_announced(a, check=None) -> LLM:
     """load_from_flags, then one line on stderr saying what loaded (unless --quiet)."""
-    llm = load_from_flags(a)
+    llm = load_from_flags(a, check)
     if not a.quiet:
         print(f"kiln: loaded {llm.path.name} ({type(llm.model).__name__}, {llm.engine.dtype}, "
               f"{llm.engine.device}) in {llm.load_s:.2f} s", file=sys.stderr)

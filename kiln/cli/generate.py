@@ -9,11 +9,11 @@ import json
 import sys
 from pathlib import Path
 
-from ..api import Generation
+from ..api import Generation, render_chat
 from ..errors import KilnError
-from ..sampling import SamplingParams
+from ..messages import validate_messages
 from ..weights.synth import random_prompt
-from .flags import add_runtime_flags, add_sampling_flags, load_announced, positive_int, sampling_kwargs, token_ids
+from .flags import add_runtime_flags, add_sampling_flags, load_announced, positive_int, sampling_params, token_ids
 
 
 def add_parser(sub) -> None:
@@ -52,19 +52,28 @@ def cmd_run(a) -> int:
         prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
         if not prompt:
             raise KilnError("empty prompt")
-    llm = load_announced(a)
+    params = sampling_params(a)
+    llm = load_announced(a, check=_tokenizer_check(prompt))
     if a.random_prompt:
         prompt = random_prompt(a.random_prompt, llm.config.vocab_size, a.seed or 0)
-    elif isinstance(prompt, str) and llm.tokenizer is None:
-        raise KilnError("this model has no tokenizer: give --prompt-ids or --random-prompt")
-    run = Generation(llm, llm.encode(prompt), SamplingParams(**sampling_kwargs(a)))
+    run = Generation(llm, llm.encode(prompt), params)
     # Without a tokenizer the generated token ids are the output (comma-separated, as --prompt-ids takes them).
     pieces = run if llm.tokenizer is not None else (("," if i else "") + str(t) for i, t in enumerate(run.stream.ids))
     _emit(pieces, run.stats, a.quiet)
     return 0
 
 
+def _tokenizer_check(prompt):
+    """A check for kiln.load: a text prompt needs a tokenizer (known before the weights load)."""
+    def check(tokenizer) -> None:
+        if isinstance(prompt, str) and tokenizer is None:
+            raise KilnError("this model has no tokenizer: give --prompt-ids or --random-prompt")
+    return check
+
+
 def _read_messages(src: str) -> list[dict]:
+    """The messages in a JSON file (or stdin), checked by the rules the server applies (kiln/messages.py):
+    what `/v1/chat/completions` refuses with a 400 is refused here in the same words, before any load."""
     try:
         text = sys.stdin.read() if src == "-" else Path(src).read_text()
         messages = json.loads(text)
@@ -72,16 +81,13 @@ def _read_messages(src: str) -> list[dict]:
         raise KilnError(f"cannot read messages from {src}: {e}") from None
     except json.JSONDecodeError as e:
         raise KilnError(f"messages in {src} are not valid JSON: {e}") from None
-    ok = isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)
-        for m in messages)
-    if not ok:
-        raise KilnError('messages must be a non-empty JSON array of {"role": ..., "content": "..."} objects')
-    return messages
+    except RecursionError:
+        raise KilnError(f"messages in {src} are nested too deeply") from None
+    return validate_messages(messages)   # a MessageError is a KilnError: one line, exit 2
 
 
-def _answer(llm, messages, a) -> str:
-    run = Generation(llm, llm.chat_prompt(messages), SamplingParams(**sampling_kwargs(a)))
+def _answer(llm, messages, params, a) -> str:
+    run = Generation(llm, llm.chat_prompt(messages), params)
     parts = []
 
     def tee():
@@ -93,14 +99,23 @@ def _answer(llm, messages, a) -> str:
     return "".join(parts)
 
 
+def _template_check(messages: list[dict]):
+    """A check for kiln.load: the chat template renders `messages`, so a model that cannot chat (no
+    template, no tokenizer) is refused before its weights load."""
+    return lambda tokenizer: render_chat(tokenizer, messages)
+
+
 def cmd_chat(a) -> int:
     messages = _read_messages(a.messages) if a.messages else []
     if a.system is not None:
         messages = [m for m in messages if m["role"] != "system"]
         messages.insert(0, {"role": "system", "content": a.system})
-    llm = load_announced(a)
+    params = sampling_params(a)
+    # Interactive, the first prompt is the history plus one user turn: check that shape.
+    first = messages if a.messages else messages + [{"role": "user", "content": "hi"}]
+    llm = load_announced(a, check=_template_check(first))
     if a.messages:
-        _answer(llm, messages, a)
+        _answer(llm, messages, params, a)
         return 0
     interactive = sys.stdin.isatty()
     if interactive and not a.quiet:
@@ -121,4 +136,4 @@ def cmd_chat(a) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        messages.append({"role": "assistant", "content": _answer(llm, messages, a)})
+        messages.append({"role": "assistant", "content": _answer(llm, messages, params, a)})

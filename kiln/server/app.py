@@ -42,7 +42,8 @@ class Service:
         tok = llm.tokenizer
         # NOTE: a tokenizer may carry a separate "tool_use" template; tools are rendered with it.
         source = (tok.templates.get("tool_use") or tok.chat_template) if tok is not None else None
-        self.tool_format = tools.detect(source)
+        # A template that takes no tools gets the generic format; with no template there is no chat.
+        self.tool_format = tools.detect(source) or (tools.GENERIC if source else None)
         llm.engine.reuse_prefix = True
 
     def check_model(self, name: str | None) -> None:
@@ -56,32 +57,36 @@ class Service:
         if tok is None or tok.chat_template is None:
             raise bad("this model has no chat template, so it cannot chat; use /v1/completions", "messages",
                       "no_chat_template")
-        fmt = None
-        if req.tools and req.tool_choice != "none":
-            fmt = self.tool_format
-            if fmt is None:
-                raise bad("this model's chat template does not take tools", "tools", "tools_unsupported")
+        fmt = self.tool_format if req.tools and req.tool_choice != "none" else None
         prefix = fmt.prefix(req.tool_name) if fmt and req.tool_choice in ("required", "function") else ""
-        text = tok.apply_chat_template(req.messages, add_generation_prompt=True,
-                                       tools=req.tools if fmt else None)
+        messages, template_tools = req.messages, req.tools if fmt else None
+        if not self.tool_format.in_template:  # the generic format: tools and tool history written as text
+            messages, template_tools = self.tool_format.render(messages, template_tools, req.tool_name), None
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=template_tools)
         return tok.encode(text + prefix, add_special_tokens=False), fmt, prefix
 
-    def completion_prompt(self, req: protocol.CompletionRequest) -> list[int]:
-        try:
-            return self.llm.encode(req.prompt)
-        except KilnError as e:
-            raise bad(str(e), "prompt") from None
+    def completion_prompts(self, req: protocol.CompletionRequest) -> list[list[int]]:
+        """Each prompt's ids; in a batch an error names the prompt (prompt[i]) at fault."""
+        out = []
+        for i, prompt in enumerate(req.prompts):
+            try:
+                out.append(self.llm.encode(prompt))
+            except KilnError as e:
+                raise bad(_which(req.prompts, i) + str(e), "prompt") from None
+        return out
 
     def sampling(self, req: protocol.Request, ids: list[int], default: int | None, stops: tuple[str, ...],
-                 param: str) -> SamplingParams:
+                 param: str, which: str = "") -> SamplingParams:
+        """The settings for one prompt, checked against the context; `which` ("prompt[i]: ") names
+        the prompt of a batch in the error."""
         engine = self.llm.engine
         try:
             engine.check_prompt(ids)
         except KilnError as e:
-            raise bad(str(e), param, "context_length_exceeded") from None
+            raise bad(which + str(e), param, "context_length_exceeded") from None
         room = engine.max_context - len(ids)
         if req.max_tokens is not None and req.max_tokens > room:
-            raise bad(f"max_tokens is {req.max_tokens}, but the prompt has {len(ids)} tokens of the "
+            raise bad(f"{which}max_tokens is {req.max_tokens}, but the prompt has {len(ids)} tokens of the "
                       f"{engine.max_context}-token context, so at most {room} can be generated",
                       "max_tokens", "context_length_exceeded")
         n = req.max_tokens or min(default or room, room)
@@ -90,8 +95,13 @@ class Service:
         return params
 
 
+def _which(prompts: list, i: int) -> str:
+    return f"prompt[{i}]: " if len(prompts) > 1 else ""
+
+
 # ------------------------------------------------------------------------------------------------
-# Response shapes: the same per-piece code builds streamed chunks and whole responses
+# Response shapes: the same per-piece code builds streamed chunks and whole responses. `index` is the
+# prompt's place in the request (always 0 for a chat); a whole response gets (pieces, Outcome) per prompt.
 
 
 class _Shape:
@@ -111,20 +121,22 @@ class _Shape:
     def start(self) -> list[dict]:
         return []
 
-    def text(self, piece: str) -> list[dict]:
+    def text(self, index: int, piece: str) -> list[dict]:
         raise NotImplementedError
 
-    def end(self, outcome: Outcome) -> list[dict]:
+    def end(self, index: int, outcome: Outcome) -> list[dict]:
         raise NotImplementedError
 
-    def whole(self, pieces: list[str], outcome: Outcome) -> dict:
+    def whole(self, results: list[tuple[list[str], Outcome]]) -> dict:
         raise NotImplementedError
 
 
-def _usage(o: Outcome) -> dict:
-    return {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
-            "total_tokens": o.prompt_tokens + o.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": o.cached_tokens}}
+def _usage(outcomes: list[Outcome]) -> dict:
+    """The token counts of a request, summed over its prompts."""
+    prompt = sum(o.prompt_tokens for o in outcomes)
+    completion = sum(o.completion_tokens for o in outcomes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outcomes)}}
 
 
 class _Chat(_Shape):
@@ -132,7 +144,7 @@ class _Chat(_Shape):
 
     def __init__(self, service, fmt: tools.ToolFormat | None, prefix: str, parallel: bool):
         super().__init__(service, "chatcmpl")
-        self.tools = tools.ToolStream(fmt, parallel) if fmt else None
+        self.tools = fmt.stream(parallel) if fmt else None
         if prefix:
             self.tools.push(prefix)  # the forced opening of a call: part of the call, never content
         self.calls: list[dict] = []
@@ -166,21 +178,22 @@ class _Chat(_Shape):
     def _finish(self, outcome: Outcome) -> str:
         return "tool_calls" if self.calls else outcome.finish_reason
 
-    def text(self, piece):
+    def text(self, index, piece):
         return [self.chunk([self._choice(d)]) for d in self._text_deltas(piece)]
 
-    def end(self, outcome):
+    def end(self, index, outcome):
         chunks = [self.chunk([self._choice(d)]) for d in self._end_deltas()]
         return chunks + [self.chunk([self._choice({}, self._finish(outcome))])]
 
-    def whole(self, pieces, outcome):
+    def whole(self, results):
+        ((pieces, outcome),) = results
         deltas = [d for p in pieces for d in self._text_deltas(p)] + self._end_deltas()
         content = "".join(d.get("content", "") for d in deltas)
         message = {"role": "assistant", "content": content if content or not self.calls else None}
         if self.calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in self.calls]
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self._finish(outcome)}
-        return {**self.chunk([choice], _usage(outcome)), "object": "chat.completion"}
+        return {**self.chunk([choice], _usage([outcome])), "object": "chat.completion"}
 
 
 class _Completion(_Shape):
@@ -189,17 +202,18 @@ class _Completion(_Shape):
     def __init__(self, service):
         super().__init__(service, "cmpl")
 
-    def _choice(self, text: str, finish: str | None = None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def _choice(self, index: int, text: str, finish: str | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
-    def text(self, piece):
-        return [self.chunk([self._choice(piece)])] if piece else []
+    def text(self, index, piece):
+        return [self.chunk([self._choice(index, piece)])] if piece else []
 
-    def end(self, outcome):
-        return [self.chunk([self._choice("", outcome.finish_reason)])]
+    def end(self, index, outcome):
+        return [self.chunk([self._choice(index, "", outcome.finish_reason)])]
 
-    def whole(self, pieces, outcome):
-        return self.chunk([self._choice("".join(pieces), outcome.finish_reason)], _usage(outcome))
+    def whole(self, results):
+        choices = [self._choice(i, "".join(pieces), o.finish_reason) for i, (pieces, o) in enumerate(results)]
+        return self.chunk(choices, _usage([o for _, o in results]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -217,23 +231,22 @@ def _failure(e: Exception) -> ApiError:
 async def _stream(job: Job, shape: _Shape, include_usage: bool):
     # With include_usage every chunk has a "usage" key, null until the last chunk (as OpenAI sends).
     sse = (lambda c: _sse({**c, "usage": None})) if include_usage else _sse
+    outcomes: list[Outcome] = []
     try:
         for c in shape.start():
             yield sse(c)
-        while True:
+        while len(outcomes) < len(job.prompts):
             kind, value = await job.events.get()
-            if kind == "text":
-                for c in shape.text(value):
-                    yield sse(c)
-                continue
             if kind == "error":
                 yield _sse(_failure(value).body())
-            else:
-                for c in shape.end(value):
-                    yield sse(c)
-                if include_usage:
-                    yield _sse(shape.chunk([], _usage(value)))
-            break
+                break
+            index, value = value
+            for c in (shape.text(index, value) if kind == "text" else shape.end(index, value)):
+                yield sse(c)
+            if kind == "done":
+                outcomes.append(value)
+        if include_usage and len(outcomes) == len(job.prompts):
+            yield _sse(shape.chunk([], _usage(outcomes)))
         yield b"data: [DONE]\n\n"
     finally:  # the client went away (the task is cancelled) or the stream ended
         job.cancelled.set()
@@ -245,32 +258,36 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(job: Job, request: Request) -> tuple[list[str], Outcome] | None:
-    """The whole answer, or None when the client disconnected first (its generation is stopped)."""
+async def _collect(job: Job, request: Request) -> list[tuple[list[str], Outcome]] | None:
+    """Each prompt's whole answer (its pieces and outcome), or None when the client disconnected first
+    (its generation is stopped)."""
     gone = asyncio.ensure_future(_disconnected(request))
-    pieces: list[str] = []
+    pieces: list[list[str]] = [[] for _ in job.prompts]
+    outcomes: list[Outcome] = []
     try:
-        while True:
+        while len(outcomes) < len(job.prompts):
             event = asyncio.ensure_future(job.events.get())
             await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not event.done():
                 event.cancel()
                 return None
             kind, value = event.result()
-            if kind == "text":
-                pieces.append(value)
-            elif kind == "done":
-                return pieces, value
-            else:
+            if kind == "error":
                 raise _failure(value)
+            index, value = value
+            if kind == "text":
+                pieces[index].append(value)
+            else:
+                outcomes.append(value)
+        return list(zip(pieces, outcomes))
     finally:
         gone.cancel()
         job.cancelled.set()
 
 
-async def _respond(service: Service, request: Request, req: protocol.Request, ids: list[int],
-                   params: SamplingParams, shape: _Shape) -> Response:
-    job = Job(ids, params)
+async def _respond(service: Service, request: Request, req: protocol.Request,
+                   prompts: list[tuple[list[int], SamplingParams]], shape: _Shape) -> Response:
+    job = Job(prompts)
     try:
         service.worker.submit(job)
     except QueueFull:
@@ -282,7 +299,7 @@ async def _respond(service: Service, request: Request, req: protocol.Request, id
     result = await _collect(job, request)
     if result is None:
         return Response(status_code=499)  # nobody is there to read it
-    return JSONResponse(shape.whole(*result))
+    return JSONResponse(shape.whole(result))
 
 
 async def _read_body(request: Request) -> dict:
@@ -382,15 +399,18 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, queue_limit:
         service.check_model(req.model)
         ids, fmt, prefix = await asyncio.to_thread(service.chat_prompt, req)
         params = service.sampling(req, ids, None, fmt.stops if fmt else (), "messages")
-        return await _respond(service, request, req, ids, params, _Chat(service, fmt, prefix, req.parallel_tool_calls))
+        return await _respond(service, request, req, [(ids, params)],
+                              _Chat(service, fmt, prefix, req.parallel_tool_calls))
 
     @v1.post("/completions")
     async def completions(request: Request):
         req = protocol.parse_completion(await _read_body(request))
         service.check_model(req.model)
-        ids = await asyncio.to_thread(service.completion_prompt, req)
-        params = service.sampling(req, ids, 16, (), "prompt")  # OpenAI's default: 16 tokens
-        return await _respond(service, request, req, ids, params, _Completion(service))
+        prompts = await asyncio.to_thread(service.completion_prompts, req)
+        # Each prompt is answered in turn; OpenAI's default length is 16 tokens.
+        answers = [(ids, service.sampling(req, ids, 16, (), "prompt", _which(prompts, i)))
+                   for i, ids in enumerate(prompts)]
+        return await _respond(service, request, req, answers, _Completion(service))
 
     app.include_router(v1)
     return app

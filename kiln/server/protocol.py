@@ -13,6 +13,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from ..messages import MessageError, validate_messages
+
 _MAX_SEED = 2**64 - 1
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -172,24 +174,49 @@ def _common(body: dict, allowed: set[str]) -> Request:
 # /v1/completions
 
 
+MAX_PROMPTS = 128  # prompts in one /v1/completions request (each is answered in turn, in one queue slot)
+_PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+
+
 @dataclass
 class CompletionRequest(Request):
-    prompt: str | list[int] = ""
+    prompts: list[str | list[int]] = field(default_factory=list)   # one choice each, in this order
 
 
 def parse_completion(body: dict) -> CompletionRequest:
     req = _common(body, COMPLETION_FIELDS)
     if "prompt" not in body:
         raise bad("prompt is required", "prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
+    return CompletionRequest(**vars(req), prompts=_prompts(body["prompt"]))
+
+
+def _prompts(v) -> list[str | list[int]]:
+    """The prompts of a request, as OpenAI takes them: a string, a list of token ids, or a batch (a
+    list) of either kind, not mixed."""
+    if isinstance(v, str):
+        if not v:
             raise bad("prompt must not be empty", "prompt")
-    elif not (isinstance(prompt, list) and prompt and all(_is_int(i) for i in prompt)):
-        raise bad("prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
-    return CompletionRequest(**vars(req), prompt=prompt)
+        return [v]
+    if not isinstance(v, list):
+        raise bad(f"prompt must be {_PROMPT_FORMS}", "prompt")
+    if not v:
+        raise bad("prompt must not be an empty list", "prompt")
+    if all(_is_int(i) for i in v):
+        return [v]
+    if all(isinstance(p, str) for p in v):
+        kind = "string"
+    elif all(isinstance(p, list) for p in v):
+        kind = "list of token ids"
+    else:
+        raise bad(f"prompt must be {_PROMPT_FORMS} (one kind, not a mix)", "prompt")
+    if len(v) > MAX_PROMPTS:
+        raise bad(f"prompt holds {len(v)} prompts; at most {MAX_PROMPTS} go in one request", "prompt")
+    for i, p in enumerate(v):
+        if not p:
+            raise bad(f"prompt[{i}] is empty", "prompt")
+        if kind != "string" and not all(_is_int(t) for t in p):
+            raise bad(f"prompt[{i}] must be a list of token ids (integers)", "prompt")
+    return v
 
 
 # ------------------------------------------------------------------------------------------------
@@ -203,16 +230,6 @@ class ChatRequest(Request):
     tool_choice: str = "auto"             # "auto" | "none" | "required" | "function"
     tool_name: str | None = None          # the function tool_choice names
     parallel_tool_calls: bool = True
-
-
-_ROLE_FIELDS = {
-    "system": {"content", "name"},
-    "developer": {"content", "name"},
-    "user": {"content", "name"},
-    "assistant": {"content", "name", "tool_calls", "refusal", "annotations", "audio", "function_call",
-                  "reasoning_content", "reasoning"},
-    "tool": {"content", "tool_call_id", "name"},
-}
 
 
 def parse_chat(body: dict) -> ChatRequest:
@@ -232,95 +249,10 @@ def parse_chat(body: dict) -> ChatRequest:
 def _messages(raw) -> list[dict]:
     if raw is None:
         raise bad("messages is required", "messages")
-    if not isinstance(raw, list) or not raw:
-        raise bad("messages must be a non-empty array", "messages")
-    out, names = [], {}
-    for i, m in enumerate(raw):
-        p = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{p} must be an object with a role and content", p)
-        role = m.get("role")
-        if role not in _ROLE_FIELDS:
-            raise bad(f"{p}.role must be one of {', '.join(_ROLE_FIELDS)}; got {json.dumps(role)}", f"{p}.role")
-        for key in m:
-            if key != "role" and key not in _ROLE_FIELDS[role]:
-                raise bad(f"{p}: unsupported field {key!r} for a {role} message", f"{p}.{key}")
-        if m.get("name") is not None and not isinstance(m["name"], str):
-            raise bad(f"{p}.name must be a string", f"{p}.name")
-        msg = {"role": "system" if role == "developer" else role}
-        if m.get("name") is not None:
-            msg["name"] = m["name"]
-        calls = _message_tool_calls(m.get("tool_calls"), p) if role == "assistant" else None
-        msg["content"] = _content(m.get("content"), f"{p}.content", optional=role == "assistant")
-        if calls:
-            msg["tool_calls"] = calls
-            names.update((c["id"], c["function"]["name"]) for c in calls)
-            if not msg["content"]:
-                msg["content"] = None  # templates test `message.content` before writing it
-        if role == "assistant":
-            for key in ("reasoning_content", "reasoning"):
-                if m.get(key) is not None:
-                    if not isinstance(m[key], str):
-                        raise bad(f"{p}.{key} must be a string", f"{p}.{key}")
-                    msg[key] = m[key]
-        if role == "tool":
-            tid = m.get("tool_call_id")
-            if not isinstance(tid, str):
-                raise bad(f"{p}.tool_call_id must be a string (the id of the call this answers)", f"{p}.tool_call_id")
-            msg["tool_call_id"] = tid
-            if "name" not in msg and tid in names:
-                msg["name"] = names[tid]  # some templates write the function's name with its result
-        out.append(msg)
-    return out
-
-
-def _content(v, p: str, optional: bool) -> str:
-    """String content, or text parts joined with newlines (as vLLM joins them)."""
-    if v is None:
-        if optional:
-            return ""
-        raise bad(f"{p} is required", p)
-    if isinstance(v, str):
-        return v
-    if not isinstance(v, list):
-        raise bad(f"{p} must be a string or an array of text parts", p)
-    texts = []
-    for j, part in enumerate(v):
-        q = f"{p}[{j}]"
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad(f'{q}: only text parts ({{"type": "text", "text": ...}}) are supported, got {json.dumps(kind)}',
-                      q)
-        if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
-            raise bad(f'{q} must be {{"type": "text", "text": "..."}}', q)
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _message_tool_calls(v, p: str) -> list[dict] | None:
-    if v is None:
-        return None
-    if not isinstance(v, list):
-        raise bad(f"{p}.tool_calls must be an array", f"{p}.tool_calls")
-    calls = []
-    for j, c in enumerate(v):
-        q = f"{p}.tool_calls[{j}]"
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(c.get("id"), str) \
-                or c.get("type", "function") != "function":
-            raise bad(f'{q} must be {{"id": "...", "type": "function", '
-                      f'"function": {{"name": "...", "arguments": "{{...}}"}}}}', q)
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                raise bad(f"{q}.function.arguments is not valid JSON", f"{q}.function.arguments") from None
-        if not isinstance(args, dict):
-            raise bad(f"{q}.function.arguments must be a JSON object", f"{q}.function.arguments")
-        # Templates index arguments as a mapping, as transformers and vLLM hand them over.
-        calls.append({"id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}})
-    return calls
+    try:
+        return validate_messages(raw)   # the rules kiln chat --messages applies too
+    except MessageError as e:
+        raise bad(str(e), e.param) from None
 
 
 def _tools(v) -> list[dict] | None:

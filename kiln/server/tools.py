@@ -11,6 +11,9 @@ Formats (what each model family generates):
   gemma4       Gemma 4:             <|tool_call>call:f{x:1,s:<|"|>text<|"|>}<tool_call|>
   mistral      Mistral:             [TOOL_CALLS][{"name": "f", "arguments": {...}}]  or  [TOOL_CALLS]f[ARGS]{...}
   json         Llama 3.x and any other template that takes tools: {"name": "f", "parameters": {...}}
+  generic      a template that takes no tools (SmolLM2's), as llama-server's generic format: the tool
+               schemas and an instruction in the system message; the whole answer is one JSON object,
+               {"tool_call": {"name": "f", "arguments": {...}}} (or "tool_calls": [...]) or {"response": "..."}
 """
 
 from __future__ import annotations
@@ -71,6 +74,11 @@ class ToolFormat:
     also: tuple[str, ...] = () # other openers
     end: str | None = None     # closes it; None: the block runs to the end of the text
     stops: tuple[str, ...] = ()
+    in_template = True         # the chat template writes the tools into the prompt (False: `render` does)
+
+    def stream(self, parallel: bool = True) -> "ToolStream":
+        """A parser for one answer, fed as it is generated."""
+        return ToolStream(self, parallel)
 
     def parse(self, block: str) -> list[ToolCall]:
         """The calls in one block (markers included); ValueError if it is not a valid call."""
@@ -211,6 +219,153 @@ def detect(template: str | None) -> ToolFormat | None:
         if fmt.start in template and fmt.name != "json":
             return fmt
     return FORMATS["json"]
+
+
+_FENCE = re.compile(r"```[A-Za-z]*[ \t]*\n?")
+
+
+class Generic(ToolFormat):
+    """For chat templates that take no tools, as llama-server's generic format (which it runs under a
+    grammar; kiln, without one, parses what the model wrote). `render` writes the tool schemas and an
+    instruction into the system message, and earlier calls and tool results into the history as the
+    same JSON; the answer is one JSON object, optionally in a ``` fence:
+    {"tool_call": {"name": ..., "arguments": {...}}}, {"tool_calls": [...]} or {"response": "..."}.
+    Text after the object stays content; an answer that is not such an object is content as written."""
+    name, start, in_template = "generic", '{"tool_call"', False
+
+    def prefix(self, name):
+        return '{"tool_call": {"name": ' + (f'"{name}", "arguments": ' if name else '"')
+
+    def stream(self, parallel=True):
+        return GenericStream(self, parallel)
+
+    def parse(self, block):
+        calls, _ = self.read(block)
+        if not calls:
+            raise ValueError("no tool call")
+        return calls
+
+    def read(self, text: str) -> tuple[list[ToolCall], str]:
+        """(calls, content) of a whole answer; ValueError when it does not start with such an object."""
+        body = text.strip()
+        fence = _FENCE.match(body)
+        if fence:
+            body = body[fence.end():]
+        value, end = json.JSONDecoder().raw_decode(body)
+        rest = body[end:].strip()
+        if fence and rest.startswith("```"):
+            rest = rest[3:].strip()
+        if not isinstance(value, dict):
+            raise ValueError("the answer must be a JSON object")
+        if "tool_call" in value or "tool_calls" in value:
+            return _from_dicts([value.get("tool_call", value.get("tool_calls"))]), rest
+        if "response" in value:
+            answer = value["response"]
+            answer = answer if isinstance(answer, str) else json.dumps(answer, ensure_ascii=False, indent=2)
+            return [], "\n\n".join(t for t in (answer, rest) if t)
+        raise ValueError('expected "tool_call", "tool_calls" or "response"')
+
+    def render(self, messages: list[dict], tools: list[dict] | None, name: str | None = None) -> list[dict]:
+        """`messages` (validated, as kiln/messages.py gives them) for a template that takes no tools:
+        an assistant's calls written as the JSON the model is asked for, tool results as user turns
+        (consecutive ones merged into one), and with `tools`, the schemas and the instruction appended
+        to the system message (or put in a new one)."""
+        out: list[dict] = []
+        results_at = -1   # the index in `out` of the user turn that holds the latest tool results
+        for m in messages:
+            if m["role"] == "tool":
+                result = json.dumps({"tool_response": {"name": m.get("name"), "tool_call_id": m["tool_call_id"],
+                                                       "content": m["content"]}}, ensure_ascii=False)
+                if results_at == len(out) - 1 and out:
+                    out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + result}
+                else:
+                    out.append({"role": "user", "content": result})
+                    results_at = len(out) - 1
+                continue
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                         for c in m["tool_calls"]]
+                text = json.dumps({"tool_call": calls[0]} if len(calls) == 1 else {"tool_calls": calls},
+                                  ensure_ascii=False)
+                m = {k: v for k, v in m.items() if k != "tool_calls"}
+                m["content"] = text + (f"\n\n{m['content']}" if m.get("content") else "")
+            out.append(m)
+        if tools:
+            text = self.instructions(tools, name)
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text}
+            else:
+                out.insert(0, {"role": "system", "content": text})
+        return out
+
+    def instructions(self, tools: list[dict], name: str | None = None) -> str:
+        """The system message's text: the tools, and how to answer (an example call to `name`, or the
+        first tool)."""
+        fn = next((t["function"] for t in tools if t["function"]["name"] == name), tools[0]["function"])
+        example = {"tool_call": {"name": fn["name"], "arguments": _example_arguments(fn.get("parameters"))}}
+        return ("You can call any of the following tools to satisfy the user's requests: "
+                + json.dumps(tools, indent=2, ensure_ascii=False)
+                + "\n\nRespond in JSON format, either with `tool_call` (a request to call a tool) or with "
+                  "`response` (a reply to the user's request), for example:\n"
+                + json.dumps(example, ensure_ascii=False) + '\nor\n{"response": "<your reply>"}')
+
+
+def _example_arguments(schema) -> dict:
+    """Placeholder arguments for an example call: the required properties (or all, at most 4) with a
+    value of their type."""
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(props, dict):
+        return {}
+    required = schema.get("required")
+    keys = [k for k in required if k in props] if isinstance(required, list) else []
+    out = {}
+    for key in (keys or list(props))[:4]:
+        kind = props[key].get("type") if isinstance(props[key], dict) else None
+        out[key] = _EXAMPLE_VALUES[kind] if isinstance(kind, str) and kind in _EXAMPLE_VALUES else f"<{key}>"
+    return out
+
+
+_EXAMPLE_VALUES = {"integer": 1, "number": 1, "boolean": True, "array": [], "object": {}}
+
+
+GENERIC = Generic()
+
+
+class GenericStream:
+    """The generic format's parser: an answer that starts (after whitespace) with text other than `{`
+    or a ``` fence is content and passes through as it comes; one that starts with either is held to
+    the end and read whole (calls and the text after them, the response, or, if it does not parse,
+    the text as written)."""
+
+    def __init__(self, fmt: Generic, parallel: bool = True):
+        self.fmt, self.parallel = fmt, parallel
+        self.buf, self.mode = "", None   # mode: None (only whitespace yet), "text" or "json"
+        self.calls = 0
+
+    def push(self, text: str) -> list[tuple[str, object]]:
+        if self.mode == "text":
+            return [("content", text)] if text else []
+        self.buf += text
+        head = self.buf.lstrip()
+        if self.mode is None and head:
+            self.mode = "json" if head[0] in "{`" else "text"
+            if self.mode == "text":
+                text, self.buf = self.buf, ""
+                return [("content", text)]
+        return []
+
+    def finish(self) -> list[tuple[str, object]]:
+        text, self.buf = self.buf, ""
+        if self.mode != "json":
+            return [("content", text)] if text else []
+        try:
+            calls, content = self.fmt.read(text)
+        except Exception:  # whatever the model wrote (deep nesting included), it stays the model's text
+            return [("content", text)]
+        if not self.parallel:
+            calls = calls[:1]
+        self.calls += len(calls)
+        return [("call", c) for c in calls] + ([("content", content)] if content else [])
 
 
 class ToolStream:

@@ -1,9 +1,10 @@
 """The engine worker: one thread owns the model and runs queued requests one at a time.
 
 HTTP handlers run on the event loop; they hand a `Job` to the worker through a bounded queue and
-read its events ("text" pieces, then "done" with the token counts, or "error") from an asyncio queue
-the worker fills with `call_soon_threadsafe`. A job whose client went away is skipped, or stopped at
-its next piece.
+read its events from an asyncio queue the worker fills with `call_soon_threadsafe`: for each of the
+job's prompts in turn (a chat has one, a /v1/completions batch several) ("text", (index, piece))
+events then ("done", (index, Outcome)) with its token counts; or ("error", exception). A job whose
+client went away is skipped, or stopped at its next piece.
 """
 
 from __future__ import annotations
@@ -27,9 +28,16 @@ class Outcome:
     cached_tokens: int          # prompt tokens served from the previous request's state
 
 
+# kiln's finish reasons -> OpenAI's: a stop string and an end-of-sequence token are both "stop", the
+# max context is one more "length" (OpenAI has no value for it).
+OPENAI_FINISH = {"stop": "stop", "eos": "stop", "length": "length", "context": "length"}
+
+
 class Job:
-    def __init__(self, prompt_ids: list[int], params: SamplingParams):
-        self.prompt_ids, self.params = prompt_ids, params
+    """One request: its prompts' ids and sampling settings, answered one after another in one queue slot."""
+
+    def __init__(self, prompts: list[tuple[list[int], SamplingParams]]):
+        self.prompts = prompts
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -82,18 +90,27 @@ class Worker:
                     self.running = False
 
     def _run(self, job: Job) -> None:
+        for index, (prompt_ids, params) in enumerate(job.prompts):
+            if job.cancelled.is_set() or not self._run_one(job, index, prompt_ids, params):
+                return
+
+    def _run_one(self, job: Job, index: int, prompt_ids: list[int], params: SamplingParams) -> bool:
+        """One prompt of the job; False when the job ends here (its client left, or a bug)."""
         run = None
         try:
-            run = Generation(self.llm, job.prompt_ids, job.params)
+            run = Generation(self.llm, prompt_ids, params)
             for piece in run:
                 if job.cancelled.is_set():
-                    return
-                job.emit("text", piece)
-            job.emit("done", Outcome(run.finish_reason or "length", len(job.prompt_ids), len(run.token_ids),
-                                     run.stream.times.cached_tokens))
+                    return False
+                job.emit("text", (index, piece))
+            finish = OPENAI_FINISH.get(run.finish_reason, "length")
+            outcome = Outcome(finish, len(prompt_ids), len(run.token_ids), run.stream.times.cached_tokens)
+            job.emit("done", (index, outcome))
+            return True
         except Exception as e:  # a bug: the request fails, the worker lives on
             traceback.print_exc(file=sys.stderr)
             job.emit("error", e)
+            return False
         finally:
             if run is not None:
                 run.close()  # end the engine loop now, not whenever it is collected

@@ -66,8 +66,9 @@ def _lengths(s: str) -> list[int]:
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="prefill and decode tok/s per prompt length, optionally beside transformers")
     add_runtime_flags(p)
-    p.add_argument("--prompt-lengths", type=_lengths, default=list(DEFAULT_LENGTHS), metavar="N,N,...",
-                   help="prompt lengths in tokens (default 512,2048,8192,32768,81920)")
+    p.add_argument("--prompt-lengths", type=_lengths, default=None, metavar="N,N,...",
+                   help="prompt lengths in tokens (default 512,2048,8192,32768,81920: those that fit the "
+                        "model's context, and the longest prompt that does)")
     p.add_argument("--gen", type=at_least(2), default=128,
                    help="tokens generated after each prompt (default 128)")
     p.add_argument("--runs", type=at_least(1), default=2,
@@ -92,6 +93,24 @@ def _check_outputs(a) -> None:
         if importlib.util.find_spec("matplotlib") is None:
             raise KilnError("--plot needs matplotlib (pip install 'kiln[bench]')")
         check_writable(a.plot, "--plot")
+
+
+def fitted_defaults(limit: int, gen: int, say) -> list[int]:
+    """The default prompt lengths that fit the max context with `gen` generated tokens; where some do
+    not, the longest prompt that fits is added, and `say` tells which were dropped. Plain `kiln bench`
+    should measure something on every model, not skip lengths a small model cannot hold."""
+    fit = [n for n in DEFAULT_LENGTHS if n + gen <= limit]
+    dropped = [n for n in DEFAULT_LENGTHS if n + gen > limit]
+    longest = limit - gen
+    if not dropped:
+        return fit
+    if longest < 1:
+        raise KilnError(f"--gen {gen} leaves no room for a prompt in the max context of {limit} tokens")
+    if longest not in fit:
+        fit.append(longest)
+    say(f"default prompt lengths {', '.join(map(str, dropped))} + --gen {gen} exceed the max context of "
+        f"{limit} tokens: measuring {', '.join(map(str, fit))} ({longest}: the longest prompt that fits)")
+    return fit
 
 
 # -- measuring one engine -----------------------------------------------------------------------------
@@ -384,8 +403,9 @@ def main(a) -> int:
               "load_stages": llm.load_stages or None, "tune_s": _backend_fact(llm, "tune_s"),
               "tune_cache": _backend_fact(llm, "tune_cache"), "peak_mem_gb": None,
               "launches_per_token": _backend_fact(llm, "launches_per_token")}
-    prompts = random_prompts(llm.model.cfg.vocab_size, a.prompt_lengths, a.seed)
     limit = llm.engine.max_context
+    lengths = a.prompt_lengths or fitted_defaults(limit, gen, say)   # explicit lengths that do not fit are skipped
+    prompts = random_prompts(llm.model.cfg.vocab_size, lengths, a.seed)
     skips = {n: f"prompt {n} + {gen} generated tokens exceed the max context of {limit} tokens"
              for n in prompts if n + gen > limit}
     base_model = a.model if (a.model or "").startswith("synth:") else str(llm.path)

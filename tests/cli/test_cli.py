@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
@@ -28,6 +29,31 @@ def test_run_default_model_says_paris():
     assert "Paris" in r.stdout
     stats = [line for line in r.stderr.splitlines() if "tok/s" in line]
     assert len(stats) == 1 and "prompt 5 tok" in stats[0] and "load" in stats[0]
+    assert stats[0].endswith("| finish length"), stats
+
+
+@pytest.mark.parametrize("args, ending", [
+    (["run", "--prompt", "The capital of France is", "--max-new", "50", "--max-context", "20"],
+     "generated 15 tok | finish context (max context 20 tokens)"),   # the issue's command
+    (["chat", "--messages", "M", "--temperature", "0", "--max-new", "100"], "finish eos"),
+    (["run", "--prompt", "The capital of France is", "--max-new", "20", "--stop", "Paris"], "finish stop"),
+])
+def test_stats_line_says_why_generation_ended(args, ending, tmp_path):
+    m = tmp_path / "m.json"
+    m.write_text(json.dumps([{"role": "user", "content": "What is the capital of France?"}]))
+    r = kiln(*[str(m) if x == "M" else x for x in args])
+    assert r.returncode == 0, r.stderr
+    stats = [line for line in r.stderr.splitlines() if "tok/s" in line]
+    assert len(stats) == 1, r.stderr
+    generated, _, finish = ending.rpartition(" | ")
+    assert generated in stats[0] and stats[0].endswith(" | " + finish), stats
+
+
+def test_output_cut_inside_a_character_ends_without_a_replacement_char():
+    """The issue's command: the 12th token ends halfway through a katakana character."""
+    r = kiln("run", "--prompt", "日本の首都は", "--max-new", "12")
+    assert r.returncode == 0 and "generated 12 tok" in r.stderr, r.stderr
+    assert r.stdout.strip() and "\ufffd" not in r.stdout, r.stdout
 
 
 def test_quiet_prints_nothing_on_stderr():
@@ -96,6 +122,19 @@ def test_corrupt_model_file_is_a_clear_error(tmp_path, content):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "kiln: error:" in r.stderr
 
 
+def test_garbled_gguf_is_a_clear_error(tmp_path):
+    """The issue's file: 3,000 bytes overwritten at offset 200 of SmolLM2 (was: internal error, KeyError)."""
+    src = hub.ensure("smollm2-135m")
+    bad = tmp_path / "garbled.gguf"
+    data = bytearray(src.read_bytes())
+    data[200:3200] = random.Random(0).randbytes(3000)
+    bad.write_bytes(data)
+    r = kiln("run", str(bad), "--prompt", "hi")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kiln: error:") and "not a valid GGUF file (" in lines[0], lines
+
+
 def test_truncated_gguf_is_a_clear_error(tmp_path):
     src = hub.ensure("smollm2-135m")
     bad = tmp_path / "truncated.gguf"
@@ -140,3 +179,50 @@ def test_run_random_prompt_is_seeded():
 def test_run_prompt_mistakes_exit_2(args, says):
     r = kiln("run", "synth:tiny-llama", "--device", "cpu", *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr and says in r.stderr, r.stderr
+
+
+# -- checks made before the model loads (issue 25, item 2) --------------------------------------------
+
+def _no_template_messages(tmp_path) -> str:
+    m = tmp_path / "m.json"
+    m.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    return str(m)
+
+
+EARLY_MISTAKES = [
+    (["run", "--prompt", "Hello", "--temperature", "-1"], "temperature"),
+    (["run", "--prompt", "Hello", "--top-p", "1.5"], "top_p"),
+    (["run", "--prompt", "Hello", "--min-p", "2"], "min_p"),
+    (["run", "--prompt", "Hello", "--repetition-penalty", "0"], "repetition_penalty"),
+    (["chat", "--messages", "M", "--temperature", "-1"], "temperature"),
+    (["run", "--prompt", "Hello", "--max-context", "1"], "max-context"),
+    (["chat", "gemma3-270m", "--messages", "M"], "no chat template"),
+]
+
+
+@pytest.mark.parametrize("args, says", EARLY_MISTAKES)
+def test_mistakes_are_refused_before_the_model_loads(args, says, tmp_path):
+    """The error is all stderr says: no weight-loading progress and no "kiln: loaded" line came first."""
+    hub.ensure("gemma3-270m")
+    args = [_no_template_messages(tmp_path) if x == "M" else x for x in args]
+    r = kiln(*args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kiln: error:") and says in lines[0], lines[-3:]
+
+
+@pytest.mark.parametrize("args, says", EARLY_MISTAKES)
+def test_mistakes_are_refused_without_reading_weights(args, says, tmp_path, monkeypatch, capsys):
+    """In process, with the weights' loader replaced by one that fails the test if it is called."""
+    import kiln.api
+    from kiln.cli import main as kiln_main
+
+    def no_weights(*a, **k):
+        raise AssertionError("a mistake must be refused before the weights load")
+
+    hub.ensure("gemma3-270m")
+    monkeypatch.setattr(kiln.api, "build_model", no_weights)
+    args = [_no_template_messages(tmp_path) if x == "M" else x for x in args]
+    assert kiln_main([*args, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kiln: error:") and says in err, err

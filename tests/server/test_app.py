@@ -211,6 +211,36 @@ def test_token_id_prompts_and_text_parts(client):
     assert parts.choices[0].message.content == plain.choices[0].message.content
 
 
+def test_a_list_of_prompts_is_answered_in_order_with_its_index(client):
+    """OpenAI's batch form of /v1/completions: a list of strings or of token-id lists, one choice each."""
+    prompts = [PROMPT, "def fibonacci(n):", "Once upon a time"]
+    kw = dict(model=MODEL, max_tokens=6, temperature=0)
+    single = [client.completions.create(prompt=p, **kw) for p in prompts]
+    batch = client.completions.create(prompt=prompts, **kw)
+    assert batch.object == "text_completion" and [c.index for c in batch.choices] == [0, 1, 2]
+    assert [(c.text, c.finish_reason) for c in batch.choices] == \
+        [(s.choices[0].text, s.choices[0].finish_reason) for s in single]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert getattr(batch.usage, key) == sum(getattr(s.usage, key) for s in single), key
+
+    ids = client.completions.create(prompt=[[504, 3575, 282, 4649, 314], [504, 3575]], **kw)
+    assert [c.index for c in ids.choices] == [0, 1] and ids.choices[0].text == single[0].choices[0].text
+    assert ids.usage.prompt_tokens == 7
+
+    # Streamed: each chunk's choice carries its prompt's index; the prompts are answered in order.
+    chunks = list(client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == batch.usage.completion_tokens
+    order = [c.index for chunk in chunks[:-1] for c in chunk.choices]
+    assert order == sorted(order) and set(order) == {0, 1, 2}
+    texts, finish = ["", "", ""], [None, None, None]
+    for chunk in chunks[:-1]:
+        (c,) = chunk.choices
+        assert finish[c.index] is None  # nothing of a prompt follows its finish_reason
+        texts[c.index] += c.text
+        finish[c.index] = c.finish_reason
+    assert [(t, f) for t, f in zip(texts, finish)] == [(c.text, c.finish_reason) for c in batch.choices]
+
+
 def test_sixteen_concurrent_streams_equal_their_sequential_answers(client):
     prompts = [f"{i} plus {i} is" for i in range(16)]
     kw = dict(model=MODEL, max_tokens=3, temperature=0, stream=True)
@@ -253,6 +283,10 @@ def test_a_model_without_chat_template_cannot_chat(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["code"] == "no_chat_template" and "/v1/completions" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # tools too: the generic tool format needs a template
+        c.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": "hi"}],
+                                  tools=[{"type": "function", "function": {"name": "f"}}])
+    assert e.value.body["code"] == "no_chat_template"
     out = c.completions.create(model="gemma3-270m", prompt="The capital of France is", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3 and out.choices[0].text
 
@@ -314,14 +348,20 @@ MALFORMED = [
     (CHAT, _c(guided_json={"type": "object"}), 400, "guided_json"),
     (CHAT, _c(stream="yes"), 400, "stream"),
     (CHAT, _c(stream_options={"include_usage": True}), 400, "stream_options"),
-    (CHAT, _c(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),  # SmolLM's template
     (CHAT, _c(tools={"f": 1}), 400, "tools"),
     (CHAT, _c(tool_choice="required"), 400, "tool_choice"),
     (CHAT, _c(model=5), 400, "model"),
     (CHAT, _c(model="gpt-4o"), 404, "model"),
     (COMPLETIONS, {"max_tokens": 2}, 400, "prompt"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": []}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", ""]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [[1, 2], "a"]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [[1, 2], []]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [[1, 2], [True]]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": [[1, 2], [10**9]]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ["hi", " hi" * 9000]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ["hi"] * 10_000}, 400, "prompt"),
     (COMPLETIONS, {"prompt": [1, "two"]}, 400, "prompt"),
     (COMPLETIONS, {"prompt": [10**9]}, 400, "prompt"),
     (COMPLETIONS, {"prompt": " hi" * 9000}, 400, "prompt"),

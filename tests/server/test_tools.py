@@ -142,10 +142,111 @@ def test_the_server_reads_the_call_format_from_a_tool_use_template(tmp_path):
 
     path = build_tool_model(tmp_path)
     (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    assert Service(kiln.load(path, device="cpu", dtype="f32"), "m", None, 1).tool_format is None
+    # A template that ignores tools gets the generic format (the tools written into the system message).
+    assert Service(kiln.load(path, device="cpu", dtype="f32"), "m", None, 1).tool_format.name == "generic"
     (path / "additional_chat_templates").mkdir()
     (path / "additional_chat_templates" / "tool_use.jinja").write_text(TEMPLATE)
     assert Service(kiln.load(path, device="cpu", dtype="f32"), "m", None, 1).tool_format.name == "hermes"
+
+
+# ------------------------------------------------------------------------------------------------
+# The generic format (templates that take no tools): one JSON object is the whole answer
+
+CALL_JSON = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}'
+GENERIC = [
+    (CALL_JSON, "", [("get_weather", {"city": "Paris"})]),
+    ("\n  " + CALL_JSON + "\n", "", [("get_weather", {"city": "Paris"})]),
+    ("```json\n" + CALL_JSON + "\n```", "", [("get_weather", {"city": "Paris"})]),
+    ("```\n" + CALL_JSON + "\n```\n", "", [("get_weather", {"city": "Paris"})]),
+    ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]}',
+     "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ('{"tool_call": {"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}}', "", [("get_time", {"tz": "CET"})]),
+    (CALL_JSON + "\n\nThe weather in Paris is nice.", "The weather in Paris is nice.",
+     [("get_weather", {"city": "Paris"})]),
+    ('{"response": "Paris is the capital of France."}', "Paris is the capital of France.", []),
+    ('```json\n{"response": "Hi! {braces} and \\"quotes\\""}\n```', 'Hi! {braces} and "quotes"', []),
+    ("Paris is the capital of France.\n", "Paris is the capital of France.\n", []),
+    ("  A plain answer with a {brace} in it.", "  A plain answer with a {brace} in it.", []),
+]
+GENERIC_MALFORMED = [
+    '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}',    # cut short
+    '{"tool_call": {"name": "get_weather", "arguments": [1, 2]}}',               # arguments not an object
+    '{"tool_call": {"name": "bad name!", "arguments": {}}}',
+    '{"tool_call": "get_weather"}',
+    '{"answer": "Paris"}',
+    "{not json}",
+    "```json\nnot json\n```",
+    "[" * 5000 + "]" * 5000,
+]
+
+
+def _generic(pieces: list[str], parallel: bool = True):
+    stream, events = tools.GENERIC.stream(parallel), []
+    for p in pieces:
+        events += stream.push(p)
+    events += stream.finish()
+    content = "".join(v for k, v in events if k == "content")
+    calls = [(v.name, json.loads(v.arguments)) for k, v in events if k == "call"]
+    return content, calls
+
+
+@pytest.mark.parametrize("text, content, calls", GENERIC, ids=[str(i) for i in range(len(GENERIC))])
+def test_generic_parser_reads_calls_answers_and_plain_text(text, content, calls):
+    assert _generic([text]) == (content, calls)
+    assert _generic(list(text)) == (content, calls)
+    for cut in range(1, len(text)):
+        assert _generic([text[:cut], text[cut:]]) == (content, calls), cut
+
+
+@pytest.mark.parametrize("text", GENERIC_MALFORMED, ids=[str(i) for i in range(len(GENERIC_MALFORMED))])
+def test_generic_parser_gives_malformed_json_back_as_text(text):
+    assert _generic([text]) == (text, [])
+
+
+def test_generic_plain_text_streams_as_it_comes():
+    stream = tools.GENERIC.stream(True)
+    assert stream.push("  ") == [] and stream.push("Hello") == [("content", "  Hello")]
+    assert stream.push(" world") == [("content", " world")] and stream.finish() == []
+    held = tools.GENERIC.stream(True)
+    assert held.push('{"response": ') == [] and held.push('"Hi"}') == [] and held.finish() == [("content", "Hi")]
+
+
+def test_generic_parallel_tool_calls_false_keeps_the_first_call():
+    text = GENERIC[4][0]
+    assert _generic([text], parallel=False) == ("", [("get_weather", {"city": "Paris"})])
+
+
+@pytest.mark.parametrize("name, rest, call", [
+    ("get_weather", ' {"city": "Paris"}}}', ("get_weather", {"city": "Paris"})),
+    (None, 'get_weather", "arguments": {"city": "Paris"}}}', ("get_weather", {"city": "Paris"})),
+])
+def test_generic_forced_call_prefix_and_its_continuation_parse(name, rest, call):
+    assert _generic([tools.GENERIC.prefix(name), rest]) == ("", [call])
+
+
+def test_generic_render_puts_the_tools_in_the_system_message_and_writes_the_history_as_json():
+    history = [
+        {"role": "user", "content": "Weather in Paris and the time?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "name": "get_time", "content": "noon"},
+    ]
+    out = tools.GENERIC.render(history, TOOLS)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    system = out[0]["content"]
+    assert json.dumps(TOOLS, indent=2) in system and '"tool_call"' in system and '"response"' in system
+    assert json.loads(out[2]["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}},
+                                                            {"name": "get_time", "arguments": {}}]}
+    # Consecutive tool results become one user turn (templates that want roles to alternate).
+    results = [json.loads(line) for line in out[3]["content"].splitlines()]
+    assert results == [{"tool_response": {"name": "get_weather", "tool_call_id": "c1", "content": "sunny"}},
+                       {"tool_response": {"name": "get_time", "tool_call_id": "c2", "content": "noon"}}]
+    # An existing system message keeps its text, the tools follow it; without tools nothing is added.
+    own = tools.GENERIC.render([{"role": "system", "content": "Be brief."}] + history[:1], TOOLS)
+    assert own[0]["content"].startswith("Be brief.\n\n") and len(own) == 2
+    assert tools.GENERIC.render(history[:1], None) == history[:1]
 
 
 def test_tool_call_arguments_are_a_json_object_string():
@@ -179,8 +280,8 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 def _stream_chat(client, **kw):
     """(content, tool calls, finish_reason, usage) from a streamed chat; checks the chunk order."""
-    chunks = list(client.chat.completions.create(model="tool-model", stream=True,
-                                                 stream_options={"include_usage": True}, **kw))
+    kw.setdefault("model", "tool-model")
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     finish = [c.choices[0].finish_reason for c in chunks[:-1]]
@@ -256,3 +357,63 @@ def test_tool_requests_that_cannot_be_served_are_400(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="tool-model", messages=USER, **kw)
         assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+# ------------------------------------------------------------------------------------------------
+# The generic format end to end: the bundled SmolLM2, whose template takes no tools
+
+SMOL = "smollm2-135m"
+WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    srv = Server(SMOL, "--quiet").wait()
+    yield srv.client()
+    srv.stop()
+
+
+def _well_formed(choice, names):
+    assert choice.finish_reason == "tool_calls" and choice.message.role == "assistant"
+    assert choice.message.tool_calls, choice.message
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        assert isinstance(json.loads(call.function.arguments), dict)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_generic_tool_call_on_smollm2(smol, choice):
+    out = smol.chat.completions.create(model=SMOL, messages=WEATHER, tools=TOOLS, tool_choice=choice,
+                                       temperature=0, max_tokens=48)
+    assert out.object == "chat.completion" and out.usage.completion_tokens <= 48
+    _well_formed(out.choices[0], {"get_weather"})
+    # Streamed, the same call arrives as one delta.
+    content, calls, finish, usage = _stream_chat(smol, model=SMOL, messages=WEATHER, tools=TOOLS, tool_choice=choice,
+                                                 temperature=0, max_tokens=48)
+    want = out.choices[0].message
+    assert finish == "tool_calls" and content == (want.content or "")
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments)
+                                                            for c in want.tool_calls]
+    assert usage.completion_tokens == out.usage.completion_tokens
+
+
+def test_generic_round_trip_and_auto_on_smollm2(smol):
+    first = smol.chat.completions.create(model=SMOL, messages=WEATHER, tools=TOOLS, tool_choice="required",
+                                         temperature=0, max_tokens=48)
+    call = first.choices[0].message.tool_calls[0]
+    messages = WEATHER + [first.choices[0].message,
+                          {"role": "tool", "tool_call_id": call.id, "content": "sunny, 24 C"}]
+    for choice in ("auto", "none"):
+        out = smol.chat.completions.create(model=SMOL, messages=messages, tools=TOOLS, tool_choice=choice,
+                                           temperature=0, max_tokens=24)
+        c = out.choices[0]
+        assert c.finish_reason in ("stop", "length", "tool_calls") and out.usage.prompt_tokens > 0
+        if c.message.tool_calls:
+            _well_formed(c, {"get_weather"})
+        else:
+            assert isinstance(c.message.content, str) and c.message.content
+    # Left to itself, on a question no tool answers, the model writes text: it comes back as content.
+    plain = smol.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "What is 2 plus 3?"}],
+                                         tools=TOOLS, temperature=0, max_tokens=24)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content

@@ -131,6 +131,21 @@ def test_prompt_over_max_context_is_skipped_not_a_crash(tmp_path):
     assert res[0]["prompt_tokens"] == 16 and res[0]["gen_tokens"] == 4 and res[0]["decode_tok_s"] > 0
 
 
+def test_default_lengths_are_clipped_to_the_models_context(tmp_path):
+    """No --prompt-lengths: the defaults that fit (512 in 600 tokens, with --gen 4) and the longest
+    prompt that fits (596), every one measured; stderr says which defaults were dropped and why."""
+    r = kiln("bench", "synth:tiny-llama", "--device", "cpu", "--max-context", "600", "--gen", "4", "--runs", "1",
+             "--json", "out.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    head, *rows = table_rows(r.stdout)
+    assert [row[0] for row in rows] == ["512", "596"] and head[-1] != "note"
+    assert all(num(row[2]) > 0 and num(row[3]) > 0 for row in rows)
+    said = [line for line in r.stderr.splitlines() if "2048, 8192, 32768, 81920" in line]
+    assert len(said) == 1 and "max context of 600 tokens" in said[0] and "596" in said[0], r.stderr
+    res = json.loads((tmp_path / "out.json").read_text())["results"]
+    assert [e["prompt_tokens"] for e in res] == [512, 596] and not any("skipped" in e for e in res)
+
+
 def test_profile_prints_per_op_shares_that_sum_to_100(tmp_path):
     r = kiln("profile", "smollm2-135m", "--device", "cpu", "--prompt-length", "64", "--repeats", "1",
              "--json", "p.json", cwd=tmp_path)
