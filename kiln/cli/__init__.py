@@ -1,6 +1,6 @@
 """The `kiln` command line. Each command lives in its own module, whose add_parser(subparsers) adds
 its parser with `main` set to the function that runs it: the product's commands in this package,
-the tools (bench, compare, profile, synth: kiln/tools) on top of it, loaded by name.
+the tools (bench, compare, profile, quantize, synth: kiln/tools) on top of it, loaded by name.
 
 Generated text goes to stdout as it is produced; statistics and progress go to stderr; user
 mistakes end with one line on stderr and exit code 2.
@@ -18,7 +18,7 @@ from . import generate, models, serve, tune
 from .flags import Parser
 
 COMMANDS = (generate, models, serve, tune)
-TOOLS = ("kiln.tools.bench", "kiln.tools.compare", "kiln.tools.profile", "kiln.tools.synth")
+TOOLS = ("kiln.tools.bench", "kiln.tools.compare", "kiln.tools.profile", "kiln.tools.quantize", "kiln.tools.synth")
 
 
 def build_parser() -> Parser:

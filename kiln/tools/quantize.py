@@ -1,0 +1,317 @@
+"""`kiln quantize SRC OUT`: an HF folder or a GGUF file -> a quantised folder in mlx-lm's layout
+(docs/quant.md). Every quantised tensor is mx.quantize's (mode "affine"), computed by
+kiln/ops/quant/reference.py; a tensor is read, quantised and written a block of rows at a time, so
+memory stays near one tensor whatever the model's size."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..cli.flags import positive_float
+from ..errors import KilnError
+from ..ops.quant.reference import BITS, GROUP_SIZES, quantize
+from ..tokenizer import Tokenizer
+from ..weights import Checkpoint, open_checkpoint
+
+# Families whose mlx-lm model names its weights as HF does (its sanitize only drops a tied lm_head
+# and rotary buffers), and whose 2-D `.weight` tensors are all Linear or Embedding modules.
+FAMILIES = ("llama", "qwen3", "gemma3_text")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+ROUTERS = ("mlp.gate", "shared_expert_gate")          # MoE router gates (--router-bits)
+EMBEDDINGS = ("model.embed_tokens", "lm_head")        # --embedding-bits
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "tokenizer.model", "chat_template.jinja", "chat_template.json")
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+_ST_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+_ITEMSIZE = {"U32": 4, **{st: dtype.itemsize for dtype, st in _ST_NAMES.items()}}
+_HF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+BLOCK = 1 << 22                # elements quantised at a time (rows are independent: same bits)
+SHARD_MB = 5 << 10             # mlx-lm's shard size (5 GiB)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("quantize", help="convert an HF folder or GGUF file into an mlx-lm quantised folder")
+    p.add_argument("src", help="HF folder (config.json + *.safetensors) or .gguf file")
+    p.add_argument("out", help="output folder (must not exist, or be empty)")
+    p.add_argument("--bits", type=int, choices=BITS, default=4, help="bits per weight (default 4)")
+    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64,
+                   help="weights per scale and bias, along the input dimension (default 64)")
+    p.add_argument("--router-bits", type=int, choices=BITS, default=None,
+                   help="MoE router gates (mlp.gate, shared_expert_gate) at these bits")
+    p.add_argument("--embedding-bits", type=int, choices=BITS, default=None,
+                   help="embed_tokens (and an untied lm_head) at these bits")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="dtype of scales, biases and unquantised tensors (default: the source's; bf16 from GGUF)")
+    p.add_argument("--shard-mb", type=positive_float, default=SHARD_MB, help="max safetensors shard size (MiB)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    p.set_defaults(main=main)
+
+
+# -- what to write --------------------------------------------------------------------------------
+
+@dataclass
+class Planned:
+    """One source tensor and how it is written: quantised at (bits, group size), or as it is."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype                 # of the tensor written, or of its scales and biases
+    fmt: tuple[int, int] | None
+
+    def parts(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, safetensors dtype, shape) of what it becomes: mlx-lm's weight, scales, biases."""
+        if self.fmt is None:
+            return [(self.name, _ST_NAMES[self.dtype], self.shape)]
+        bits, group = self.fmt
+        base, (*rows, cols), st = self.name[: -len(".weight")], self.shape, _ST_NAMES[self.dtype]
+        return [(f"{base}.weight", "U32", (*rows, cols * bits // 32)), (f"{base}.scales", st, (*rows, cols // group)),
+                (f"{base}.biases", st, (*rows, cols // group))]
+
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * _ITEMSIZE[st] for _, st, shape in self.parts())
+
+
+def module_format(name: str, shape: tuple[int, ...], a) -> tuple[int, int] | None:
+    """(bits, group size) for a tensor mlx-lm quantises, None for one it keeps: Linear and Embedding
+    weights (2-D `.weight`) whose input dimension the group size divides, as quantize_model decides."""
+    if not name.endswith(".weight") or len(shape) != 2 or shape[-1] % a.group_size:
+        return None
+    base = name[: -len(".weight")]
+    if a.router_bits and base.endswith(ROUTERS):
+        return a.router_bits, a.group_size
+    if a.embedding_bits and base in EMBEDDINGS:
+        return a.embedding_bits, a.group_size
+    return a.bits, a.group_size
+
+
+def open_source(src: str) -> tuple[Checkpoint, dict]:
+    """The checkpoint and the config.json to write for it (without `quantization` yet)."""
+    if str(src).startswith("synth:"):
+        raise KilnError("kiln quantize reads an HF folder or a GGUF file (write a synth: model with kiln synth first)")
+    ckpt = open_checkpoint(src)
+    if ckpt.format == "hf":
+        config = json.loads((ckpt.path / "config.json").read_text())
+    else:
+        mt = ckpt.config["model_type"]
+        config = {k: v for k, v in ckpt.config.items() if v is not None}
+        config["architectures"] = [ARCHITECTURES.get(mt, mt)]
+    if config.get("model_type") not in FAMILIES:
+        raise KilnError(f"kiln quantize does not support model type {config.get('model_type')!r} yet "
+                        f"(supported: {', '.join(FAMILIES)})")
+    if "quantization" in config or "quantization_config" in config:
+        raise KilnError(f"{src} is already quantised (its config.json has a quantization entry)")
+    config.pop("_name_or_path", None)
+    # written out: mlx-lm's llama takes a silent config as tied, HF as untied
+    config.setdefault("tie_word_embeddings", "lm_head.weight" not in ckpt.shapes)
+    if eos := ckpt.generation.get("eos_token_id"):     # as mlx-lm's load_config merges it in
+        config["eos_token_id"] = eos
+    return ckpt, config
+
+
+def plan(ckpt: Checkpoint, config: dict, a) -> list[Planned]:
+    """The tensors mlx-lm's model loads, in the checkpoint's order: a tied lm_head and rotary
+    buffers left out (its sanitize drops them)."""
+    tied = config["tie_word_embeddings"]
+    cast = out_dtype(ckpt, a)
+    out = []
+    for name, shape in ckpt.shapes.items():
+        if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
+            continue
+        dtype = _stored_dtype(ckpt, name)
+        if cast is not None and dtype.is_floating_point:
+            dtype = cast
+        fmt = module_format(name, shape, a) if dtype.is_floating_point else None
+        out.append(Planned(name, tuple(shape), dtype, fmt))
+    return out
+
+
+def out_dtype(ckpt: Checkpoint, a) -> torch.dtype | None:
+    """The dtype every float tensor is cast to: --dtype, else bf16 from a GGUF file (its reader
+    dequantises to f32), else None (each keeps its stored dtype)."""
+    if a.dtype:
+        return DTYPES[a.dtype]
+    return torch.bfloat16 if ckpt.format == "gguf" else None
+
+
+def _stored_dtype(ckpt: Checkpoint, name: str) -> torch.dtype:
+    if ckpt.format == "gguf":
+        return torch.float32        # what its reader dequantises to
+    span = ckpt.locate(name)
+    return span.dtype if span is not None else ckpt.load(name).dtype
+
+
+def quant_config(tensors: list[Planned], a) -> dict:
+    """config.json's `quantization`: the defaults, and an entry per module at other bits."""
+    quant = {"group_size": a.group_size, "bits": a.bits, "mode": "affine"}
+    for t in tensors:
+        if t.fmt is not None and t.fmt != (a.bits, a.group_size):
+            quant[t.name[: -len(".weight")]] = {"group_size": t.fmt[1], "bits": t.fmt[0]}
+    return quant
+
+
+def shards(tensors: list[Planned], shard_bytes: int) -> list[list[Planned]]:
+    """In order, a new shard whenever the next tensor would overflow `shard_bytes` (a module's
+    weight, scales and biases stay together)."""
+    out, size = [[]], 0
+    for t in tensors:
+        if out[-1] and size + t.nbytes() > shard_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += t.nbytes()
+    return out
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+def write_shard(path: Path, tensors: list[Planned], ckpt: Checkpoint, bar) -> None:
+    """A safetensors file: the header first (every size is known from the shapes), then each tensor
+    a block of rows at a time, each part written at its own offset."""
+    header, at = {"__metadata__": {"format": "mlx"}}, 0
+    for t in tensors:
+        for name, st, shape in t.parts():
+            nbytes = math.prod(shape) * _ITEMSIZE[st]
+            header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [at, at + nbytes]}
+            at += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    base = 8 + len(raw)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for t in tensors:
+            offsets = [base + header[name]["data_offsets"][0] for name, _, _ in t.parts()]
+            write_tensor(f, offsets, t, ckpt.load(t.name))
+            bar.update(1)
+
+
+def write_tensor(f, offsets: list[int], t: Planned, w: torch.Tensor) -> None:
+    """Rows in blocks of about BLOCK elements: cast, quantised where t.fmt says, each part's bytes
+    appended at its offset."""
+    w = w.reshape(-1, t.shape[-1]) if t.shape else w.reshape(1, 1)
+    step = max(1, BLOCK // max(1, w.shape[-1]))
+    for r in range(0, w.shape[0], step):
+        block = w[r: r + step].to(t.dtype)
+        if t.fmt is None:
+            parts = [block]
+        else:
+            q = quantize(block, *t.fmt)
+            parts = [q.packed, q.scales, q.biases]
+        for k, part in enumerate(parts):
+            data = part.contiguous().reshape(-1).view(torch.uint8).numpy()
+            f.seek(offsets[k])
+            f.write(data)
+            offsets[k] += data.nbytes
+
+
+def write_tokenizer(ckpt: Checkpoint, tmp: Path) -> None:
+    """An HF folder's tokenizer files as they are; a GGUF file's tokenizer as the HF files kiln (and
+    transformers) read: tokenizer.json, tokenizer_config.json, the chat templates, generation_config.json."""
+    if ckpt.format == "hf":
+        for name in TOKENIZER_FILES:
+            if (ckpt.path / name).is_file():
+                shutil.copy2(ckpt.path / name, tmp / name)
+        if (ckpt.path / "additional_chat_templates").is_dir():
+            shutil.copytree(ckpt.path / "additional_chat_templates", tmp / "additional_chat_templates")
+        return
+    if "tokenizer.ggml.tokens" not in ckpt.gguf_metadata:
+        return      # no tokenizer in the file: token ids in, token ids out
+    tok = Tokenizer.from_gguf(ckpt.gguf_metadata)
+    tok.backend.save(str(tmp / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **tok.special_tokens}
+    (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    for name, template in tok.templates.items():
+        path = tmp / "chat_template.jinja" if name == "default" else tmp / "additional_chat_templates" / f"{name}.jinja"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(template, encoding="utf-8")
+    generation = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_ids}
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+
+
+def write_folder(tmp: Path, ckpt: Checkpoint, config: dict, tensors: list[Planned], a) -> int:
+    """Shards, index, config.json and tokenizer files into `tmp`; the bytes of the tensors written."""
+    parts = shards(tensors, int(a.shard_mb * (1 << 20)))
+    weight_map = {}
+    with tqdm(total=len(tensors), unit="tensor", desc="quantize", file=sys.stderr, disable=a.quiet) as bar:
+        for k, group in enumerate(parts):
+            file = "model.safetensors" if len(parts) == 1 else f"model-{k + 1:05d}-of-{len(parts):05d}.safetensors"
+            write_shard(tmp / file, group, ckpt, bar)
+            weight_map.update({name: file for t in group for name, _, _ in t.parts()})
+    total = sum(t.nbytes() for t in tensors)
+    index = {"metadata": {"total_size": total, "total_parameters": sum(math.prod(t.shape) for t in tensors)},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+    quant = quant_config(tensors, a)
+    config = dict(config, quantization=quant, quantization_config=quant)
+    cast = out_dtype(ckpt, a)
+    if cast is not None:
+        config["torch_dtype"] = _HF_NAMES[cast]
+    (tmp / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=4))
+    write_tokenizer(ckpt, tmp)
+    return total
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+def check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise KilnError(f"{out} already exists and is not an empty folder (remove it or choose another)")
+    if not out.parent.is_dir():
+        raise KilnError(f"no such folder: {out.parent}")
+
+
+def summary(tensors: list[Planned], src_bytes: int, out_bytes: int, seconds: float) -> str:
+    counts: dict[int, int] = {}
+    for t in tensors:
+        if t.fmt is not None:
+            counts[t.fmt[0]] = counts.get(t.fmt[0], 0) + 1
+    quantised = ", ".join(f"{n} at {b} bits" for b, n in sorted(counts.items())) or "none"
+    kept = sum(t.fmt is None for t in tensors)
+    bpw = out_bytes * 8 / max(1, sum(math.prod(t.shape) for t in tensors))
+    mib = lambda n: f"{n / (1 << 20):.1f} MiB"  # noqa: E731
+    return (f"kiln: quantised modules: {quantised}; {kept} tensors kept; {mib(src_bytes)} -> {mib(out_bytes)} "
+            f"({bpw:.2f} bits per weight) in {seconds:.1f} s")
+
+
+def main(a) -> int:
+    t0 = time.perf_counter()
+    out = Path(a.out).expanduser()
+    check_out(out)
+    ckpt, config = open_source(a.src)
+    tensors = plan(ckpt, config, a)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        tmp.chmod(0o777 & ~_umask())        # mkdtemp's 0700 would become OUT's mode
+        out_bytes = write_folder(tmp, ckpt, config, tensors, a)
+        check_out(out)      # nobody wrote there meanwhile
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not a.quiet:
+        print(summary(tensors, source_bytes(ckpt), out_bytes, time.perf_counter() - t0), file=sys.stderr)
+    print(out)
+    return 0
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def source_bytes(ckpt: Checkpoint) -> int:
+    """The size of the weights read: the GGUF file, or the folder's safetensors files."""
+    files = [ckpt.path] if ckpt.path.is_file() else ckpt.path.glob("*.safetensors")
+    return sum(f.stat().st_size for f in files)
