@@ -19,6 +19,7 @@ from ..ops.gdn.cuda import GdnCuda
 from ..ops.gemm.cuda import GemmCuda
 from ..ops.moe.cuda import MoeCuda
 from ..ops.norm.cuda import NormCuda
+from ..ops.quant.cuda import quant_workloads
 from ..ops.sample.cuda import SampleCuda
 from ..tune.device import device_info, interpreting
 from ..tune.registry import REGISTRY
@@ -29,7 +30,7 @@ PREFILL_CHUNK = 512               # the engine's chunk on the reference backend:
 DECODE_ROWS = 1
 DECODE_CONTEXTS = (2048, 32768)   # decode attention is measured at these context lengths
 OPS = ("gemm", "rmsnorm", "rmsnorm_gemm", "gdn_prefill", "gdn_decode", "moe", "attention", "attention_decode",
-       "qk_rope", "gemm_act", "act_gemm")
+       "qk_rope", "gemm_act", "act_gemm", "qgemv")
 
 
 class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, ReferenceOps):
@@ -56,7 +57,9 @@ class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, R
         t0 = time.perf_counter()
         m_values = m_values or tuple(dict.fromkeys((PREFILL_CHUNK, self.prefill_chunk, DECODE_ROWS)))
         tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
-        self.plan, report = tuner.tune(workloads(type(model), model.cfg, m_values, off=self.off))
+        # The config gives every shape but the quantised weights' formats, which the weights give.
+        extra = [Workload(op, s) for op, s in quant_workloads(model.w) if op.family not in self.off]
+        self.plan, report = tuner.tune(workloads(type(model), model.cfg, m_values, off=self.off) + extra)
         self.tune_s, self.tune_cache = time.perf_counter() - t0, "hit" if report.hit else "miss"
         return report
 

@@ -31,7 +31,8 @@ def set_count(set_bytes: int, device: torch.device) -> int:
 
 
 def nbytes(d: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in d.values() if isinstance(t, torch.Tensor))
+    """The bytes of an input set: its tensors and its quantised weights (their `nbytes`)."""
+    return sum(t.nbytes for t in d.values() if isinstance(getattr(t, "nbytes", None), int))
 
 
 def time_ms(runs: list[Callable[[], None]], device: torch.device, reps: int | None = None) -> float:

@@ -31,6 +31,11 @@ class QuantizedWeight:
         return self.scales.dtype
 
     @property
+    def nbytes(self) -> int:
+        """The bytes it holds: the packed words, scales and biases."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.biases))
+
+    @property
     def device(self) -> torch.device:
         return self.packed.device
 

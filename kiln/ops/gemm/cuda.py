@@ -7,19 +7,22 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import TunedOps
+from ..quant.cuda import quant_linear
 from ..quant.reference import QuantizedWeight
 from . import activation, gemm, gemm_act, norm_gemm
 from .reference import GemmReference
 
 
 def dense(*ws) -> bool:
-    """No quantised weight among ws: quantised ones run the reference (dequantise, then the op) until
-    the quant family's kernels exist."""
+    """No quantised weight among ws: the fused forms take 16-bit weights only; a quantised one goes
+    through `linear` (the quant family's GEMV) or the reference composition."""
     return not any(isinstance(w, QuantizedWeight) for w in ws)
 
 
 class GemmCuda(TunedOps, GemmReference):
     def linear(self, x, w, b=None):
+        if b is None and not dense(w) and (y := quant_linear(self, x, w)) is not None:
+            return y
         if b is not None or not dense(w) or not self.on("gemm", x) or not gemm.OP.supports(x, w):
             return super().linear(x, w, b)
         n, k = w.shape
@@ -32,7 +35,8 @@ class GemmCuda(TunedOps, GemmReference):
         return y.view(*x.shape[:-1], n)
 
     def linear_split(self, x, w, sizes):
-        if not dense(w) or not self.on("gemm", x):
+        """One GEMM (or quantised GEMV) over the packed rows, then split."""
+        if not self.on("gemm" if dense(w) else "quant", x):
             return super().linear_split(x, w, sizes)
         return list(self.linear(x, w).split(sizes, dim=-1))
 

@@ -52,8 +52,8 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Values [..., K] in [0, 2^bits) -> the LSB-first bit stream of each row in 32-bit words."""
     k = q.shape[-1]
     flat = q.reshape(-1, k).to(torch.int64)
-    pos = torch.arange(k, dtype=torch.int64) * bits                             # each value's first bit
-    words = torch.zeros(flat.shape[0], k * bits // 32 + 1, dtype=torch.int64)
+    pos = torch.arange(k, dtype=torch.int64, device=q.device) * bits            # each value's first bit
+    words = torch.zeros(flat.shape[0], k * bits // 32 + 1, dtype=torch.int64, device=q.device)
     words.index_add_(1, pos // 32, flat << (pos % 32))                          # distinct bits: add = or
     spill = (pos % 32) + bits > 32                                              # values across a word boundary
     words.index_add_(1, pos[spill] // 32 + 1, flat[:, spill] >> (32 - pos[spill] % 32))
@@ -65,7 +65,7 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of pack: int64 values [..., K]."""
     words = packed.reshape(-1, packed.shape[-1]).to(torch.int64) & 0xFFFFFFFF
     k = packed.shape[-1] * 32 // bits
-    pos = torch.arange(k, dtype=torch.int64) * bits
+    pos = torch.arange(k, dtype=torch.int64, device=packed.device) * bits
     stream = torch.cat([words, torch.zeros_like(words[:, :1])], dim=1)          # a word past the end
     low = stream[:, pos // 32] >> (pos % 32)
     high = stream[:, pos // 32 + 1] << (32 - pos % 32)

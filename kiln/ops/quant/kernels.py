@@ -1,0 +1,289 @@
+"""Decode's projections on quantised weights: y[M, N] = x[M, K] @ dequantize(w)^T for a few rows,
+w in MLX's affine format (kiln/ops/quant/reference.py), read packed.
+
+The kernel never builds the 16-bit weight. Per group of G inputs it takes dot(q, x) and sum(x) in
+f32, then y += scale * dot(q, x) + bias * sum(x) (the FMA form: the weights' bytes are all it reads
+from memory besides x, and the scale and bias are applied once a group, not once a weight).
+
+Forms: "words" (bits 2, 4, 8: whole values in each 32-bit word) loads a [BN, BK * bits / 32] tile of
+words and spreads each word's 32 / bits values with shifts; "gather" (every bits value, 3, 5 and 6
+too, whose values cross word boundaries) reads, for each value, the word holding its first bit and
+the next one where it spills over. The trusted form dequantises as mx.dequantize does and runs
+F.linear: the specification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ...tune.device import interpreting
+from ...tune.registry import Op, Variant, register, variant
+from ...weights.quantized import QuantizedWeight
+from ..common import COMMON, SUPPORTED, pdl, pdl_wait, rne_flag, round_to
+from .reference import dequantize, quantize
+
+
+@triton.jit
+def as_f32(v):
+    """Small unsigned ints (under 2^23) as f32 without an int-to-float conversion (a quarter-rate
+    instruction): the value in the mantissa of 2^23, then 2^23 subtracted (exact)."""
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def words_tile(q_ptr, rows, k0, WORDS: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The [BN, BK] values from column k0 of `rows`, for bits dividing 32: a word holds 32 / BITS
+    values, the first in its lowest bits."""
+    PER: tl.constexpr = 32 // BITS
+    wi = k0 // PER + tl.arange(0, BK // PER)
+    words = tl.load(q_ptr + rows[:, None] * WORDS + wi[None, :]).to(tl.uint32, bitcast=True)
+    shifts = (tl.arange(0, PER) * BITS).to(tl.uint32)
+    vals = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(vals, [BN, BK])
+
+
+@triton.jit
+def gather_tile(q_ptr, rows, k0, WORDS: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The [BN, BK] values from column k0 of `rows`, for any bits: value j's bits start at bit
+    j * BITS of the row's stream and may continue in the next word."""
+    first = (k0 + tl.arange(0, BK)) * BITS
+    wi, shift = first // 32, (first % 32).to(tl.uint32)
+    base = q_ptr + rows[:, None] * WORDS + wi[None, :]
+    lo = tl.load(base).to(tl.uint32, bitcast=True)
+    spills = (shift + BITS > 32)[None, :]
+    hi = tl.load(base + 1, mask=spills, other=0).to(tl.uint32, bitcast=True)
+    # where nothing spills hi is 0, so its shift (by up to 32) contributes nothing either way
+    vals = (lo >> shift[None, :]) | tl.where(spills, hi << (32 - shift[None, :]), 0)
+    return vals & ((1 << BITS) - 1)
+
+
+@triton.jit
+def grouped_step(x_ptr, q_ptr, s_ptr, b_ptr, rows, m, k0, K: tl.constexpr, WORDS: tl.constexpr,
+                 GROUPS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One BK step for bits dividing 32, with the groups an axis of their own: words [BN, NG, WG]
+    spread to values [BN, NG, WG, PER] by shifts and multiplied by x [NG, WG, PER] loaded in that
+    shape (no reshape: each group's dot is a reduction over its own two axes). Returns the step's
+    sum of scale * dot(q, x) + bias * sum(x) per row."""
+    PER: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = BK // G
+    WG: tl.constexpr = G // PER
+    g = tl.arange(0, NG)
+    wg = tl.arange(0, WG)
+    p = tl.arange(0, PER)
+    word = k0 // PER + g[:, None] * WG + wg[None, :]                                          # [NG, WG]
+    words = tl.load(q_ptr + rows[:, None, None] * WORDS + word[None, :, :]).to(tl.uint32, bitcast=True)
+    q = (words[:, :, :, None] >> (p * BITS).to(tl.uint32)[None, None, None, :]) & ((1 << BITS) - 1)
+    xi = k0 + g[:, None, None] * G + wg[None, :, None] * PER + p[None, None, :]               # [NG, WG, PER]
+    x = tl.load(x_ptr + m * K + xi).to(tl.float32)
+    dots = tl.sum(tl.sum(as_f32(q) * x[None, :, :, :], axis=3), axis=2)                      # [BN, NG]
+    xsum = tl.sum(tl.sum(x, axis=2), axis=1)                                                 # [NG]
+    gi = rows[:, None] * GROUPS + k0 // G + g[None, :]
+    scale = tl.load(s_ptr + gi).to(tl.float32)
+    bias = tl.load(b_ptr + gi).to(tl.float32)
+    return tl.sum(scale * dots + bias * xsum[None, :], axis=1)
+
+
+@triton.jit
+def dequant_row(x_ptr, q_ptr, s_ptr, b_ptr, rows, m, K: tl.constexpr, WORDS: tl.constexpr, GROUPS: tl.constexpr,
+                BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One row's outputs, bits dividing 32: in grouped_step's layout, (scale * q + bias) * x summed
+    elementwise over the K steps, reduced once at the end (no reductions inside the loop)."""
+    PER: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = BK // G
+    WG: tl.constexpr = G // PER
+    g = tl.arange(0, NG)
+    wg = tl.arange(0, WG)
+    p = tl.arange(0, PER)
+    word = g[:, None] * WG + wg[None, :]                                                      # [NG, WG]
+    xi = g[:, None, None] * G + wg[None, :, None] * PER + p[None, None, :]                    # [NG, WG, PER]
+    shifts = (p * BITS).to(tl.uint32)[None, None, None, :]
+    acc = tl.zeros((BN, NG, WG, PER), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        words = tl.load(q_ptr + rows[:, None, None] * WORDS + k0 // PER + word[None, :, :]).to(tl.uint32, bitcast=True)
+        q = as_f32((words[:, :, :, None] >> shifts) & ((1 << BITS) - 1))
+        x = tl.load(x_ptr + m * K + k0 + xi).to(tl.float32)
+        gi = rows[:, None] * GROUPS + k0 // G + g[None, :]
+        scale = tl.load(s_ptr + gi).to(tl.float32)[:, :, None, None]
+        bias = tl.load(b_ptr + gi).to(tl.float32)[:, :, None, None]
+        acc += (q * scale + bias) * x[None, :, :, :]
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+
+
+@triton.jit
+def flat_step(x_ptr, q_ptr, s_ptr, b_ptr, rows, m, k0, K: tl.constexpr, WORDS: tl.constexpr,
+              GROUPS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              GATHER: tl.constexpr):
+    """One BK step on a flat [BN, BK] tile of values (words or gathered), the groups split off by a
+    reshape; the same sum as grouped_step."""
+    NG: tl.constexpr = BK // G
+    x = tl.load(x_ptr + m * K + k0 + tl.arange(0, BK)).to(tl.float32)
+    if GATHER:
+        q = gather_tile(q_ptr, rows, k0, WORDS, BITS, BN, BK)
+    else:
+        q = words_tile(q_ptr, rows, k0, WORDS, BITS, BN, BK)
+    dots = tl.sum(tl.reshape(as_f32(q) * x[None, :], [BN, NG, G]), axis=2)             # [BN, NG]
+    xsum = tl.sum(tl.reshape(x, [NG, G]), axis=1)                                      # [NG]
+    gi = rows[:, None] * GROUPS + k0 // G + tl.arange(0, NG)[None, :]
+    scale = tl.load(s_ptr + gi).to(tl.float32)
+    bias = tl.load(b_ptr + gi).to(tl.float32)
+    return tl.sum(scale * dots + bias * xsum[None, :], axis=1)
+
+
+@triton.jit
+def step_sums(x_ptr, q_ptr, s_ptr, b_ptr, rows, m, K: tl.constexpr, WORDS: tl.constexpr, GROUPS: tl.constexpr,
+              BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr,
+              GROUPED: tl.constexpr):
+    """One row's outputs in the FMA form, each step's groups reduced as it comes."""
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if GROUPED:
+            acc += grouped_step(x_ptr, q_ptr, s_ptr, b_ptr, rows, m, k0, K, WORDS, GROUPS, BITS, G, BN, BK)
+        else:
+            acc += flat_step(x_ptr, q_ptr, s_ptr, b_ptr, rows, m, k0, K, WORDS, GROUPS, BITS, G, BN, BK, GATHER)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def qgemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr,
+                 G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr, RNE: tl.constexpr,
+                 GROUPED: tl.constexpr = False, ACC: tl.constexpr = False, PDL: tl.constexpr = False):
+    """BN output features a program, K in BK steps (whole groups), for each of the M rows in turn."""
+    WORDS: tl.constexpr = K * BITS // 32      # packed words per weight row
+    GROUPS: tl.constexpr = K // G
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)     # rows past N read row N-1, never stored
+    pdl_wait(PDL)
+    for m32 in range(0, M):
+        m = tl.cast(m32, tl.int64)
+        if ACC:
+            acc = dequant_row(x_ptr, q_ptr, s_ptr, b_ptr, rows, m, K, WORDS, GROUPS, BITS, G, BN, BK)
+        else:
+            acc = step_sums(x_ptr, q_ptr, s_ptr, b_ptr, rows, m, K, WORDS, GROUPS, BITS, G, BN, BK, GATHER, GROUPED)
+        tl.store(y_ptr + m * N + rn, round_to(acc, y_ptr.dtype.element_ty, RNE), mask=rn < N)
+
+
+# -- launching -------------------------------------------------------------------------------------
+
+def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequantize(w)^T with variant `v`; x [M, K] contiguous."""
+    p = v.p
+    m, k = x.shape
+    n = w.shape[0]
+    if y is None:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if p.get("trusted"):
+        y.copy_(F.linear(x, dequantize(w)))
+        return y
+    qgemv_kernel[(triton.cdiv(n, p["bn"]),)](x, w.packed, w.scales, w.biases, y, m, N=n, K=k, BITS=w.bits,
+                                             G=w.group_size, BN=p["bn"], BK=p["bk"], GATHER=p["gather"],
+                                             GROUPED=p.get("grouped", False), ACC=p.get("acc", False),
+                                             RNE=rne_flag(x.dtype), num_warps=p["w"], **pdl(x))
+    return y
+
+
+# -- the op: variants, inputs, outputs --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class QGemvShape:
+    rows: int     # M, tokens (runtime; a few at most: the slab is re-read per row)
+    n: int        # output features
+    k: int        # input features
+    bits: int
+    group: int
+
+    @property
+    def key(self) -> tuple:
+        return (self.n, self.k, self.bits, self.group)
+
+
+def qgemv_variant(bn: int, bk: int, w: int, gather: bool, grouped: bool = False, acc: bool = False) -> Variant:
+    """words (flat tile, bits dividing 32), grouped (the groups an axis: no reshape; bits dividing 32),
+    acc (grouped's layout, dequantised and accumulated elementwise, reduced once a row) or gather
+    (every bits value)."""
+    form = "gather" if gather else "acc" if acc else "grouped" if grouped else "words"
+    return variant(f"{form}_bn{bn}_bk{bk}_w{w}", bn=bn, bk=bk, w=w, gather=gather, grouped=grouped, acc=acc)
+
+
+TRUSTED = variant("dequant_linear", trusted=True)
+GPU_FORMS = [(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (2, 4, 8)]
+CPU_FORMS = [(8, 128, 4), (16, 256, 4)]    # the interpreter's cost is per program: few, each path taken
+# (gather, grouped, acc): words, grouped, acc, gather
+FORMS = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
+
+
+def fits(s: QGemvShape, p: dict) -> bool:
+    """Whole groups a step, K a whole number of steps, words only where values do not cross words."""
+    return (s.k % p["bk"] == 0 and p["bk"] % s.group == 0 and (p["gather"] or 32 % s.bits == 0)
+            and p["bn"] <= max(4, 1 << (s.n - 1).bit_length()))
+
+
+class QGemvOp(Op):
+    name = "qgemv"
+    sources = (__file__, COMMON)
+    shape_type = QGemvShape
+
+    def shape_str(self, s: QGemvShape) -> str:
+        return f"{s.rows}x{s.n}x{s.k}_q{s.bits}g{s.group}"
+
+    def with_rows(self, s: QGemvShape, rows: int) -> QGemvShape:
+        return QGemvShape(rows, s.n, s.k, s.bits, s.group)
+
+    def blocks(self, s: QGemvShape) -> tuple[int, int]:
+        return max(2, s.rows), s.rows     # the rows loop taken more than once, and the rows asked for
+
+    def catalogue(self, s: QGemvShape, dev) -> list[Variant]:
+        forms = CPU_FORMS if dev.capability is None else GPU_FORMS
+        out = [TRUSTED] + [qgemv_variant(*f, *form) for f in forms for form in FORMS]
+        return [v for v in out if v is TRUSTED or fits(s, v.p)]
+
+    def trusted(self, s, dev) -> Variant:
+        return TRUSTED
+
+    def default(self, s: QGemvShape, dev) -> Variant:
+        forms = [v for v in self.catalogue(s, dev) if v is not TRUSTED]
+        if dev.capability is not None:     # untuned on a GPU: mid-sized blocks of the cheaper form
+            forms = [v for v in forms if v.p["bn"] == 8 and v.p["w"] == 4] or forms
+        forms.sort(key=lambda v: (v.p["gather"], -v.p["bk"]))
+        return forms[0] if forms else TRUSTED
+
+    def inputs(self, s: QGemvShape, dtype, device, gen) -> dict:
+        x = torch.randn(s.rows, s.k, generator=gen, device=device).to(dtype)
+        w = torch.randn(s.n, s.k, generator=gen, device=device) * s.k ** -0.5
+        return {"x": x, "w": quantize(w.to(dtype), s.bits, s.group)}
+
+    def outputs(self, s: QGemvShape, inputs: dict) -> dict:
+        x = inputs["x"]
+        return {"y": torch.empty((x.shape[0], inputs["w"].shape[0]), dtype=x.dtype, device=x.device)}
+
+    def launch(self, v: Variant, inputs: dict, outputs: dict, plan=None) -> None:
+        qgemv(inputs["x"], inputs["w"], v, outputs["y"])
+
+    def compile(self, v: Variant, s: QGemvShape, dtype, device) -> list:
+        if interpreting() or v.run is not None or v.p.get("trusted"):
+            return []
+        p = v.p
+        x = torch.empty((1, s.k), dtype=dtype, device=device)
+        q = torch.empty((s.n, s.k * s.bits // 32), dtype=torch.int32, device=device)
+        sb = torch.empty((s.n, s.k // s.group), dtype=dtype, device=device)
+        y = torch.empty((1, s.n), dtype=dtype, device=device)
+        return [qgemv_kernel.warmup(x, q, sb, sb, y, 1, N=s.n, K=s.k, BITS=s.bits, G=s.group, BN=p["bn"], BK=p["bk"],
+                                    GATHER=p["gather"], GROUPED=p.get("grouped", False), ACC=p.get("acc", False),
+                                    RNE=False, num_warps=p["w"], grid=(1,), **pdl(x))]
+
+    def kernel_sources(self, v: Variant) -> list:
+        return [] if v.p.get("trusted") else [qgemv_kernel, step_sums, flat_step, grouped_step, dequant_row, words_tile,
+                                              gather_tile, as_f32, pdl_wait, round_to]
+
+    def supports(self, x: torch.Tensor, w) -> bool:
+        """x [M, K] in a kernel dtype, w quantised with scales of x's dtype and K a whole number of the
+        smallest step (128 inputs)."""
+        return (isinstance(w, QuantizedWeight) and x.dtype in SUPPORTED and w.dtype == x.dtype
+                and w.packed.dim() == 2 and w.shape[-1] == x.shape[-1] and x.shape[-1] % 128 == 0)
+
+
+OP = register(QGemvOp())
