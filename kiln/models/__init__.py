@@ -15,6 +15,7 @@ MODEL_TYPES = {
     "gemma4_text": ("gemma4", "Gemma4"),
     "qwen3": ("qwen3", "Qwen3"),
     "qwen3_5_text": ("qwen3_5", "Qwen35"),
+    "qwen3_5": ("qwen3_5", "Qwen35"),   # a flat config of the wrapper's type (mlx-lm writes these): the text model
     "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen35Moe"),
     "qwen3_next": ("qwen3_next", "Qwen3Next"),
 }

@@ -7,6 +7,7 @@ KVCache for full_attention layers. Qwen3.5-MoE and Qwen3-Next build on this file
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..cache import GDNState, KVCache
@@ -86,6 +87,10 @@ class Qwen35(Model):
         kv = cfg.num_key_value_heads * cfg.head_dim
         self.qkv_sizes = [2 * cfg.num_attention_heads * cfg.head_dim, kv, kv]
         self.gdn_sizes = [2 * hk * dk + hv * dv, hv * dv, hv, hv]
+
+    @classmethod
+    def sanitize(cls, ckpt):
+        return undo_mlx_sanitize(ckpt)
 
     # -- declared weights -------------------------------------------------------------------------
     @classmethod
@@ -245,3 +250,30 @@ class Qwen35(Model):
         if last_only:
             x, m = x[-last_only:], m[-last_only:]
         return ops.logits(ops.add_rmsnorm(x, m, w["model.norm.weight"], eps, self.norm_style)[1], self.lm_head)
+
+
+# The norms mlx-lm's qwen3_5 sanitize stores as 1 + w (HF applies them as 1 + w in f32).
+_MLX_OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                     ".q_norm.weight", ".k_norm.weight")
+
+
+def undo_mlx_sanitize(ckpt):
+    """A checkpoint that mlx-lm wrote (its conv1d weights [C, K, 1], HF's are [C, 1, K]) in HF's
+    form: conv1d axes moved back, and 1 taken off the norms it stored as 1 + w (exact in f32, so the
+    1 + w kiln computes is mlx-lm's weight). Any other checkpoint is returned as it is."""
+    conv = [n for n, s in ckpt.shapes.items() if n.endswith("conv1d.weight") and len(s) == 3 and s[-1] == 1 < s[1]]
+    if not conv:
+        return ckpt
+    shapes = dict(ckpt.shapes)
+    for n in conv:
+        c, k, _ = shapes[n]
+        shapes[n] = (c, 1, k)
+    offset = {n for n in shapes if n.endswith(_MLX_OFFSET_NORMS)}
+
+    def load(name: str):
+        t = ckpt.load(name)
+        if name in conv:
+            return t.transpose(1, 2).contiguous()
+        return t.float() - 1.0 if name in offset else t
+
+    return dataclasses.replace(ckpt, shapes=shapes, loader=load, locator=None, located=None)

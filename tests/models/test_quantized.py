@@ -25,7 +25,13 @@ PROMPT = [5, 17, 200, 33, 91, 4, 250, 12, 7, 301, 66, 2, 150, 88]
 # dims multiples of 64 so mlx-lm quantises every projection; the vocabulary 320 = 5 x 64
 SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=320)
 FAMILIES = {"llama": dict(CONFIGS["tiny-llama"], **SHAPES),
-            "qwen3": dict(CONFIGS["tiny-qwen3"], **SHAPES, head_dim=32)}
+            "qwen3": dict(CONFIGS["tiny-qwen3"], **SHAPES, head_dim=32),
+            # mlx-lm knows Qwen3.5 as "qwen3_5" (not "qwen3_5_text"): its sanitize moves conv1d's axes and
+            # stores the (1 + w) norms as 1 + w, and kiln's reader undoes both
+            "qwen3_5": dict(CONFIGS["tiny-qwen3.5"], **SHAPES, model_type="qwen3_5", num_hidden_layers=3, head_dim=32,
+                            layer_types=["linear_attention", "linear_attention", "full_attention"],
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                            linear_value_head_dim=32)}
 
 
 def hf_folder(config: dict, out: Path) -> Path:
@@ -51,7 +57,7 @@ def mlx_greedy(path: Path, n: int) -> list[int]:
     return [int(t) for t, _ in mlx_generate.generate_step(mx.array(PROMPT), model, max_tokens=n, sampler=argmax)]
 
 
-@pytest.fixture(scope="module", params=[("llama", 4), ("qwen3", 8)], ids=lambda p: f"{p[0]}-{p[1]}bit")
+@pytest.fixture(scope="module", params=[("llama", 4), ("qwen3", 8), ("qwen3_5", 4)], ids=lambda p: f"{p[0]}-{p[1]}bit")
 def quantised(request, tmp_path_factory):
     family, bits = request.param
     root = tmp_path_factory.mktemp(f"{family}{bits}")
@@ -64,7 +70,7 @@ def test_the_reader_keeps_quantised_modules_quantised(quantised):
     ckpt = open_checkpoint(path)
     assert not any(n.endswith((".scales", ".biases")) for n in ckpt.shapes)
     down = ckpt.load("model.layers.0.mlp.down_proj.weight")
-    q = ckpt.load("model.layers.0.self_attn.q_proj.weight")
+    q = ckpt.load("model.layers.0.mlp.gate_proj.weight")
     bits = json.loads((path / "config.json").read_text())["quantization"]["bits"]
     assert isinstance(down, QuantizedWeight) and down.bits == 8
     assert down.shape == ckpt.shapes["model.layers.0.mlp.down_proj.weight"]
@@ -76,7 +82,7 @@ def test_greedy_tokens_are_mlx_lms(quantised, backend, monkeypatch):
     monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")    # each op's default variant: tuning is tested elsewhere
     path, want = quantised
     llm = kiln.load(str(path), device="cpu", dtype="f32", backend=backend)
-    assert isinstance(llm.model.w["model.layers.0.self_attn.qkv_proj.weight"], QuantizedWeight)   # kept quantised
+    assert isinstance(llm.model.w["model.layers.0.mlp.gate_up_proj.weight"], QuantizedWeight)   # kept quantised
     assert llm.generate(PROMPT, max_new_tokens=16, temperature=0).token_ids == want
 
 
