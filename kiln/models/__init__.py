@@ -17,6 +17,7 @@ MODEL_TYPES = {
     "qwen3_5_text": ("qwen3_5", "Qwen35"),
     "qwen3_5": ("qwen3_5", "Qwen35"),   # a flat config of the wrapper's type (mlx-lm writes these): the text model
     "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen35Moe"),
+    "qwen3_5_moe": ("qwen3_5_moe", "Qwen35Moe"),
     "qwen3_next": ("qwen3_next", "Qwen3Next"),
 }
 

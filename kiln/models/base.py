@@ -60,8 +60,11 @@ def _load_one(ckpt, name: str, dtype, device, uploader):
     stored = ckpt.load(name)
     if isinstance(stored, QuantizedWeight):   # the words as they are; scales and biases in `dtype`
         place = lambda t, dt: _place(t, dt, device, uploader)  # noqa: E731
-        return QuantizedWeight(place(stored.packed, stored.packed.dtype), place(stored.scales, dtype),
-                               place(stored.biases, dtype), stored.bits, stored.group_size)
+        # f32 scales stay f32 (GGUF's: dequantising them in `dtype` would not be exact); computed in `dtype`
+        sdt = torch.float32 if stored.scales.dtype == torch.float32 and stored.out_dtype is None else dtype
+        return QuantizedWeight(place(stored.packed, stored.packed.dtype), place(stored.scales, sdt),
+                               place(stored.biases, sdt), stored.bits, stored.group_size,
+                               dtype if sdt != dtype else None)
     return _place(stored, dtype, device, uploader)
 
 

@@ -270,3 +270,31 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch
     for i in range(0, nb, chunk):
         kernel(blocks[i:i + chunk], out[i:i + chunk])
     return out.view(shape)
+
+
+# -- kept quantised: the 32-element blocks as MLX affine groups of 32 -------------------------------
+
+AFFINE = {Q4_0: (4, 18), Q4_1: (4, 20), Q5_0: (5, 22), Q8_0: (8, 34)}   # type -> (bits, block bytes)
+
+
+def affine_parts(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]):
+    """(q values uint8 [..., K], scales f32 [..., K/32], biases f32 [..., K/32]) of a Q4_0, Q4_1,
+    Q5_0 or Q8_0 tensor, with scale * q + bias equal, bit for bit, to what `dequantize` gives:
+    Q4_1 is d*q + m as stored; Q4_0 d*(q - 8) is d*q + (-8d), Q5_0 d*q + (-16d) and Q8_0 (q + 128)
+    as unsigned with -128d (every product of an f16 scale and a small integer is exact in f32, and so
+    is their sum, the exact d*(q - c))."""
+    t = int(ggml_type)
+    bits, size = AFFINE[t]
+    b = _as_torch_bytes(raw).view(-1, size)
+    n = b.shape[0]
+    d = _f16(b, 0)
+    if t == Q4_1:
+        q, bias = _nibbles(b[:, 4:20], 1).reshape(n, 32), _f16(b, 2)
+    elif t == Q4_0:
+        q, bias = _nibbles(b[:, 2:18], 1).reshape(n, 32), -8 * d
+    elif t == Q5_0:
+        q, bias = _nibbles(b[:, 6:22], 1).reshape(n, 32) | (_qh_bits32(b[:, 2:6]) << 4), -16 * d
+    else:
+        q, bias = (b[:, 2:34].view(torch.int8).to(torch.int16) + 128).to(torch.uint8), -128 * d
+    rows = shape[:-1]
+    return q.reshape(*rows, shape[-1]), d.reshape(*rows, -1), bias.reshape(*rows, -1)

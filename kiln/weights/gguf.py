@@ -7,14 +7,16 @@ stores Gemma's zero-centred norms as `w + 1`; each is undone here so models see 
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import torch
 
 from ..errors import KilnError
 from .checkpoint import Checkpoint
-from .dequant import dequantize
+from .dequant import AFFINE, affine_parts, dequantize
 from .gguf_file import INT_TYPES, GGUFFile
+from .quantized import QuantizedWeight, pack
 
 _LAYER_NAMES = {  # llama.cpp leaf -> HF leaf, per architecture
     "common": {
@@ -170,7 +172,27 @@ def _fixup(arch: str, cfg: dict, name: str, w: torch.Tensor) -> torch.Tensor:
     return w
 
 
-def open_gguf(path) -> Checkpoint:
+def keep_quantized() -> bool:
+    """KILN_KEEP_QUANTIZED=1: GGUF's Q4_0, Q4_1, Q5_0 and Q8_0 tensors load kept quantised (MLX affine
+    groups of 32, exact) instead of dequantised. Off by default while the quantised GEMV is slower than
+    the 16-bit one (docs/quant.md)."""
+    return os.environ.get("KILN_KEEP_QUANTIZED", "0") not in ("", "0")
+
+
+def _kept(arch: str, cfg: dict, canon: str, info, f: GGUFFile) -> QuantizedWeight:
+    """A 32-block tensor as affine groups of 32, its rows in HF's order (llama's Q/K unpermuted)."""
+    q, scales, biases = affine_parts(f.raw(info.name), info.ggml_type, info.shape)
+    if arch == "llama" and canon.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+        heads = cfg["num_attention_heads"] if "q_proj" in canon else cfg["num_key_value_heads"]
+        order = _unpermute_qk(torch.arange(q.shape[0])[:, None], heads)[:, 0]
+        q, scales, biases = q[order], scales[order], biases[order]
+    return QuantizedWeight(pack(q, AFFINE[info.ggml_type][0]), scales, biases, AFFINE[info.ggml_type][0], 32)
+
+
+def open_gguf(path, keep: bool | None = None) -> Checkpoint:
+    """A GGUF file as a checkpoint; `keep` (default: KILN_KEEP_QUANTIZED) keeps its 32-block tensors
+    quantised."""
+    keep = keep_quantized() if keep is None else keep
     f = GGUFFile(path)
     meta = f.metadata
     arch = meta.get("general.architecture")
@@ -191,6 +213,8 @@ def open_gguf(path) -> Checkpoint:
 
     def load(canon: str) -> torch.Tensor:
         info = f.tensors[names[canon]]
+        if keep and info.ggml_type in AFFINE and len(info.shape) == 2:
+            return _kept(arch, cfg, canon, info, f)
         w = dequantize(f.raw(info.name), info.ggml_type, info.shape)
         return _fixup(arch, cfg, canon, w)
 

@@ -21,6 +21,9 @@ class QuantizedWeight:
     biases: torch.Tensor
     bits: int
     group_size: int
+    # The dtype the model computes it in, where its scales are kept wider (GGUF's f16 scales as f32,
+    # so that dequantising stays exact): dequantize works in the scales' dtype, then casts to this.
+    out_dtype: torch.dtype | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -28,7 +31,7 @@ class QuantizedWeight:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.scales.dtype
+        return self.out_dtype or self.scales.dtype
 
     @property
     def nbytes(self) -> int:
@@ -40,7 +43,7 @@ class QuantizedWeight:
         return self.packed.device
 
     def _with(self, packed, scales, biases) -> "QuantizedWeight":
-        return QuantizedWeight(packed, scales, biases, self.bits, self.group_size)
+        return QuantizedWeight(packed, scales, biases, self.bits, self.group_size, self.out_dtype)
 
     def to(self, device=None, dtype=None) -> "QuantizedWeight":
         """On `device`, its scales and biases in `dtype` (the packed words stay as they are)."""
@@ -52,17 +55,46 @@ class QuantizedWeight:
         return [self._with(*p) for p in parts]
 
     def rows(self, index: torch.Tensor) -> "QuantizedWeight":
-        """The rows at `index` (an embedding lookup)."""
+        """The rows at `index` (an embedding lookup), or, of a stack [E, rows, cols], expert `index`."""
         return self._with(self.packed[index], self.scales[index], self.biases[index])
+
+    __getitem__ = rows
 
 
 def cat_rows(weights: list) -> "QuantizedWeight | torch.Tensor":
     """Weights stacked row-wise: tensors by torch.cat, quantized ones word by word (one format)."""
     if not isinstance(weights[0], QuantizedWeight):
-        return torch.cat(weights)
+        return torch.cat(weights, dim=-2 if weights[0].dim() >= 2 else 0)
     if len({(w.bits, w.group_size, w.dtype, w.shape[-1]) for w in weights}) != 1:
         raise ValueError("quantized weights packed together must share bits, group size, dtype and width")
-    return weights[0]._with(*(torch.cat([getattr(w, f) for w in weights]) for f in ("packed", "scales", "biases")))
+    # rows are the second-last axis (of a 2-D weight and of an expert stack [E, rows, cols] alike)
+    return weights[0]._with(*(torch.cat([getattr(w, f) for w in weights], dim=-2)
+                              for f in ("packed", "scales", "biases")))
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Values [..., K] in [0, 2^bits) -> the LSB-first bit stream of each row in 32-bit words."""
+    k = q.shape[-1]
+    flat = q.reshape(-1, k).to(torch.int64)
+    pos = torch.arange(k, dtype=torch.int64, device=q.device) * bits            # each value's first bit
+    words = torch.zeros(flat.shape[0], k * bits // 32 + 1, dtype=torch.int64, device=q.device)
+    words.index_add_(1, pos // 32, flat << (pos % 32))                          # distinct bits: add = or
+    spill = (pos % 32) + bits > 32                                              # values across a word boundary
+    words.index_add_(1, pos[spill] // 32 + 1, flat[:, spill] >> (32 - pos[spill] % 32))
+    words = words[:, :-1] & 0xFFFFFFFF
+    return words.to(torch.int32).reshape(*q.shape[:-1], -1)   # the same 32 bits, as int32
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of pack: int64 values [..., K]."""
+    words = packed.reshape(-1, packed.shape[-1]).to(torch.int64) & 0xFFFFFFFF
+    k = packed.shape[-1] * 32 // bits
+    pos = torch.arange(k, dtype=torch.int64, device=packed.device) * bits
+    stream = torch.cat([words, torch.zeros_like(words[:, :1])], dim=1)          # a word past the end
+    low = stream[:, pos // 32] >> (pos % 32)
+    high = stream[:, pos // 32 + 1] << (32 - pos % 32)
+    q = (low | torch.where((pos % 32) + bits > 32, high, torch.zeros_like(high))) & (2 ** bits - 1)
+    return q.reshape(*packed.shape[:-1], k)
 
 
 def quantized_view(ckpt: Checkpoint) -> Checkpoint:

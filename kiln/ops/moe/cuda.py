@@ -12,6 +12,12 @@ from . import kernels
 from .reference import MoeReference
 
 
+def dense(*ws) -> bool:
+    """No quantised weight among ws: the MoE kernels take 16-bit experts; quantised ones run the
+    reference (each chosen expert's projections through `linear`)."""
+    return all(isinstance(w, torch.Tensor) for w in ws)
+
+
 class MoeCuda(TunedOps, MoeReference):
     def router_topk(self, logits, k, renormalize=True):
         if (self.on("moe", logits) and logits.dim() == 2 and logits.dtype in kernels.SUPPORTED
@@ -20,7 +26,7 @@ class MoeCuda(TunedOps, MoeReference):
         return super().router_topk(logits, k, renormalize)
 
     def shared_gate_add(self, routed, x, gate_w, shared):
-        if (self.on("moe", x) and x.dim() == 2 and gate_w.shape[0] == 1
+        if (self.on("moe", x) and dense(gate_w) and x.dim() == 2 and gate_w.shape[0] == 1
                 and x.dtype in kernels.SUPPORTED and routed.dtype == shared.dtype == gate_w.dtype == x.dtype
                 and routed.shape == shared.shape == x.shape):
             return kernels.shared_gate_add(routed, x, gate_w, shared)
@@ -28,13 +34,16 @@ class MoeCuda(TunedOps, MoeReference):
 
     def moe_experts_gated(self, x, idx, weights, gate_up, down, act, gate_w, shared):
         """The routed experts' combine also adds sigmoid(x . gate_w) * shared (one launch fewer)."""
-        if (self.on("moe", x) and kernels.supports(x, gate_up, down, act) and gate_w.shape[0] == 1
+        if (self.on("moe", x) and dense(gate_up, down, gate_w) and kernels.supports(x, gate_up, down, act)
+                and gate_w.shape[0] == 1
                 and gate_w.dtype == shared.dtype == x.dtype and shared.shape == x.shape and x.dim() == 2):
             v = self.choose(kernels.OP, self._moe_shape(x, idx, gate_up, down, act))
             return kernels.moe_experts(x, idx, weights, gate_up, down, act, v=v, gate=(gate_w, shared))
         return super().moe_experts_gated(x, idx, weights, gate_up, down, act, gate_w, shared)
 
     def moe_experts(self, x, idx, weights, gate_up, down, act):
+        if not dense(gate_up, down):
+            return super().moe_experts(x, idx, weights, gate_up, down, act)
         if self.on("moe", x) and kernels.supports(x, gate_up, down, act):
             v = self.choose(kernels.OP, self._moe_shape(x, idx, gate_up, down, act))
             return kernels.moe_experts(x, idx, weights, gate_up, down, act, v=v)

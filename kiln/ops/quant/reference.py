@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ...weights.quantized import QuantizedWeight, cat_rows  # noqa: F401  (the format's container)
+from ...weights.quantized import QuantizedWeight, cat_rows, pack, unpack  # noqa: F401  (the format's container)
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -48,35 +48,10 @@ def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64) -> QuantizedW
     return QuantizedWeight(packed, cast(scale), cast(bias), bits, group_size)
 
 
-def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Values [..., K] in [0, 2^bits) -> the LSB-first bit stream of each row in 32-bit words."""
-    k = q.shape[-1]
-    flat = q.reshape(-1, k).to(torch.int64)
-    pos = torch.arange(k, dtype=torch.int64, device=q.device) * bits            # each value's first bit
-    words = torch.zeros(flat.shape[0], k * bits // 32 + 1, dtype=torch.int64, device=q.device)
-    words.index_add_(1, pos // 32, flat << (pos % 32))                          # distinct bits: add = or
-    spill = (pos % 32) + bits > 32                                              # values across a word boundary
-    words.index_add_(1, pos[spill] // 32 + 1, flat[:, spill] >> (32 - pos[spill] % 32))
-    words = words[:, :-1] & 0xFFFFFFFF
-    return words.to(torch.int32).reshape(*q.shape[:-1], -1)   # the same 32 bits, as int32
-
-
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of pack: int64 values [..., K]."""
-    words = packed.reshape(-1, packed.shape[-1]).to(torch.int64) & 0xFFFFFFFF
-    k = packed.shape[-1] * 32 // bits
-    pos = torch.arange(k, dtype=torch.int64, device=packed.device) * bits
-    stream = torch.cat([words, torch.zeros_like(words[:, :1])], dim=1)          # a word past the end
-    low = stream[:, pos // 32] >> (pos % 32)
-    high = stream[:, pos // 32 + 1] << (32 - pos % 32)
-    q = (low | torch.where((pos % 32) + bits > 32, high, torch.zeros_like(high))) & (2 ** bits - 1)
-    return q.reshape(*packed.shape[:-1], k)
-
-
 def dequantize(w: QuantizedWeight) -> torch.Tensor:
     """mx.dequantize: scale * q + bias in the scales' dtype, each step rounded to it."""
-    q = unpack(w.packed, w.bits).to(w.dtype)
+    q = unpack(w.packed, w.bits).to(w.scales.dtype)
     g = w.group_size
     q = q.reshape(*q.shape[:-1], -1, g)
     out = w.scales[..., None] * q + w.biases[..., None]
-    return out.reshape(*w.shape)
+    return out.reshape(*w.shape).to(w.dtype)      # scales kept wider (GGUF's, exact): one rounding here
