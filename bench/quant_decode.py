@@ -21,22 +21,11 @@ import torch
 
 import kiln
 from kiln.ops.quant.reference import quantize
-from kiln.tools.benchutil import environment, now_iso
+from kiln.tools.benchutil import environment, now_iso, token_bytes
 from kiln.weights.quantized import QuantizedWeight
 from kiln.weights.synth import random_prompt
 
 HBM = 4.27e12
-
-
-def token_bytes(w: dict) -> int:
-    """Bytes one decode token reads: every weight, the embedding only its row (a tied LM head in full)."""
-    total = 0
-    for name, t in w.items():
-        b = t.nbytes
-        if "embed_tokens" in name and "lm_head.weight" in w:
-            b //= t.shape[0]
-        total += b
-    return total
 
 
 def quantise(model, bits: int, group: int) -> int:
@@ -100,7 +89,7 @@ def main() -> None:
             info["kernels_us_per_token"] = kernel_profile(llm, prompt, a.gen)
             for name, us in info["kernels_us_per_token"]:
                 print(f"  {us:8.2f} us  {name}", flush=True)
-        nbytes = token_bytes(llm.model.w)
+        nbytes = token_bytes(llm.model)
         info["bytes_per_token"] = nbytes
         info["bound_tok_s"] = HBM / nbytes
         info["of_bound"] = info["decode_tok_s"] / info["bound_tok_s"]

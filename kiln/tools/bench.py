@@ -35,13 +35,16 @@ from .benchutil import (
     check_writable,
     command_line,
     environment,
+    hbm_bytes_s,
     markdown_table,
     now_iso,
     page_cache_note,
     peak_mem_gb,
+    quant_summary,
     reset_peak,
     resident_fraction,
     sync,
+    token_bytes,
     write_atomic,
 )
 from .hf_reference import load_hf_reference
@@ -49,7 +52,7 @@ from .hf_reference import load_hf_reference
 DEFAULT_LENGTHS = (512, 2048, 8192, 32768, 81920)
 FIELDS = ("engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
           "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "tune_s", "tune_cache", "peak_mem_gb",
-          "launches_per_token", "results", "baseline")
+          "launches_per_token", "quant", "bytes_per_token", "results", "baseline")
 
 
 # -- flags -------------------------------------------------------------------------------------------
@@ -264,6 +267,17 @@ def summarise(n: int, runs: list[dict]) -> dict:
     return {"prompt_tokens": n, "prefill_tok_s": round(prefill, 3), "decode_tok_s": round(decode, 3), "gen_tokens": gen}
 
 
+def with_bound(entry: dict, report: dict) -> dict:
+    """A measured entry with `decode_of_bound`: decode tok/s over the weight-bytes bound of this GPU
+    (None where the repository has no measured bandwidth for it); a skipped entry as it is."""
+    if "skipped" in entry:
+        return entry
+    bw = hbm_bytes_s(report.get("gpu")) if report["device"].startswith("cuda") else None
+    tok_s = entry.get("decode_tok_s")
+    entry["decode_of_bound"] = round(tok_s * report["bytes_per_token"] / bw, 4) if bw and tok_s else None
+    return entry
+
+
 def _log_line(quiet: bool):
     def log(engine, n, what, m):
         if quiet:
@@ -402,7 +416,8 @@ def main(a) -> int:
               "command": command_line(), "load_s": round(llm.load_s, 3),
               "load_stages": llm.load_stages or None, "tune_s": _backend_fact(llm, "tune_s"),
               "tune_cache": _backend_fact(llm, "tune_cache"), "peak_mem_gb": None,
-              "launches_per_token": _backend_fact(llm, "launches_per_token")}
+              "launches_per_token": _backend_fact(llm, "launches_per_token"), "quant": quant_summary(llm.model),
+              "bytes_per_token": token_bytes(llm.model)}
     limit = llm.engine.max_context
     lengths = a.prompt_lengths or fitted_defaults(limit, gen, say)   # explicit lengths that do not fit are skipped
     prompts = random_prompts(llm.model.cfg.vocab_size, lengths, a.seed)
@@ -429,7 +444,7 @@ def main(a) -> int:
     finally:
         if base is not None:
             base.close()
-    report["results"] = [summarise(n, measured["kiln"][n]) for n in prompts]
+    report["results"] = [with_bound(summarise(n, measured["kiln"][n]), report) for n in prompts]
     report["baseline"] = None if base is None else {
         "engine": "transformers", "version": base.version,
         "results": [summarise(n, measured["transformers"][n]) for n in prompts]}

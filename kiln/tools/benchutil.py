@@ -188,3 +188,42 @@ def check_writable(path: str | Path, flag: str) -> None:
         raise KilnError(f"{flag} {path}: folder {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise KilnError(f"{flag} {path}: folder {parent} is not writable")
+
+
+HBM_BYTES_S = {"H200": 4.27e12}     # measured memory bandwidth (docs: the floor is bytes / 4.27 TB/s)
+
+
+def hbm_bytes_s(gpu: str | None) -> float | None:
+    """The measured bandwidth of this GPU, where the repository has one."""
+    return next((bw for name, bw in HBM_BYTES_S.items() if gpu and name in gpu), None)
+
+
+def token_bytes(model) -> int:
+    """Weight bytes one decode token reads: every weight (quantised ones packed, with their scales and
+    biases), routed experts ([E, ...] under `.experts.` or `.switch_mlp.`) k / E of theirs, an
+    embedding with an LM head of its own one row; the KV cache and state are not counted."""
+    cfg = model.cfg
+    k, e = getattr(cfg, "num_experts_per_tok", 0), getattr(cfg, "num_experts", 0)
+    total = 0
+    for name, w in model.w.items():
+        b = w.nbytes
+        if e and (".experts." in name or ".switch_mlp." in name):
+            b = b * k // e
+        elif "embed_tokens" in name and "lm_head.weight" in model.w:
+            b = b // w.shape[0]
+        total += b
+    return total
+
+
+def quant_summary(model) -> dict | None:
+    """{bits, group_size, quantised}: the format of most of the quantised bytes (a model can keep its
+    router at 8 bits), and how many weights are quantised; None for a 16-bit model."""
+    by_format: dict[tuple[int, int], int] = {}
+    for w in model.w.values():
+        if hasattr(w, "bits"):
+            by_format[(w.bits, w.group_size)] = by_format.get((w.bits, w.group_size), 0) + w.nbytes
+    if not by_format:
+        return None
+    bits, group = max(by_format, key=by_format.get)
+    return {"bits": bits, "group_size": group, "quantised": sum(hasattr(w, "bits") for w in model.w.values()),
+            "formats": sorted(f"{b}-bit g{g}" for b, g in by_format)}

@@ -89,9 +89,9 @@ def reference_greedy(model, ids: list[int], n: int) -> Greedy:
 
 
 @torch.inference_mode()
-def kiln_greedy(llm, ids: list[int], n: int, reference: list[int]) -> Greedy:
+def kiln_greedy(llm, ids: list[int], n: int, reference: list[int] | None) -> Greedy:
     """kiln's engine steps (chunked prefill, then decode steps), argmax; then one prefill over the
-    reference's sequence with every position's logits."""
+    reference's sequence (None: its own) with every position's logits."""
     eng, model = llm.engine, llm.model
     state = eng.new_state(len(ids) + n)
     logits, out = eng.prefill(ids, state), Greedy([], [])
@@ -100,12 +100,18 @@ def kiln_greedy(llm, ids: list[int], n: int, reference: list[int]) -> Greedy:
         out.top2.append(top2(logits))
         if k + 1 < n:
             logits = eng.decode_step(out.tokens[-1], len(ids) + k, state)
-    seq = ids + reference[:-1]
+    seq = ids + (out.tokens if reference is None else reference)[:-1]
     # logits only at the n generated positions: every row of a 262,144-token vocabulary is 4 GB at 8k
     forced = model.forward(torch.tensor(seq, device=eng.device), torch.arange(len(seq), device=eng.device),
                            model.make_state(eng.dtype, eng.device), last_only=n)
     out.forced = forced.float().cpu()
     return out
+
+
+def mean_kl(ref: Greedy, ours: Greedy) -> float:
+    """Mean over the teacher-forced positions of KL(p_ref || p_ours), nats, softmax in f32."""
+    p, q = torch.log_softmax(ref.forced.float(), -1), torch.log_softmax(ours.forced.float(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
 
 
 def judge(ref: Greedy, ours: Greedy, dtype: str) -> dict:
@@ -142,6 +148,12 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the random prompts (default 0)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the full report as JSON")
     p.add_argument("--attn", default="eager", help="transformers attention implementation (default eager)")
+    p.add_argument("--reference", default=None, metavar="SOURCE",
+                   help="compare against SOURCE run by kiln instead of transformers (e.g. the unquantised model "
+                        "of a quantised MODEL, same tokenizer; or MODEL itself on another backend): adds the mean "
+                        "KL(SOURCE || MODEL) per token; a verdict only where SOURCE is MODEL")
+    p.add_argument("--reference-backend", default="reference", choices=("reference", "cuda", "auto"),
+                   help="the backend that runs --reference (default reference)")
     p.set_defaults(main=main)
 
 
@@ -198,16 +210,23 @@ def main(a) -> int:
     dtype = _DTYPE_NAMES[pick_dtype(a.dtype, dev)]
     path = resolve_model(a.model, quiet=a.quiet)
     prompts = _prompts(a, open_checkpoint(path))
-    tf = transformers_module()
-    if a.quiet:
+    tf = None if a.reference else transformers_module()     # kiln against kiln needs no transformers
+    if a.quiet and tf is not None:
         tf.utils.logging.disable_progress_bar()
 
     t0 = time.perf_counter()
-    ref = load_hf_reference(path, dtype, str(dev), a.attn)
-    say(f"transformers {tf.__version__} {type(ref).__name__} loaded in {time.perf_counter() - t0:.1f} s")
+    if a.reference:
+        ref = load(a.reference, device=str(dev), dtype=dtype, backend=a.reference_backend, quiet=a.quiet)
+        if ref.config.vocab_size != int(open_checkpoint(path).config["vocab_size"]):
+            raise KilnError(f"--reference {a.reference} has another vocabulary than {a.model or path}")
+        say(f"reference: kiln {type(ref.model).__name__} on {a.reference_backend} loaded in "
+            f"{time.perf_counter() - t0:.1f} s")
+    else:
+        ref = load_hf_reference(path, dtype, str(dev), a.attn)
+        say(f"transformers {tf.__version__} {type(ref).__name__} loaded in {time.perf_counter() - t0:.1f} s")
     refs = []
     for k, (label, ids) in enumerate(prompts):
-        refs.append(reference_greedy(ref, ids, a.tokens))
+        refs.append(kiln_greedy(ref, ids, a.tokens, None) if a.reference else reference_greedy(ref, ids, a.tokens))
         say(f"reference: prompt {k + 1}/{len(prompts)} done")
     del ref  # one model in memory at a time
     gc.collect()
@@ -221,23 +240,33 @@ def main(a) -> int:
     results = []
     for (label, ids), r in zip(prompts, refs):
         ours = kiln_greedy(llm, ids, a.tokens, r.tokens)
-        results.append({"prompt": label, **judge(r, ours, dtype), "prompt_ids": ids,
+        results.append({"prompt": label, **judge(r, ours, dtype), "mean_kl": mean_kl(r, ours), "prompt_ids": ids,
                         "reference_tokens": r.tokens, "kiln_tokens": ours.tokens})
     n, digits = a.tokens, 4 if dtype != "f32" else 8
-    print(f"kiln compare {a.model or path} | {dev} {dtype} | {n} greedy tokens | "
-          f"transformers {tf.__version__} ({a.attn})")
+    # Against other weights (a quantised model's source) a divergence is the point: measured, not judged.
+    judged = not a.reference or resolve_model(a.reference, quiet=True) == path
+    against = (f"kiln {a.reference} on {a.reference_backend}" if a.reference else
+               f"transformers {tf.__version__} ({a.attn})")
+    print(f"kiln compare {a.model or path} | {dev} {dtype} | {n} greedy tokens | {against}")
     print(f"{'prompt':<24} {'identical':>9}  {'teacher-forced':<22} {'rel logit err':>13}  verdict, first divergence")
     for r in results:
-        print(_row(r["prompt"], r, n, digits))
-    failed = [r for r in results if not r["passed"]]
-    print(f"FAIL: {len(failed)} of {len(results)} prompts diverge beyond a near-tie" if failed else
-          f"PASS: {len(results)} prompt(s), every divergence a near-tie")
+        print(_row(r["prompt"], r, n, digits) + (f" | mean KL {r['mean_kl']:.3g}" if a.reference else ""))
+    failed = [r for r in results if not r["passed"]] if judged else []
+    if not judged:
+        agree = sum(r["teacher_forced"]["agree"] for r in results) / (n * len(results))
+        kl = sum(r["mean_kl"] for r in results) / len(results)
+        print(f"REPORT (other weights, no verdict): teacher-forced top-1 agreement {agree:.1%}, mean KL {kl:.4g} nats")
+    else:
+        print(f"FAIL: {len(failed)} of {len(results)} prompts diverge beyond a near-tie" if failed else
+              f"PASS: {len(results)} prompt(s), every divergence a near-tie")
     if a.json:
         _write_json(a.json, {
             "command": " ".join(["kiln", *sys.argv[1:]]), "model": str(a.model or path), "device": str(dev),
             "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "dtype": dtype, "tokens": n,
-            "attn": a.attn, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "versions": {"kiln": __version__, "torch": torch.__version__, "transformers": tf.__version__},
+            "attn": a.attn, "reference": a.reference, "reference_backend": a.reference_backend if a.reference else None,
+            "judged": judged, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": {"kiln": __version__, "torch": torch.__version__,
+                         "transformers": tf.__version__ if tf is not None else None},
             "near_tie": "l1 - l2 <= 2^(floor(log2 max(|l1|,|l2|)) - p), p = 7 bf16 / 10 f16 / 23 f32",
             "prompts": results, "passed": not failed})
     return 1 if failed else 0

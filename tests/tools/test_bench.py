@@ -21,7 +21,7 @@ from kiln.tools.profile import OpTimer
 
 BENCH_FIELDS = ["engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
                 "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "tune_s", "tune_cache",
-                "peak_mem_gb", "launches_per_token", "results", "baseline"]
+                "peak_mem_gb", "launches_per_token", "quant", "bytes_per_token", "results", "baseline"]
 RESULT_TYPES = {"prompt_tokens": int, "prefill_tok_s": float, "decode_tok_s": float, "gen_tokens": int}
 
 
@@ -81,11 +81,14 @@ def test_bench_json_has_exactly_the_issue_fields_and_types(acceptance):
     base = rep["baseline"]
     assert list(base) == ["engine", "version", "results"] and base["engine"] == "transformers"
     assert base["version"] == importlib.metadata.version("transformers")
-    for results in (rep["results"], base["results"]):
+    assert rep["quant"] is None                           # the GGUF dequantised at load: a 16-bit (here f32) model
+    assert 0.5e9 < rep["bytes_per_token"] < 0.6e9          # 135M f32 weights, the tied embedding read whole
+    for results, extra in ((rep["results"], ["decode_of_bound"]), (base["results"], [])):
         assert [e["prompt_tokens"] for e in results] == [32, 96]
         for e in results:
-            assert list(e) == list(RESULT_TYPES) and all(type(e[k]) is t for k, t in RESULT_TYPES.items())
+            assert list(e) == list(RESULT_TYPES) + extra and all(type(e[k]) is t for k, t in RESULT_TYPES.items())
             assert e["gen_tokens"] == 8 and e["prefill_tok_s"] > 0 and e["decode_tok_s"] > 0
+            assert e.get("decode_of_bound") is None         # no measured bandwidth for a CPU
 
 
 def test_bench_table_and_json_say_the_same(acceptance):
@@ -277,3 +280,23 @@ def test_resident_fraction_sees_a_file_just_written(tmp_path):
     frac, nbytes = resident_fraction(f)
     assert nbytes == 1 << 20 and 0.5 < frac <= 1.0
     assert resident_fraction(tmp_path / "missing") is None
+
+
+def test_token_bytes_and_quant_summary_count_what_a_token_reads():
+    """Quantised weights by their packed bytes, routed experts k / E, an embedding with its own LM head
+    one row; the format holding most quantised bytes names the model's quantisation."""
+    from types import SimpleNamespace
+
+    from kiln.ops.quant.reference import quantize
+    from kiln.tools.benchutil import quant_summary, token_bytes
+
+    w = {"model.embed_tokens.weight": quantize(torch.randn(64, 128), 8, 64),        # 64 rows of 128 + 2 * 2 * 2 f32
+         "lm_head.weight": torch.zeros(64, 128, dtype=torch.bfloat16),
+         "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(8, 32, 128, dtype=torch.bfloat16),
+         "model.layers.0.mlp.down_proj.weight": quantize(torch.randn(256, 128), 4, 64)}
+    model = SimpleNamespace(cfg=SimpleNamespace(num_experts=8, num_experts_per_tok=2), w=w)
+    row = (64 * 128 * 8 // 8 + 64 * 2 * 4 * 2) // 64
+    want = row + 64 * 128 * 2 + 8 * 32 * 128 * 2 * 2 // 8 + 256 * 128 // 2 + 256 * 2 * 4 * 2
+    assert token_bytes(model) == want
+    assert quant_summary(model) == {"bits": 4, "group_size": 64, "quantised": 2, "formats": ["4-bit g64", "8-bit g64"]}
+    assert quant_summary(SimpleNamespace(w={"a": torch.zeros(2)})) is None

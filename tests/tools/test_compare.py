@@ -12,9 +12,10 @@ import torch
 import kiln
 from kiln.backends.reference import ReferenceOps
 from kiln.cli import main as cli_main
-from kiln.models import MODEL_TYPES
+from kiln.models import MODEL_TYPES, model_config
 from kiln.tools.compare import Greedy, judge, near_tie, ulp
 from kiln.weights import synth
+from kiln.weights.synth import Synthesis, write_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -229,3 +230,42 @@ def test_reference_runs_the_modeling_files_own_pytorch(monkeypatch):
     with torch.no_grad():
         assert torch.isfinite(ref(torch.tensor([[1, 2, 3, 4, 5]])).logits).all()
     assert mod.torch_chunk_gated_delta_rule.__wrapped__ is inspect.unwrap(optional_kernel)
+
+
+# -- --reference: kiln against kiln (a quantised model and its source; two backends) ------------------
+
+@pytest.fixture(scope="module")
+def source_and_quantised(tmp_path_factory):
+    """A tiny Llama (dims multiples of 64, so every projection quantises) and `kiln quantize`'s 4-bit copy."""
+    root = tmp_path_factory.mktemp("cmpq")
+    config = dict(synth.CONFIGS["tiny-llama"], hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=320)
+    cls, cfg = model_config(config)
+    src = write_checkpoint(Synthesis(config, cls.checkpoint_shapes(cfg), False, seed=3), root / "src", "tiny",
+                           dtype="f32", quiet=True)
+    assert cli_main(["quantize", str(src), str(root / "q4"), "--bits", "4", "--quiet"]) == 0
+    return src, root / "q4"
+
+
+def test_compare_against_the_source_reports_kl_without_a_verdict(source_and_quantised, tmp_path, capsys):
+    src, quant = source_and_quantised
+    rc, report = _compare(tmp_path, str(quant), "--reference", str(src), "--dtype", "f32", "--random-prompt", "20",
+                          "--tokens", "8")
+    p = report["prompts"][0]
+    assert rc == 0 and report["judged"] is False and report["reference"] == str(src)
+    assert p["reference_tokens"] == kiln.load(str(src), device="cpu", dtype="f32").generate(
+        p["prompt_ids"], max_new_tokens=8).token_ids
+    assert p["kiln_tokens"] == kiln.load(str(quant), device="cpu", dtype="f32").generate(
+        p["prompt_ids"], max_new_tokens=8).token_ids
+    assert 0 < p["mean_kl"] < 10 and np.isfinite(p["mean_kl"])     # 4 bits moves the distribution, not to nothing
+    out = capsys.readouterr().out
+    assert "REPORT" in out and "mean KL" in out and "PASS" not in out
+
+
+def test_compare_of_one_model_against_itself_is_judged(source_and_quantised, tmp_path):
+    """The same quantised weights on the same backend: identical tokens, KL 0, a PASS verdict."""
+    _, quant = source_and_quantised
+    rc, report = _compare(tmp_path, str(quant), "--reference", str(quant), "--dtype", "f32", "--random-prompt", "20",
+                          "--tokens", "8")
+    p = report["prompts"][0]
+    assert rc == 0 and report["judged"] and report["passed"] and p["identical"] == 8 and p["mean_kl"] == 0
