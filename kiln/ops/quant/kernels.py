@@ -63,29 +63,43 @@ def gather_tile(q_ptr, rows, k0, WORDS: tl.constexpr, BITS: tl.constexpr, BN: tl
 
 
 @triton.jit
-def grouped_step(x_ptr, q_ptr, s_ptr, b_ptr, rows, m, k0, K: tl.constexpr, WORDS: tl.constexpr,
-                 GROUPS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One BK step for bits dividing 32, with the groups an axis of their own: words [BN, NG, WG]
-    spread to values [BN, NG, WG, PER] by shifts and multiplied by x [NG, WG, PER] loaded in that
-    shape (no reshape: each group's dot is a reduction over its own two axes). Returns the step's
-    sum of scale * dot(q, x) + bias * sum(x) per row."""
+def grouped_layout(BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+    """The grouped forms' indices for one BK step from column 0: the groups g [NG], each value's word
+    [NG, WG] and column [NG, WG, PER] (a word's PER values an axis of their own), and the shifts that
+    spread a word [1, 1, 1, PER]."""
     PER: tl.constexpr = 32 // BITS
     NG: tl.constexpr = BK // G
     WG: tl.constexpr = G // PER
     g = tl.arange(0, NG)
     wg = tl.arange(0, WG)
     p = tl.arange(0, PER)
-    word = k0 // PER + g[:, None] * WG + wg[None, :]                                          # [NG, WG]
-    words = tl.load(q_ptr + rows[:, None, None] * WORDS + word[None, :, :]).to(tl.uint32, bitcast=True)
-    q = (words[:, :, :, None] >> (p * BITS).to(tl.uint32)[None, None, None, :]) & ((1 << BITS) - 1)
-    xi = k0 + g[:, None, None] * G + wg[None, :, None] * PER + p[None, None, :]               # [NG, WG, PER]
-    x = tl.load(x_ptr + m * K + xi).to(tl.float32)
-    dots = tl.sum(tl.sum(as_f32(q) * x[None, :, :, :], axis=3), axis=2)                      # [BN, NG]
-    xsum = tl.sum(tl.sum(x, axis=2), axis=1)                                                 # [NG]
+    word = g[:, None] * WG + wg[None, :]
+    col = g[:, None, None] * G + wg[None, :, None] * PER + p[None, None, :]
+    return g, word, col, (p * BITS).to(tl.uint32)[None, None, None, :]
+
+
+@triton.jit
+def scaled_group_sums(s_ptr, b_ptr, rows, k0, GROUPS: tl.constexpr, G: tl.constexpr, g, dots, xsum):
+    """sum over a step's groups g of scale * dot(q, x) + bias * sum(x), per row (the FMA form)."""
     gi = rows[:, None] * GROUPS + k0 // G + g[None, :]
     scale = tl.load(s_ptr + gi).to(tl.float32)
     bias = tl.load(b_ptr + gi).to(tl.float32)
     return tl.sum(scale * dots + bias * xsum[None, :], axis=1)
+
+
+@triton.jit
+def grouped_step(x_ptr, q_ptr, s_ptr, b_ptr, rows, m, k0, K: tl.constexpr, WORDS: tl.constexpr,
+                 GROUPS: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One BK step for bits dividing 32, with the groups an axis of their own: words [BN, NG, WG]
+    spread to values [BN, NG, WG, PER] by shifts and multiplied by x [NG, WG, PER] loaded in that
+    shape (no reshape: each group's dot is a reduction over its own two axes)."""
+    g, word, col, shifts = grouped_layout(BITS, G, BK)
+    words = tl.load(q_ptr + rows[:, None, None] * WORDS + k0 // (32 // BITS) + word[None, :, :])
+    q = (words.to(tl.uint32, bitcast=True)[:, :, :, None] >> shifts) & ((1 << BITS) - 1)
+    x = tl.load(x_ptr + m * K + k0 + col).to(tl.float32)
+    dots = tl.sum(tl.sum(as_f32(q) * x[None, :, :, :], axis=3), axis=2)                      # [BN, NG]
+    xsum = tl.sum(tl.sum(x, axis=2), axis=1)                                                 # [NG]
+    return scaled_group_sums(s_ptr, b_ptr, rows, k0, GROUPS, G, g, dots, xsum)
 
 
 @triton.jit
@@ -94,15 +108,8 @@ def dequant_row(x_ptr, q_ptr, s_ptr, b_ptr, rows, m, K: tl.constexpr, WORDS: tl.
     """One row's outputs, bits dividing 32: in grouped_step's layout, (scale * q + bias) * x summed
     elementwise over the K steps, reduced once at the end (no reductions inside the loop)."""
     PER: tl.constexpr = 32 // BITS
-    NG: tl.constexpr = BK // G
-    WG: tl.constexpr = G // PER
-    g = tl.arange(0, NG)
-    wg = tl.arange(0, WG)
-    p = tl.arange(0, PER)
-    word = g[:, None] * WG + wg[None, :]                                                      # [NG, WG]
-    xi = g[:, None, None] * G + wg[None, :, None] * PER + p[None, None, :]                    # [NG, WG, PER]
-    shifts = (p * BITS).to(tl.uint32)[None, None, None, :]
-    acc = tl.zeros((BN, NG, WG, PER), dtype=tl.float32)
+    g, word, xi, shifts = grouped_layout(BITS, G, BK)
+    acc = tl.zeros((BN, BK // G, G // PER, PER), dtype=tl.float32)
     for k0 in range(0, K, BK):
         words = tl.load(q_ptr + rows[:, None, None] * WORDS + k0 // PER + word[None, :, :]).to(tl.uint32, bitcast=True)
         q = as_f32((words[:, :, :, None] >> shifts) & ((1 << BITS) - 1))
@@ -128,10 +135,7 @@ def flat_step(x_ptr, q_ptr, s_ptr, b_ptr, rows, m, k0, K: tl.constexpr, WORDS: t
         q = words_tile(q_ptr, rows, k0, WORDS, BITS, BN, BK)
     dots = tl.sum(tl.reshape(as_f32(q) * x[None, :], [BN, NG, G]), axis=2)             # [BN, NG]
     xsum = tl.sum(tl.reshape(x, [NG, G]), axis=1)                                      # [NG]
-    gi = rows[:, None] * GROUPS + k0 // G + tl.arange(0, NG)[None, :]
-    scale = tl.load(s_ptr + gi).to(tl.float32)
-    bias = tl.load(b_ptr + gi).to(tl.float32)
-    return tl.sum(scale * dots + bias * xsum[None, :], axis=1)
+    return scaled_group_sums(s_ptr, b_ptr, rows, k0, GROUPS, G, tl.arange(0, NG), dots, xsum)
 
 
 @triton.jit
@@ -276,8 +280,10 @@ class QGemvOp(Op):
                                     RNE=False, num_warps=p["w"], grid=(1,), **pdl(x))]
 
     def kernel_sources(self, v: Variant) -> list:
-        return [] if v.p.get("trusted") else [qgemv_kernel, step_sums, flat_step, grouped_step, dequant_row, words_tile,
-                                              gather_tile, as_f32, pdl_wait, round_to]
+        if v.p.get("trusted"):
+            return []
+        return [qgemv_kernel, step_sums, flat_step, grouped_step, dequant_row, grouped_layout, scaled_group_sums,
+                words_tile, gather_tile, as_f32, pdl_wait, round_to]
 
     def supports(self, x: torch.Tensor, w) -> bool:
         """x [M, K] in a kernel dtype, w quantised with scales of x's dtype and K a whole number of the
