@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from kiln.server import tools
-from kiln.server.tools import ToolCall, ToolStream
+from kiln.server.tools import ToolCall
 
 from .support import ANSWER, TEMPLATE, TOOLS, Server, build_tool_model
 
@@ -57,9 +57,9 @@ REAL = {
 CASES = [(fmt, text, content, calls) for fmt, items in REAL.items() for text, content, calls in items]
 
 
-def _events(fmt: str, pieces: list[str], parallel: bool = True):
-    """(content, calls) from feeding `pieces` one by one."""
-    stream, events = ToolStream(tools.FORMATS[fmt], parallel), []
+def _events(fmt, pieces: list[str], parallel: bool = True):
+    """(content, calls) from feeding `pieces` one by one to format `fmt` (a name, or a ToolFormat)."""
+    stream, events = (tools.FORMATS[fmt] if isinstance(fmt, str) else fmt).stream(parallel), []
     for p in pieces:
         events += stream.push(p)
     events += stream.finish()
@@ -181,13 +181,7 @@ GENERIC_MALFORMED = [
 
 
 def _generic(pieces: list[str], parallel: bool = True):
-    stream, events = tools.GENERIC.stream(parallel), []
-    for p in pieces:
-        events += stream.push(p)
-    events += stream.finish()
-    content = "".join(v for k, v in events if k == "content")
-    calls = [(v.name, json.loads(v.arguments)) for k, v in events if k == "call"]
-    return content, calls
+    return _events(tools.GENERIC, pieces, parallel)
 
 
 @pytest.mark.parametrize("text, content, calls", GENERIC, ids=[str(i) for i in range(len(GENERIC))])
