@@ -30,8 +30,12 @@ def quantized(n: int, k: int, bits: int, group: int, dtype=torch.float32, seed: 
 
 def forms(bits: int) -> list:
     """Every form where it applies, at the interpreter's block sizes (K in one step and in two)."""
-    return [kernels.qgemv_variant(bn, bk, 4, *form) for bn, bk in ((8, 128), (16, 256))
-            for form in kernels.FORMS if form[0] or 32 % bits == 0]
+    out = [kernels.qgemv_variant(bn, bk, 4, *form) for bn, bk in ((8, 128), (16, 256))
+           for form in kernels.FORMS if form[0] or 32 % bits == 0]
+    if 32 % bits == 0:      # the word-at-a-time FMA form: K in one step, in several, split in two
+        out += [kernels.fma_variant(8, 256 * bits // 32, 4, 1), kernels.fma_variant(16, 4, 4, 1),
+                kernels.fma_variant(8, 4 * bits // 2, 4, 2)]
+    return out
 
 
 @pytest.mark.parametrize("group", (32, 64, 128))

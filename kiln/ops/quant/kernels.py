@@ -24,7 +24,8 @@ import triton.language as tl
 from ...tune.device import interpreting
 from ...tune.registry import Op, Variant, register, variant
 from ...weights.quantized import QuantizedWeight
-from ..common import COMMON, SUPPORTED, pdl, pdl_wait, rne_flag, round_to
+from ..common import COMMON, SUPPORTED, cdiv, pdl, pdl_wait, rne_flag, round_to
+from ..gemm.gemm import arrival_counters, last_arrival
 from .reference import dequantize, quantize
 
 
@@ -171,6 +172,71 @@ def qgemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N: tl.constexpr, K: tl.co
         tl.store(y_ptr + m * N + rn, round_to(acc, y_ptr.dtype.element_ty, RNE), mask=rn < N)
 
 
+@triton.jit
+def top_bits(words, p: tl.constexpr, BITS: tl.constexpr):
+    """Value p of each word as the f32 1 + q / 2^BITS: q moved into the top mantissa bits under 1.0's
+    exponent, one shift and one AND-OR (no conversion, no subtraction: the 1 is taken out once a word
+    through sum(x))."""
+    TOP: tl.constexpr = 23 - BITS                    # q's lowest bit in the f32
+    SH: tl.constexpr = TOP - p * BITS
+    MASK: tl.constexpr = ((1 << BITS) - 1) << TOP
+    if SH >= 0:
+        v = (words << SH) & MASK
+    else:
+        v = (words >> (-SH)) & MASK
+    return (v | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["M"])
+def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr,
+                     BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
+                     SPLIT_K: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
+    """The FMA form a word at a time (bits dividing 32): program (column block, split) streams a
+    [BN, BW] tile of words; per word, dot = sum_p (1 + q_p / 2^BITS) x_p over its values (each an
+    element of the tile: no reduction across threads) and xs = sum_p x_p, then
+    acc += S * dot + (bias - S) * xs with S = scale * 2^BITS, which is scale * dot(q, x) + bias * xs.
+    Elementwise over the K steps, reduced once a row; split-K as gemv_kernel's serial form."""
+    PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = K // PER
+    GROUPS: tl.constexpr = K // G
+    SPAN: tl.constexpr = WORDS // SPLIT_K              # words a split (fits() makes it whole BW steps)
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)        # rows past N read row N-1, never stored
+    wi = split * SPAN + tl.arange(0, BW)
+    pdl_wait(PDL)
+    for m32 in range(0, M):
+        m = tl.cast(m32, tl.int64)
+        acc = tl.zeros((BN, BW), dtype=tl.float32)
+        for w0 in range(0, SPAN, BW):
+            cw = wi + w0
+            words = tl.load(q_ptr + rows[:, None] * WORDS + cw[None, :]).to(tl.uint32, bitcast=True)
+            gi = rows[:, None] * GROUPS + (cw * PER // G)[None, :]
+            scale = tl.load(s_ptr + gi).to(tl.float32) * (1 << BITS)
+            bias = tl.load(b_ptr + gi).to(tl.float32) - scale
+            dot = tl.zeros((BN, BW), dtype=tl.float32)
+            xs = tl.zeros((BW,), dtype=tl.float32)
+            for p in tl.static_range(PER):
+                xp = tl.load(x_ptr + m * K + cw * PER + p).to(tl.float32)
+                dot += top_bits(words, p, BITS) * xp[None, :]
+                xs += xp
+            acc += scale * dot + bias * xs[None, :]
+        total = tl.sum(acc, axis=1)
+        if SPLIT_K == 1:
+            tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=rn < N)
+        else:
+            tl.store(ws_ptr + (split * M + m) * N + rn, total, mask=rn < N)
+    if SPLIT_K > 1:
+        if last_arrival(count_ptr, pid_n, SPLIT_K):
+            for m32 in range(0, M):
+                m = tl.cast(m32, tl.int64)
+                total = tl.zeros((BN,), dtype=tl.float32)
+                for sp in tl.static_range(SPLIT_K):
+                    total += tl.load(ws_ptr + (sp * M + m) * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=rn < N)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
 # -- launching -------------------------------------------------------------------------------------
 
 def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,6 +248,14 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if p.get("trusted"):
         y.copy_(F.linear(x, dequantize(w)))
+        return y
+    if p.get("fma"):
+        sk, blocks = p["sk"], cdiv(n, p["bn"])
+        ws = y if sk == 1 else torch.empty((sk, m, n), dtype=torch.float32, device=x.device)
+        counts = arrival_counters(x.device, blocks) if sk > 1 else y
+        qgemv_fma_kernel[(blocks, sk)](x, w.packed, w.scales, w.biases, y, ws, counts, m, N=n, K=k, BITS=w.bits,
+                                       G=w.group_size, BN=p["bn"], BW=p["bw"], SPLIT_K=sk, RNE=rne_flag(x.dtype),
+                                       num_warps=p["w"], **pdl(x))
         return y
     qgemv_kernel[(triton.cdiv(n, p["bn"]),)](x, w.packed, w.scales, w.biases, y, m, N=n, K=k, BITS=w.bits,
                                              G=w.group_size, BN=p["bn"], BK=p["bk"], GATHER=p["gather"],
@@ -213,15 +287,27 @@ def qgemv_variant(bn: int, bk: int, w: int, gather: bool, grouped: bool = False,
     return variant(f"{form}_bn{bn}_bk{bk}_w{w}", bn=bn, bk=bk, w=w, gather=gather, grouped=grouped, acc=acc)
 
 
+def fma_variant(bn: int, bw: int, w: int, sk: int) -> Variant:
+    """qgemv_fma_kernel: BN output features a program, BW words a step, SK splits of K."""
+    return variant(f"fma_bn{bn}_bw{bw}_w{w}_sk{sk}", fma=True, bn=bn, bw=bw, w=w, sk=sk)
+
+
 TRUSTED = variant("dequant_linear", trusted=True)
 GPU_FORMS = [(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (2, 4, 8)]
 CPU_FORMS = [(8, 128, 4), (16, 256, 4)]    # the interpreter's cost is per program: few, each path taken
+# (bn, bw, warps, splits): 4 to 32 words a thread
+GPU_FMA = [(bn, bw, w, sk) for bn in (8, 16, 32, 64) for bw in (32, 64, 128) for w in (4, 8) for sk in (1, 2, 4)
+           if 4 <= bn * bw // (32 * w) <= 32]
+CPU_FMA = [(8, 16, 4, 2), (16, 32, 4, 1)]
 # (gather, grouped, acc): words, grouped, acc, gather
 FORMS = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
 
 
 def fits(s: QGemvShape, p: dict) -> bool:
     """Whole groups a step, K a whole number of steps, words only where values do not cross words."""
+    if p.get("fma"):      # whole words, whole BW steps a split
+        return (32 % s.bits == 0 and s.k % (32 // s.bits) == 0 and (s.k * s.bits // 32) % (p["sk"] * p["bw"]) == 0
+                and p["bn"] <= max(8, 1 << (s.n - 1).bit_length()))
     return (s.k % p["bk"] == 0 and p["bk"] % s.group == 0 and (p["gather"] or 32 % s.bits == 0)
             and p["bn"] <= max(4, 1 << (s.n - 1).bit_length()))
 
@@ -242,7 +328,11 @@ class QGemvOp(Op):
 
     def catalogue(self, s: QGemvShape, dev) -> list[Variant]:
         forms = CPU_FORMS if dev.capability is None else GPU_FORMS
-        out = [TRUSTED] + [qgemv_variant(*f, *form) for f in forms for form in FORMS]
+        # words and grouped lost to acc on every H200 shape (bench/NOTES.md): the interpreter keeps them
+        gpu_forms = [f for f in FORMS if f[0] or f[2]]
+        out = [TRUSTED] + [qgemv_variant(*f, *form) for f in forms for form in (FORMS if dev.capability is None
+                                                                                  else gpu_forms)]
+        out += [fma_variant(*f) for f in (CPU_FMA if dev.capability is None else GPU_FMA)]
         return [v for v in out if v is TRUSTED or fits(s, v.p)]
 
     def trusted(self, s, dev) -> Variant:
@@ -251,8 +341,8 @@ class QGemvOp(Op):
     def default(self, s: QGemvShape, dev) -> Variant:
         forms = [v for v in self.catalogue(s, dev) if v is not TRUSTED]
         if dev.capability is not None:     # untuned on a GPU: mid-sized blocks of the cheaper form
-            forms = [v for v in forms if v.p["bn"] == 8 and v.p["w"] == 4] or forms
-        forms.sort(key=lambda v: (v.p["gather"], -v.p["bk"]))
+            forms = [v for v in forms if v.p["bn"] == 8 and v.p["w"] == 4 and "bk" in v.p] or forms
+        forms.sort(key=lambda v: (v.p.get("gather", False), -v.p.get("bk", 0)))
         return forms[0] if forms else TRUSTED
 
     def inputs(self, s: QGemvShape, dtype, device, gen) -> dict:
@@ -275,6 +365,11 @@ class QGemvOp(Op):
         q = torch.empty((s.n, s.k * s.bits // 32), dtype=torch.int32, device=device)
         sb = torch.empty((s.n, s.k // s.group), dtype=dtype, device=device)
         y = torch.empty((1, s.n), dtype=dtype, device=device)
+        if p.get("fma"):
+            ws = torch.empty((p["sk"], 1, s.n), dtype=torch.float32, device=device)
+            return [qgemv_fma_kernel.warmup(x, q, sb, sb, y, ws, ws, 1, N=s.n, K=s.k, BITS=s.bits, G=s.group,
+                                            BN=p["bn"], BW=p["bw"], SPLIT_K=p["sk"], RNE=False, num_warps=p["w"],
+                                            grid=(1,), **pdl(x))]
         return [qgemv_kernel.warmup(x, q, sb, sb, y, 1, N=s.n, K=s.k, BITS=s.bits, G=s.group, BN=p["bn"], BK=p["bk"],
                                     GATHER=p["gather"], GROUPED=p.get("grouped", False), ACC=p.get("acc", False),
                                     RNE=False, num_warps=p["w"], grid=(1,), **pdl(x))]
@@ -282,6 +377,8 @@ class QGemvOp(Op):
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("trusted"):
             return []
+        if v.p.get("fma"):
+            return [qgemv_fma_kernel, top_bits, last_arrival, pdl_wait, round_to]
         return [qgemv_kernel, step_sums, flat_step, grouped_step, dequant_row, grouped_layout, scaled_group_sums,
                 words_tile, gather_tile, as_f32, pdl_wait, round_to]
 
