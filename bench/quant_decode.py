@@ -20,6 +20,7 @@ import time
 import torch
 
 import kiln
+from kiln.ops.quant import kernels
 from kiln.ops.quant.reference import quantize
 from kiln.tools.benchutil import environment, now_iso, token_bytes
 from kiln.weights.quantized import QuantizedWeight
@@ -73,7 +74,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="also each run's kernels, GPU us a token")
+    ap.add_argument("--forms", default="", help="only the qgemv variants whose names start so (comma-separated)")
     a = ap.parse_args()
+    if a.forms:     # fewer candidates to compile and time
+        whole = kernels.OP.catalogue
+        kernels.OP.catalogue = lambda s, dev: [v for v in whole(s, dev) if v.p.get("trusted")
+                                               or v.name.startswith(tuple(a.forms.split(",")))]
     runs = {}
     for kind in ("bf16", f"q{a.bits}g{a.group}"):
         t0 = time.perf_counter()

@@ -130,5 +130,6 @@ def test_every_gpu_candidate_passes_the_gate_on_qwen35_9b_shapes(bits):
         cases = gate.trusted_cases(op, s, op.trusted(s, dev), torch.bfloat16, DEVICE,
                                    torch.Generator(device=DEVICE).manual_seed(0))
         # one block depth and warp count (each candidate compiles: every one would take minutes)
-        for v in [v for v in op.candidates(s, dev) if v.p.get("bk", 512) == 512 and v.p.get("w", 4) == 4]:
+        for v in [v for v in op.candidates(s, dev) if (v.p.get("bk") == 512 or v.p.get("bw") == 64)
+                  and v.p.get("w", 4) == 4 and v.p.get("bn", 16) == 16]:
             assert gate.check(op, v, cases).ok, (s, v.name)

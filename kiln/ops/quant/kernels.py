@@ -296,8 +296,8 @@ TRUSTED = variant("dequant_linear", trusted=True)
 GPU_FORMS = [(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (2, 4, 8)]
 CPU_FORMS = [(8, 128, 4), (16, 256, 4)]    # the interpreter's cost is per program: few, each path taken
 # (bn, bw, warps, splits): 4 to 32 words a thread
-GPU_FMA = [(bn, bw, w, sk) for bn in (8, 16, 32, 64) for bw in (32, 64, 128) for w in (4, 8) for sk in (1, 2, 4)
-           if 4 <= bn * bw // (32 * w) <= 32]
+GPU_FMA = [(bn, bw, 4, sk) for bn in (16, 32, 64) for bw in (32, 64, 128) for sk in (1, 4)
+           if 4 <= bn * bw // 128 <= 32] + [(64, 128, 8, 1), (64, 128, 8, 4)]
 CPU_FMA = [(8, 16, 4, 2), (16, 32, 4, 1)]
 # (gather, grouped, acc): words, grouped, acc, gather
 FORMS = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
