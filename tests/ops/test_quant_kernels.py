@@ -28,13 +28,15 @@ def quantized(n: int, k: int, bits: int, group: int, dtype=torch.float32, seed: 
     return quantize(rand(n, k, dtype=dtype, seed=seed, scale=k ** -0.5), bits, group)
 
 
-def forms(bits: int) -> list:
-    """Every form where it applies, at the interpreter's block sizes (K in one step and in two)."""
+def forms(bits: int, group: int, k: int) -> list:
+    """Every form where it applies, at the interpreter's block sizes (K in one step and in several;
+    the FMA form also split in two and without its prefetch)."""
     out = [kernels.qgemv_variant(bn, bk, 4, *form) for bn, bk in ((8, 128), (16, 256))
            for form in kernels.FORMS if form[0] or 32 % bits == 0]
-    if 32 % bits == 0:      # the word-at-a-time FMA form: K in one step, in several, split in two
-        out += [kernels.fma_variant(8, 256 * bits // 32, 4, 1), kernels.fma_variant(16, 4, 4, 1),
-                kernels.fma_variant(8, 4 * bits // 2, 4, 2)]
+    if 32 % bits == 0:
+        words, wg = k * bits // 32, group * bits // 32
+        out += [kernels.fma_variant(8, words, 4, 1), kernels.fma_variant(16, wg, 4, 1),
+                kernels.fma_variant(8, wg, 4, 2), kernels.fma_variant(8, wg, 4, 1, pf=False)]
     return out
 
 
@@ -46,7 +48,7 @@ def test_qgemv_equals_linear_on_the_dequantised_weight(bits, group):
     w = quantized(n, k, bits, group)
     x = rand(3, k, seed=2)
     want = F.linear(x, dequantize(w))
-    for v in forms(bits):
+    for v in forms(bits, group, k):
         got = kernels.qgemv(x, w, v)
         err = (got - want).abs().max().item()
         assert err <= 1e-5 * want.abs().max().item(), (v.name, err)
@@ -61,7 +63,7 @@ def test_qgemv_bf16_within_the_rounding_of_the_dequantised_weight(bits):
     x = rand(1, k, dtype=torch.bfloat16, seed=3)
     exact = F.linear(x.float(), w.scales.float().repeat_interleave(64, -1) * _values(w) +
                      w.biases.float().repeat_interleave(64, -1))       # the FMA form's own arithmetic in f32
-    for v in forms(bits):
+    for v in forms(bits, 64, k):
         got = kernels.qgemv(x, w, v).float()
         ulp = exact.abs().clamp_min(1e-2) * torch.finfo(torch.bfloat16).eps
         assert ((got - exact).abs() <= ulp).all(), v.name

@@ -187,41 +187,68 @@ def top_bits(words, p: tl.constexpr, BITS: tl.constexpr):
     return (v | 0x3F800000).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def fma_words(words, scale, bias, xcol, BITS: tl.constexpr):
+    """A step's sum a word: words [BN, NG, WG] (WG words a group), scale and bias [BN, NG] as loaded,
+    xcol [NG, WG] the address of each word's first x. Per word, dot = sum_p (1 + q_p / 2^BITS) x_p (each
+    word an element of the tile: no reduction across threads) and xs = sum_p x_p; then
+    S * dot + (bias - S) * xs with S = scale * 2^BITS, which is scale * dot(q, x) + bias * xs."""
+    PER: tl.constexpr = 32 // BITS
+    dot = tl.zeros(words.shape, dtype=tl.float32)
+    xs = tl.zeros(xcol.shape, dtype=tl.float32)
+    for p in tl.static_range(PER):
+        xp = tl.load(xcol + p).to(tl.float32)
+        dot += top_bits(words, p, BITS) * xp[None, :, :]
+        xs += xp
+    s = scale.to(tl.float32) * (1 << BITS)
+    return s[:, :, None] * dot + (bias.to(tl.float32) - s)[:, :, None] * xs[None, :, :]
+
+
 @triton.jit(do_not_specialize=["M"])
 def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr,
                      BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
-                     SPLIT_K: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
-    """The FMA form a word at a time (bits dividing 32): program (column block, split) streams a
-    [BN, BW] tile of words; per word, dot = sum_p (1 + q_p / 2^BITS) x_p over its values (each an
-    element of the tile: no reduction across threads) and xs = sum_p x_p, then
-    acc += S * dot + (bias - S) * xs with S = scale * 2^BITS, which is scale * dot(q, x) + bias * xs.
-    Elementwise over the K steps, reduced once a row; split-K as gemv_kernel's serial form."""
+                     SPLIT_K: tl.constexpr, RNE: tl.constexpr, PF: tl.constexpr = True, PDL: tl.constexpr = False):
+    """The FMA form a word at a time (bits dividing 32): program (column block, split) streams
+    [BN, NG, WG] tiles of words (BW = NG whole groups of WG words a step) and their [BN, NG] scales
+    and biases, adds fma_words elementwise over the steps and reduces once a row. PF: the next step's
+    words, scales and biases are loaded before this step's arithmetic (the first before the PDL wait:
+    weights are never written); the last step fetches the first again, what the next row reads.
+    Split-K as gemv_kernel's serial form."""
     PER: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = K // PER
     GROUPS: tl.constexpr = K // G
+    WG: tl.constexpr = G // PER
+    NG: tl.constexpr = BW // WG
     SPAN: tl.constexpr = WORDS // SPLIT_K              # words a split (fits() makes it whole BW steps)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     rows = tl.minimum(rn, N - 1).to(tl.int64)        # rows past N read row N-1, never stored
-    wi = split * SPAN + tl.arange(0, BW)
+    g = tl.arange(0, NG)
+    wcol = split * SPAN + g[:, None] * WG + tl.arange(0, WG)[None, :]          # [NG, WG]
+    qrow = q_ptr + rows[:, None, None] * WORDS + wcol[None, :, :]
+    grow = rows[:, None] * GROUPS + (split * SPAN) // WG + g[None, :]            # [BN, NG]
+    words = tl.load(qrow)
+    scale = tl.load(s_ptr + grow)
+    bias = tl.load(b_ptr + grow)
     pdl_wait(PDL)
     for m32 in range(0, M):
         m = tl.cast(m32, tl.int64)
-        acc = tl.zeros((BN, BW), dtype=tl.float32)
+        acc = tl.zeros((BN, NG, WG), dtype=tl.float32)
+        xcol = x_ptr + m * K + wcol * PER
         for w0 in range(0, SPAN, BW):
-            cw = wi + w0
-            words = tl.load(q_ptr + rows[:, None] * WORDS + cw[None, :]).to(tl.uint32, bitcast=True)
-            gi = rows[:, None] * GROUPS + (cw * PER // G)[None, :]
-            scale = tl.load(s_ptr + gi).to(tl.float32) * (1 << BITS)
-            bias = tl.load(b_ptr + gi).to(tl.float32) - scale
-            dot = tl.zeros((BN, BW), dtype=tl.float32)
-            xs = tl.zeros((BW,), dtype=tl.float32)
-            for p in tl.static_range(PER):
-                xp = tl.load(x_ptr + m * K + cw * PER + p).to(tl.float32)
-                dot += top_bits(words, p, BITS) * xp[None, :]
-                xs += xp
-            acc += scale * dot + bias * xs[None, :]
-        total = tl.sum(acc, axis=1)
+            if PF:
+                nxt = (w0 + BW) % SPAN
+                words_n = tl.load(qrow + nxt)
+                scale_n = tl.load(s_ptr + grow + nxt // WG)
+                bias_n = tl.load(b_ptr + grow + nxt // WG)
+                acc += fma_words(words.to(tl.uint32, bitcast=True), scale, bias, xcol + w0 * PER, BITS)
+                words, scale, bias = words_n, scale_n, bias_n
+            else:
+                words = tl.load(qrow + w0)
+                scale = tl.load(s_ptr + grow + w0 // WG)
+                bias = tl.load(b_ptr + grow + w0 // WG)
+                acc += fma_words(words.to(tl.uint32, bitcast=True), scale, bias, xcol + w0 * PER, BITS)
+        total = tl.sum(tl.sum(acc, axis=2), axis=1)
         if SPLIT_K == 1:
             tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=rn < N)
         else:
@@ -255,7 +282,7 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
         counts = arrival_counters(x.device, blocks) if sk > 1 else y
         qgemv_fma_kernel[(blocks, sk)](x, w.packed, w.scales, w.biases, y, ws, counts, m, N=n, K=k, BITS=w.bits,
                                        G=w.group_size, BN=p["bn"], BW=p["bw"], SPLIT_K=sk, RNE=rne_flag(x.dtype),
-                                       num_warps=p["w"], **pdl(x))
+                                       PF=p.get("pf", True), num_warps=p["w"], **pdl(x))
         return y
     qgemv_kernel[(triton.cdiv(n, p["bn"]),)](x, w.packed, w.scales, w.biases, y, m, N=n, K=k, BITS=w.bits,
                                              G=w.group_size, BN=p["bn"], BK=p["bk"], GATHER=p["gather"],
@@ -287,17 +314,19 @@ def qgemv_variant(bn: int, bk: int, w: int, gather: bool, grouped: bool = False,
     return variant(f"{form}_bn{bn}_bk{bk}_w{w}", bn=bn, bk=bk, w=w, gather=gather, grouped=grouped, acc=acc)
 
 
-def fma_variant(bn: int, bw: int, w: int, sk: int) -> Variant:
-    """qgemv_fma_kernel: BN output features a program, BW words a step, SK splits of K."""
-    return variant(f"fma_bn{bn}_bw{bw}_w{w}_sk{sk}", fma=True, bn=bn, bw=bw, w=w, sk=sk)
+def fma_variant(bn: int, bw: int, w: int, sk: int, pf: bool = True) -> Variant:
+    """qgemv_fma_kernel: BN output features a program, BW words a step, SK splits of K; pf: the next
+    step's weights loaded before this step's arithmetic."""
+    return variant(f"fma_bn{bn}_bw{bw}_w{w}_sk{sk}" + ("" if pf else "_nopf"), fma=True, bn=bn, bw=bw, w=w,
+                   sk=sk, pf=pf)
 
 
 TRUSTED = variant("dequant_linear", trusted=True)
 GPU_FORMS = [(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (2, 4, 8)]
 CPU_FORMS = [(8, 128, 4), (16, 256, 4)]    # the interpreter's cost is per program: few, each path taken
 # (bn, bw, warps, splits): 4 to 32 words a thread
-GPU_FMA = [(bn, bw, 4, sk) for bn in (16, 32, 64) for bw in (32, 64, 128) for sk in (1, 4)
-           if 4 <= bn * bw // 128 <= 32] + [(64, 128, 8, 1), (64, 128, 8, 4)]
+GPU_FMA = [(bn, bw, 4, sk) for bn in (8, 16, 32, 64) for bw in (32, 64, 128, 256) for sk in (1, 4)
+           if 4 <= bn * bw // 128 <= 32] + [(64, 128, 8, 1), (64, 128, 8, 4), (16, 256, 8, 1)]
 CPU_FMA = [(8, 16, 4, 2), (16, 32, 4, 1)]
 # (gather, grouped, acc): words, grouped, acc, gather
 FORMS = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
@@ -305,8 +334,9 @@ FORMS = ((False, False, False), (False, True, False), (False, False, True), (Tru
 
 def fits(s: QGemvShape, p: dict) -> bool:
     """Whole groups a step, K a whole number of steps, words only where values do not cross words."""
-    if p.get("fma"):      # whole words, whole BW steps a split
+    if p.get("fma"):      # whole words, whole groups a step, whole steps a split
         return (32 % s.bits == 0 and s.k % (32 // s.bits) == 0 and (s.k * s.bits // 32) % (p["sk"] * p["bw"]) == 0
+                and p["bw"] % (s.group * s.bits // 32) == 0
                 and p["bn"] <= max(8, 1 << (s.n - 1).bit_length()))
     return (s.k % p["bk"] == 0 and p["bk"] % s.group == 0 and (p["gather"] or 32 % s.bits == 0)
             and p["bn"] <= max(4, 1 << (s.n - 1).bit_length()))
@@ -333,6 +363,7 @@ class QGemvOp(Op):
         out = [TRUSTED] + [qgemv_variant(*f, *form) for f in forms for form in (FORMS if dev.capability is None
                                                                                   else gpu_forms)]
         out += [fma_variant(*f) for f in (CPU_FMA if dev.capability is None else GPU_FMA)]
+        out += [fma_variant(16, 128, 4, 1, pf=False), fma_variant(32, 64, 4, 1, pf=False)]    # prefetch's worth
         return [v for v in out if v is TRUSTED or fits(s, v.p)]
 
     def trusted(self, s, dev) -> Variant:
@@ -368,7 +399,8 @@ class QGemvOp(Op):
         if p.get("fma"):
             ws = torch.empty((p["sk"], 1, s.n), dtype=torch.float32, device=device)
             return [qgemv_fma_kernel.warmup(x, q, sb, sb, y, ws, ws, 1, N=s.n, K=s.k, BITS=s.bits, G=s.group,
-                                            BN=p["bn"], BW=p["bw"], SPLIT_K=p["sk"], RNE=False, num_warps=p["w"],
+                                            BN=p["bn"], BW=p["bw"], SPLIT_K=p["sk"], RNE=False, PF=p.get("pf", True),
+                                            num_warps=p["w"],
                                             grid=(1,), **pdl(x))]
         return [qgemv_kernel.warmup(x, q, sb, sb, y, 1, N=s.n, K=s.k, BITS=s.bits, G=s.group, BN=p["bn"], BK=p["bk"],
                                     GATHER=p["gather"], GROUPED=p.get("grouped", False), ACC=p.get("acc", False),
@@ -378,7 +410,7 @@ class QGemvOp(Op):
         if v.p.get("trusted"):
             return []
         if v.p.get("fma"):
-            return [qgemv_fma_kernel, top_bits, last_arrival, pdl_wait, round_to]
+            return [qgemv_fma_kernel, fma_words, top_bits, last_arrival, pdl_wait, round_to]
         return [qgemv_kernel, step_sums, flat_step, grouped_step, dequant_row, grouped_layout, scaled_group_sums,
                 words_tile, gather_tile, as_f32, pdl_wait, round_to]
 
