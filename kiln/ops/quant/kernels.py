@@ -346,6 +346,7 @@ class QGemvOp(Op):
     name = "qgemv"
     sources = (__file__, COMMON)
     shape_type = QGemvShape
+    only: tuple = ()     # benches: only variants whose names start so (a tuple: the op is pickled to workers)
 
     def shape_str(self, s: QGemvShape) -> str:
         return f"{s.rows}x{s.n}x{s.k}_q{s.bits}g{s.group}"
@@ -364,7 +365,7 @@ class QGemvOp(Op):
                                                                                   else gpu_forms)]
         out += [fma_variant(*f) for f in (CPU_FMA if dev.capability is None else GPU_FMA)]
         out += [fma_variant(16, 128, 4, 1, pf=False), fma_variant(32, 64, 4, 1, pf=False)]    # prefetch's worth
-        return [v for v in out if v is TRUSTED or fits(s, v.p)]
+        return [v for v in out if v is TRUSTED or (fits(s, v.p) and v.name.startswith(self.only or ""))]
 
     def trusted(self, s, dev) -> Variant:
         return TRUSTED
