@@ -188,32 +188,40 @@ def top_bits(words, p: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def fma_words(words, scale, bias, xcol, BITS: tl.constexpr):
+def fma_words(words, scale, bias, xcol, BITS: tl.constexpr, X3: tl.constexpr):
     """A step's sum a word: words [BN, NG, WG] (WG words a group), scale and bias [BN, NG] as loaded,
-    xcol [NG, WG] the address of each word's first x. Per word, dot = sum_p (1 + q_p / 2^BITS) x_p (each
-    word an element of the tile: no reduction across threads) and xs = sum_p x_p; then
-    S * dot + (bias - S) * xs with S = scale * 2^BITS, which is scale * dot(q, x) + bias * xs."""
+    xcol the address of each word's first x: [NG, WG], or with X3 [BN, NG, WG] (x loaded in the words'
+    own layout: no shared-memory exchange of x, at the cost of a sum(x) a row). Per word,
+    dot = sum_p (1 + q_p / 2^BITS) x_p (each word an element of the tile: no reduction across threads)
+    and xs = sum_p x_p; then S * dot + (bias - S) * xs with S = scale * 2^BITS, which is
+    scale * dot(q, x) + bias * xs."""
     PER: tl.constexpr = 32 // BITS
     dot = tl.zeros(words.shape, dtype=tl.float32)
     xs = tl.zeros(xcol.shape, dtype=tl.float32)
     for p in tl.static_range(PER):
         xp = tl.load(xcol + p).to(tl.float32)
-        dot += top_bits(words, p, BITS) * xp[None, :, :]
         xs += xp
+        if X3:
+            dot += top_bits(words, p, BITS) * xp
+        else:
+            dot += top_bits(words, p, BITS) * xp[None, :, :]
     s = scale.to(tl.float32) * (1 << BITS)
-    return s[:, :, None] * dot + (bias.to(tl.float32) - s)[:, :, None] * xs[None, :, :]
+    if not X3:
+        xs = xs[None, :, :]
+    return s[:, :, None] * dot + (bias.to(tl.float32) - s)[:, :, None] * xs
 
 
 @triton.jit(do_not_specialize=["M"])
 def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr,
                      BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
-                     SPLIT_K: tl.constexpr, RNE: tl.constexpr, PF: tl.constexpr = True, PDL: tl.constexpr = False):
+                     SPLIT_K: tl.constexpr, RNE: tl.constexpr, PF: tl.constexpr = False, X3: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     """The FMA form a word at a time (bits dividing 32): program (column block, split) streams
     [BN, NG, WG] tiles of words (BW = NG whole groups of WG words a step) and their [BN, NG] scales
     and biases, adds fma_words elementwise over the steps and reduces once a row. PF: the next step's
     words, scales and biases are loaded before this step's arithmetic (the first before the PDL wait:
     weights are never written); the last step fetches the first again, what the next row reads.
-    Split-K as gemv_kernel's serial form."""
+    X3: x read in the words' layout (fma_words). Split-K as gemv_kernel's serial form."""
     PER: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = K // PER
     GROUPS: tl.constexpr = K // G
@@ -234,20 +242,23 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
     for m32 in range(0, M):
         m = tl.cast(m32, tl.int64)
         acc = tl.zeros((BN, NG, WG), dtype=tl.float32)
-        xcol = x_ptr + m * K + wcol * PER
+        if X3:
+            xcol = x_ptr + m * K + (rows * 0)[:, None, None] + wcol[None, :, :] * PER
+        else:
+            xcol = x_ptr + m * K + wcol * PER
         for w0 in range(0, SPAN, BW):
             if PF:
                 nxt = (w0 + BW) % SPAN
                 words_n = tl.load(qrow + nxt)
                 scale_n = tl.load(s_ptr + grow + nxt // WG)
                 bias_n = tl.load(b_ptr + grow + nxt // WG)
-                acc += fma_words(words.to(tl.uint32, bitcast=True), scale, bias, xcol + w0 * PER, BITS)
+                acc += fma_words(words.to(tl.uint32, bitcast=True), scale, bias, xcol + w0 * PER, BITS, X3)
                 words, scale, bias = words_n, scale_n, bias_n
             else:
                 words = tl.load(qrow + w0)
                 scale = tl.load(s_ptr + grow + w0 // WG)
                 bias = tl.load(b_ptr + grow + w0 // WG)
-                acc += fma_words(words.to(tl.uint32, bitcast=True), scale, bias, xcol + w0 * PER, BITS)
+                acc += fma_words(words.to(tl.uint32, bitcast=True), scale, bias, xcol + w0 * PER, BITS, X3)
         total = tl.sum(tl.sum(acc, axis=2), axis=1)
         if SPLIT_K == 1:
             tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=rn < N)
@@ -282,7 +293,8 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
         counts = arrival_counters(x.device, blocks) if sk > 1 else y
         qgemv_fma_kernel[(blocks, sk)](x, w.packed, w.scales, w.biases, y, ws, counts, m, N=n, K=k, BITS=w.bits,
                                        G=w.group_size, BN=p["bn"], BW=p["bw"], SPLIT_K=sk, RNE=rne_flag(x.dtype),
-                                       PF=p.get("pf", True), num_warps=p["w"], **pdl(x))
+                                       PF=p.get("pf", False), X3=p.get("x3", False), num_warps=p["w"],
+                                       **pdl(x))
         return y
     qgemv_kernel[(triton.cdiv(n, p["bn"]),)](x, w.packed, w.scales, w.biases, y, m, N=n, K=k, BITS=w.bits,
                                              G=w.group_size, BN=p["bn"], BK=p["bk"], GATHER=p["gather"],
@@ -314,20 +326,22 @@ def qgemv_variant(bn: int, bk: int, w: int, gather: bool, grouped: bool = False,
     return variant(f"{form}_bn{bn}_bk{bk}_w{w}", bn=bn, bk=bk, w=w, gather=gather, grouped=grouped, acc=acc)
 
 
-def fma_variant(bn: int, bw: int, w: int, sk: int, pf: bool = True) -> Variant:
+def fma_variant(bn: int, bw: int, w: int, sk: int, pf: bool = False, x3: bool = False) -> Variant:
     """qgemv_fma_kernel: BN output features a program, BW words a step, SK splits of K; pf: the next
-    step's weights loaded before this step's arithmetic."""
-    return variant(f"fma_bn{bn}_bw{bw}_w{w}_sk{sk}" + ("" if pf else "_nopf"), fma=True, bn=bn, bw=bw, w=w,
-                   sk=sk, pf=pf)
+    step's weights loaded before this step's arithmetic; x3: x read in the words' layout."""
+    name = f"fma_bn{bn}_bw{bw}_w{w}_sk{sk}" + ("_pf" if pf else "") + ("_x3" if x3 else "")
+    return variant(name, fma=True, bn=bn, bw=bw, w=w, sk=sk, pf=pf, x3=x3)
 
 
 TRUSTED = variant("dequant_linear", trusted=True)
 GPU_FORMS = [(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (2, 4, 8)]
 CPU_FORMS = [(8, 128, 4), (16, 256, 4)]    # the interpreter's cost is per program: few, each path taken
 # (bn, bw, warps, splits): 4 to 32 words a thread
-GPU_FMA = [(bn, bw, 4, sk) for bn in (8, 16, 32, 64) for bw in (32, 64, 128, 256) for sk in (1, 4)
-           if 4 <= bn * bw // 128 <= 32] + [(64, 128, 8, 1), (64, 128, 8, 4), (16, 256, 8, 1)]
-CPU_FMA = [(8, 16, 4, 2), (16, 32, 4, 1)]
+# (bn, bw, warps, splits, prefetch, x3), 4 to 32 words a thread. On the H200 (bench/NOTES.md) the
+# prefetch lost at every 9B shape (its extra registers cost more than the latency it hides)
+GPU_FMA = [(bn, bw, 4, sk, False, x3) for bn in (8, 16, 32) for bw in (64, 128, 256) for sk in (1, 4)
+           for x3 in (False, True) if 4 <= bn * bw // 128 <= 32] + [(16, 128, 4, 1, True, False)]
+CPU_FMA = [(8, 16, 4, 2, True, False), (16, 32, 4, 1, False, True)]
 # (gather, grouped, acc): words, grouped, acc, gather
 FORMS = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
 
@@ -364,17 +378,19 @@ class QGemvOp(Op):
         out = [TRUSTED] + [qgemv_variant(*f, *form) for f in forms for form in (FORMS if dev.capability is None
                                                                                   else gpu_forms)]
         out += [fma_variant(*f) for f in (CPU_FMA if dev.capability is None else GPU_FMA)]
-        out += [fma_variant(16, 128, 4, 1, pf=False), fma_variant(32, 64, 4, 1, pf=False)]    # prefetch's worth
         return [v for v in out if v is TRUSTED or (fits(s, v.p) and v.name.startswith(self.only or ""))]
 
     def trusted(self, s, dev) -> Variant:
         return TRUSTED
 
     def default(self, s: QGemvShape, dev) -> Variant:
+        """Untuned: the FMA form's H200 winner (bn16, 128 words a step, no split) or its nearest that fits,
+        else the widest gather form."""
         forms = [v for v in self.catalogue(s, dev) if v is not TRUSTED]
-        if dev.capability is not None:     # untuned on a GPU: mid-sized blocks of the cheaper form
-            forms = [v for v in forms if v.p["bn"] == 8 and v.p["w"] == 4 and "bk" in v.p] or forms
-        forms.sort(key=lambda v: (v.p.get("gather", False), -v.p.get("bk", 0)))
+        fma = [v for v in forms if v.p.get("fma") and not v.p["pf"] and not v.p["x3"]]
+        if fma:
+            return min(fma, key=lambda v: (v.p["sk"], abs(v.p["bw"] - 128), abs(v.p["bn"] - 16)))
+        forms.sort(key=lambda v: (not v.p.get("gather", False), v.p.get("bn", 0) != 8, -v.p.get("bk", 0)))
         return forms[0] if forms else TRUSTED
 
     def inputs(self, s: QGemvShape, dtype, device, gen) -> dict:
@@ -400,8 +416,8 @@ class QGemvOp(Op):
         if p.get("fma"):
             ws = torch.empty((p["sk"], 1, s.n), dtype=torch.float32, device=device)
             return [qgemv_fma_kernel.warmup(x, q, sb, sb, y, ws, ws, 1, N=s.n, K=s.k, BITS=s.bits, G=s.group,
-                                            BN=p["bn"], BW=p["bw"], SPLIT_K=p["sk"], RNE=False, PF=p.get("pf", True),
-                                            num_warps=p["w"],
+                                            BN=p["bn"], BW=p["bw"], SPLIT_K=p["sk"], RNE=False, PF=p.get("pf", False),
+                                            X3=p.get("x3", False), num_warps=p["w"],
                                             grid=(1,), **pdl(x))]
         return [qgemv_kernel.warmup(x, q, sb, sb, y, 1, N=s.n, K=s.k, BITS=s.bits, G=s.group, BN=p["bn"], BK=p["bk"],
                                     GATHER=p["gather"], GROUPED=p.get("grouped", False), ACC=p.get("acc", False),
