@@ -58,8 +58,9 @@ class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, R
         m_values = m_values or tuple(dict.fromkeys((PREFILL_CHUNK, self.prefill_chunk, DECODE_ROWS)))
         tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
         # The config gives every shape but the quantised weights' formats, which the weights give.
-        extra = [Workload(op, s) for op, s in quant_workloads(model.w) if op.family not in self.off]
-        self.plan, report = tuner.tune(workloads(type(model), model.cfg, m_values, off=self.off) + extra)
+        base = workloads(type(model), model.cfg, m_values, off=self.off)
+        extra = [Workload(op, s) for op, s in quant_workloads(model.w, base) if op.family not in self.off]
+        self.plan, report = tuner.tune(base + extra)
         self.tune_s, self.tune_cache = time.perf_counter() - t0, "hit" if report.hit else "miss"
         return report
 

@@ -120,6 +120,121 @@ def test_quant_workloads_come_from_the_weights():
     assert [s for _, s in got] == [kernels.QGemvShape(1, 32, 256, 8, 32), kernels.QGemvShape(1, 64, 128, 4, 64)]
 
 
+PROLOGUES = [{"act": "silu"}, {"act": "sigmoid"}, {"style": "llama"}, {"style": "offset", "add": True},
+             {"style": "plain", "add": True}]
+
+
+def prologue_case(pro: dict, dtype, n: int = 37, k: int = 256, bits: int = 4, group: int = 64):
+    """The op's own inputs for a prologue shape (what the tuner's gate runs), with fresh outputs."""
+    s = kernels.QGemvShape(1, n, k, bits, group, **pro)
+    inputs = kernels.OP.inputs(s, dtype, DEVICE, torch.Generator(device=DEVICE).manual_seed(7))
+    inputs["w"] = quantized(n, k, bits, group, dtype=dtype)
+    return s, inputs, kernels.OP.outputs(s, inputs)
+
+
+@pytest.mark.parametrize("pro", PROLOGUES, ids=lambda p: "_".join(map(str, p.values())))
+def test_prologue_forms_equal_their_composition(pro):
+    """act(g) * u, rmsnorm(x) and rmsnorm(x + r) computed as the FMA form loads x: in f32 the same
+    sums as the composition (act_mul or rmsnorm, then dequantise-then-linear) up to their order, s
+    written; the unfused form (the prologue's own kernel, then the GEMV) the same."""
+    s, inputs, _ = prologue_case(pro, torch.float32)
+    want = kernels.OP.outputs(s, inputs)
+    kernels.OP.run(kernels.TRUSTED, inputs, want)
+    for v in [kernels.UNFUSED] + [f for f in kernels.OP.catalogue(s, device_info(DEVICE)) if f.p.get("fma")]:
+        got = kernels.OP.outputs(s, inputs)
+        kernels.OP.run(v, inputs, got)
+        err = (got["y"] - want["y"]).abs().max().item()
+        assert err <= 1e-5 * want["y"].abs().max().item(), (v.name, err)
+        if pro.get("add"):
+            assert torch.equal(got["s"], want["s"]), v.name
+
+
+@pytest.mark.parametrize("pro", PROLOGUES[::2], ids=lambda p: "_".join(map(str, p.values())))
+def test_prologue_rounds_where_the_reference_does(pro):
+    """bf16: the prologue's values are the reference's bf16 values exactly (rounded in the same places),
+    so the output is within a few ulps of the f32 sum over those values and the f32 weights."""
+    s, inputs, out = prologue_case(pro, torch.bfloat16, n=64, k=512)
+    norm = None if "norm_w" not in inputs else {"w": inputs["norm_w"], "eps": inputs["eps"], "style": inputs["style"],
+                                                "r": inputs.get("r"), "s": out.get("s")}
+    h = kernels.prologue_reference(inputs["x"], inputs.get("act"), norm)
+    w = inputs["w"]
+    exact = F.linear(h.float(), w.scales.float().repeat_interleave(64, -1) * _values(w) +
+                     w.biases.float().repeat_interleave(64, -1))
+    v = kernels.fma_variant(16, 64 * 4 // 32, 4, 1)
+    kernels.OP.run(v, inputs, out)
+    ulp = exact.abs().clamp_min(1e-2) * torch.finfo(torch.bfloat16).eps
+    assert ((out["y"].float() - exact).abs() <= 2 * ulp).all()
+
+
+def test_gate_passes_every_prologue_candidate_and_rejects_a_wrong_one():
+    """Every candidate of an act and an add + norm shape through the gate; a form that skips the norm's
+    weight (norms with 1.0: plausible when the weight pointer is lost) is rejected."""
+    op, dev = kernels.OP, device_info(DEVICE)
+
+    def no_norm_weight(inputs, outputs, plan):
+        kernels.OP.launch(kernels.fma_variant(8, 8, 4, 1), {**inputs, "norm_w": torch.ones_like(inputs["norm_w"])},
+                          outputs)
+
+    for pro in ({"act": "silu"}, {"style": "llama", "add": True}):
+        s = kernels.QGemvShape(1, 40, 256, 4, 64, **pro)
+        cases = gate.trusted_cases(op, s, op.trusted(s, dev), torch.bfloat16, DEVICE,
+                                   torch.Generator(device=DEVICE).manual_seed(5))
+        for v in op.candidates(s, dev):
+            assert gate.check(op, v, cases).ok, (pro, v.name)
+    with extra_variant("qgemv", variant("no_norm_weight", run=no_norm_weight)) as bad:
+        assert not gate.check(op, bad, cases).ok
+
+
+@pytest.mark.parametrize("fused", (False, True))
+def test_cuda_ops_route_decode_norms_and_activations_to_the_prologue(monkeypatch, fused):
+    """One row through the model-facing methods on quantised weights: the add + norm projections, the
+    gated MLP with its norm, the final norm's LM head and a plain gated MLP each run prologue shapes of
+    qgemv (untuned: the unfused default; or an FMA form) and equal the reference backend's composition."""
+    from kiln.backends.reference import ReferenceOps
+
+    ops, ref = CudaOps(DEVICE), ReferenceOps()
+    if fused:
+        default = kernels.OP.default
+        monkeypatch.setattr(kernels.OP, "default", lambda s, dev: kernels.fma_variant(8, 16, 4, 1) if s.prologue
+                            else default(s, dev))
+    k, ffn = 128, 256
+    wqkv, gate_up = quantized(96, k, 4, 32), quantized(2 * ffn, k, 8, 64, seed=2)
+    down = quantized(k, ffn, 4, 64, seed=3)
+    x, r, nw = rand(1, k, seed=4), rand(1, k, seed=5), 1.0 + 0.1 * rand(k, seed=6)
+    seen = []
+    real = kernels.OP.run
+    monkeypatch.setattr(kernels.OP, "run", lambda v, i, o, plan=None: seen.append(i["w"].shape) or real(v, i, o, plan))
+
+    def close(a, b):
+        return (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+    s, parts = ops.add_rmsnorm_linear_split(x, r, nw, 1e-6, "offset", wqkv, [32, 64])
+    s0, parts0 = ref.add_rmsnorm_linear_split(x, r, nw, 1e-6, "offset", wqkv, [32, 64])
+    assert torch.equal(s, s0) and all(close(a, b) for a, b in zip(parts, parts0))
+    s, y = ops.add_rmsnorm_gated_mlp(x, r, nw, 1e-6, "llama", gate_up, down, "silu")
+    s0, y0 = ref.add_rmsnorm_gated_mlp(x, r, nw, 1e-6, "llama", gate_up, down, "silu")
+    assert torch.equal(s, s0) and close(y, y0)
+    assert close(ops.rmsnorm_linear(x, nw, 1e-6, "plain", wqkv), ref.rmsnorm_linear(x, nw, 1e-6, "plain", wqkv))
+    assert close(ops.gated_mlp(x, gate_up, down, "silu"), ref.gated_mlp(x, gate_up, down, "silu"))
+    assert seen == [wqkv.shape, gate_up.shape, down.shape, wqkv.shape, down.shape]
+
+
+def test_prologue_workloads_come_from_the_models_norm_and_act_gemvs():
+    from kiln.ops.gemm import gemm_act, norm_gemm
+    from kiln.tune.tuner import Workload
+
+    w4, w3 = quantized(64, 128, 4, 64), quantized(128, 256, 3, 64)
+    base = [Workload(norm_gemm.OP, norm_gemm.NormGemmShape(1, 64, 128, "offset", add=True)),
+            Workload(norm_gemm.OP, norm_gemm.NormGemmShape(512, 64, 128, "offset")),          # prefill: not a GEMV
+            Workload(gemm_act.ACT_OP, gemm_act.ActGemmShape(1, 128, 256, "silu")),            # 3-bit: no FMA form
+            Workload(gemm_act.ACT_OP, gemm_act.ActGemmShape(1, 64, 128, "gelu_pytorch_tanh")),  # a torch activation
+            Workload(gemm_act.ACT_OP, gemm_act.ActGemmShape(1, 64, 128, "silu"))]
+    got = [s for _, s in quant_cuda.quant_workloads({"a": w4, "b": w3}, base)]
+    assert got == [kernels.QGemvShape(1, 64, 128, 4, 64), kernels.QGemvShape(1, 64, 128, 4, 64, act="silu"),
+                   kernels.QGemvShape(1, 64, 128, 4, 64, style="offset", add=True),
+                   kernels.QGemvShape(1, 128, 256, 3, 64)]
+
+
 # -- on the GPU: real model shapes ------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import TunedOps
-from ..quant.cuda import quant_linear
+from ..quant.cuda import quant_act_down, quant_linear, quant_norm_linear
 from ..quant.reference import QuantizedWeight
 from . import activation, gemm, gemm_act, norm_gemm
 from .reference import GemmReference
@@ -41,6 +41,8 @@ class GemmCuda(TunedOps, GemmReference):
         return list(self.linear(x, w).split(sizes, dim=-1))
 
     def gated_mlp(self, x, gate_up, down, act):
+        if not dense(down) and x.numel() == x.shape[-1]:      # one row, quantised down: the GEMV's prologue
+            return self._act_down(self.linear(x.reshape(1, -1), gate_up), down, act).view(*x.shape[:-1], -1)
         if not dense(gate_up, down) or not self.on("gemm", x) or not gemm_act.OP.supports(x, gate_up, act):
             gate, up = self.linear_split(x, gate_up, [down.shape[1]] * 2)
             return self.linear(self.act_mul(gate, up, act), down)
@@ -55,6 +57,8 @@ class GemmCuda(TunedOps, GemmReference):
     def add_rmsnorm_linear_split(self, x, r, norm_w, eps, style, w, sizes):
         """At one row, when the tuner chose the GEMV with the norm in its prologue: s = x + r and the
         packed projections of rmsnorm(s) in one launch."""
+        if not dense(w) and (got := quant_norm_linear(self, x, r, norm_w, eps, style, w)) is not None:
+            return got[0], list(got[1].split(sizes, dim=-1))
         v = self._norm_gemv_choice(x, r, norm_w, w, style)
         if v is None:
             return super().add_rmsnorm_linear_split(x, r, norm_w, eps, style, w, sizes)
@@ -64,6 +68,8 @@ class GemmCuda(TunedOps, GemmReference):
     def add_rmsnorm_gated_mlp(self, x, r, norm_w, eps, style, gate_up, down, act):
         """At one row, when the tuner chose the GEMV with the norm in its prologue (and the unfused
         gate|up): s = x + r and gate|up of rmsnorm(s) in one launch, then the down projection."""
+        if not dense(gate_up) and (got := quant_norm_linear(self, x, r, norm_w, eps, style, gate_up)) is not None:
+            return got[0], self._act_down(got[1].reshape(1, -1), down, act).view(x.shape)
         v = self._norm_gemv_choice(x, r, norm_w, gate_up, style)
         shape = gemm_act.GemmActShape(1, down.shape[1], x.shape[-1], act)
         if v is None or not dense(down) or self.choose(gemm_act.OP, shape).run is None:
@@ -91,7 +97,9 @@ class GemmCuda(TunedOps, GemmReference):
 
     def _act_down(self, gu, down, act):
         """Decode's down projection of act(g) * u, the act_mul in its own launch or in the GEMV's loads."""
-        if not gemm_act.ACT_OP.supports(gu, down, act):
+        if not dense(down) and (y := quant_act_down(self, gu, down, act)) is not None:
+            return y
+        if not dense(down) or not gemm_act.ACT_OP.supports(gu, down, act):
             g, u = gu.split(down.shape[1], dim=-1)
             return self.linear(self.act_mul(g, u, act), down)
         y = torch.empty((gu.shape[0], down.shape[0]), dtype=gu.dtype, device=gu.device)
@@ -105,6 +113,9 @@ class GemmCuda(TunedOps, GemmReference):
         return activation.act_mul(g, u, act)
 
     def rmsnorm_linear(self, x, norm_w, eps, style, w):
+        if not dense(w) and x.numel() == x.shape[-1] and (got := quant_norm_linear(self, x, None, norm_w, eps, style,
+                                                                                  w)) is not None:
+            return got[1]
         if not dense(w) or not self.on("gemm", x) or not norm_gemm.OP.supports(x, norm_w, w, style):
             return super().rmsnorm_linear(x, norm_w, eps, style, w)
         n, k = w.shape

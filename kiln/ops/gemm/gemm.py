@@ -596,7 +596,7 @@ class GemmOp(Op):
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("gemv"):
             return [gemv_kernel, masked_k, x_slice, x_normed_row, norm_source, act_f32, pdl_wait, round_to,
-                    last_arrival, norm_rstd, scale_normed]
+                    last_arrival, norm_rstd, scale_normed, norm_kernels.style_scaled]
         if v.p.get("tma"):
             return ([gemm_tma_sk_kernel, tile_of, mma, round_to, splitk_finish, last_arrival] if v.p.get("sk", 1) > 1
                     else [gemm_tma_kernel, tma_tile, tile_of, mma])

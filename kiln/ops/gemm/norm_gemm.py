@@ -195,7 +195,8 @@ class RmsnormGemmOp(Op):
             return []
         if v.p.get("gemv"):
             return gemm.OP.kernel_sources(v)
-        return [rmsnorm_gemm_kernel, gemm.tile_of, gemm.mma, norm_kernels.scale_normed, round_to]
+        return [rmsnorm_gemm_kernel, gemm.tile_of, gemm.mma, norm_kernels.scale_normed, norm_kernels.style_scaled,
+                round_to]
 
     def supports(self, x, nw, w, style) -> bool:
         return x.dtype in SUPPORTED and nw.dtype == x.dtype and w.dtype == x.dtype and style in norm_kernels.STYLES

@@ -25,13 +25,18 @@ STYLES = {"llama": 0, "offset": 1, "plain": 2}
 def scale_normed(xf, rstd, wf, STYLE: tl.constexpr, dtype: tl.constexpr, RNE: tl.constexpr):
     """Rows xf [R, C] (f32) normed by rstd [R] and scaled by wf [C] (f32), rounded to `dtype` as the
     style says."""
-    normed = xf * rstd[:, None]
+    return style_scaled(xf * rstd[:, None], wf[None, :], STYLE, dtype, RNE)
+
+
+@triton.jit
+def style_scaled(normed, wf, STYLE: tl.constexpr, dtype: tl.constexpr, RNE: tl.constexpr):
+    """normed * wf elementwise (f32, any one shape), rounded to `dtype` as the style says."""
     if STYLE == 0:
-        y = round_to(round_to(normed, dtype, RNE).to(tl.float32) * wf[None, :], dtype, RNE)
+        y = round_to(round_to(normed, dtype, RNE).to(tl.float32) * wf, dtype, RNE)
     elif STYLE == 1:
-        y = round_to(normed * (1.0 + wf[None, :]), dtype, RNE)
+        y = round_to(normed * (1.0 + wf), dtype, RNE)
     else:
-        y = round_to(normed * wf[None, :], dtype, RNE)
+        y = round_to(normed * wf, dtype, RNE)
     return y
 
 
@@ -158,7 +163,7 @@ class RmsnormOp(Op):
                                       STYLE=STYLES[s.style], RNE=False, num_warps=v.p["w"], grid=(1,), **pdl(x))]
 
     def kernel_sources(self, v: Variant) -> list:
-        return [rmsnorm_kernel, scale_normed, round_to, pdl_wait]
+        return [rmsnorm_kernel, scale_normed, style_scaled, round_to, pdl_wait]
 
     def supports(self, x: torch.Tensor, w: torch.Tensor, style: str) -> bool:
         return x.dtype in SUPPORTED and w.dtype == x.dtype and style in STYLES and w.shape == x.shape[-1:]

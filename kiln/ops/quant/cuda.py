@@ -5,6 +5,8 @@ family's tuned 16-bit kernel."""
 
 from __future__ import annotations
 
+import torch
+
 from ...weights.quantized import QuantizedWeight
 from . import kernels
 from .reference import dequantize
@@ -26,8 +28,55 @@ def quant_linear(ops, x, w: QuantizedWeight):
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def quant_workloads(weights: dict) -> list[tuple]:
-    """(op, shape) at one row for each distinct 2-D quantised weight a model holds: what decode runs."""
-    shapes = {kernels.QGemvShape(1, w.shape[0], w.shape[1], w.bits, w.group_size)
-              for w in weights.values() if isinstance(w, QuantizedWeight) and w.packed.dim() == 2}
-    return [(kernels.OP, s) for s in sorted(shapes, key=lambda s: s.key)]
+def quant_act_down(ops, gu, w: QuantizedWeight, act: str):
+    """Decode's down projection of act(g) * u on a quantised w, gu [1, 2I] = [g | u]: the tuned choice
+    between act_mul then the GEMV and the GEMV computing act(g) * u as it loads x; None where the
+    family is off or the input does not fit (the caller composes)."""
+    gu2 = gu.reshape(-1, gu.shape[-1])
+    if not ops.on("quant", gu) or not kernels.OP.supports_prologue(gu2, w, act=act):
+        return None
+    shape = kernels.QGemvShape(1, w.shape[0], w.shape[1], w.bits, w.group_size, act=act)
+    y = gu2.new_empty((1, w.shape[0]))
+    kernels.OP.run(ops.choose(kernels.OP, shape), {"x": gu2.contiguous(), "w": w, "act": act}, {"y": y}, ops.plan)
+    return y.view(*gu.shape[:-1], w.shape[0])
+
+
+def quant_norm_linear(ops, x, r, norm_w, eps, style, w: QuantizedWeight):
+    """(s, y) at one row: s = x + r (None without r) and y = rmsnorm(s or x) @ dequantize(w)^T, by the
+    tuned choice between the rmsnorm kernel then the GEMV and the GEMV norming x as it loads it; None
+    where the family is off or the input does not fit."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    r2 = None if r is None else r.reshape(-1, k)
+    if not ops.on("quant", x) or not kernels.OP.supports_prologue(x2, w, norm_w=norm_w, style=style, r=r2):
+        return None
+    shape = kernels.QGemvShape(1, w.shape[0], k, w.bits, w.group_size, style=style, add=r is not None)
+    inputs = {"x": x2.contiguous(), "norm_w": norm_w, "eps": eps, "style": style, "w": w}
+    outputs = {"y": x2.new_empty((1, w.shape[0]))}
+    if r2 is not None:
+        inputs["r"], outputs["s"] = r2.contiguous(), torch.empty_like(x2)
+    kernels.OP.run(ops.choose(kernels.OP, shape), inputs, outputs, ops.plan)
+    s = None if r is None else outputs["s"].view(x.shape)
+    return s, outputs["y"].view(*x.shape[:-1], w.shape[0])
+
+
+def quant_workloads(weights: dict, base=()) -> list[tuple]:
+    """(op, shape) at one row for each distinct 2-D quantised weight a model holds (what decode runs),
+    and the prologue forms of those the model's one-row norm and activation GEMVs (`base`: workloads
+    of ops rmsnorm_gemm and act_gemm, matched to the weights by (n, k)) read."""
+    formats = {}
+    for w in weights.values():
+        if isinstance(w, QuantizedWeight) and w.packed.dim() == 2:
+            formats.setdefault((w.shape[0], w.shape[1]), set()).add((w.bits, w.group_size))
+    shapes = {kernels.QGemvShape(1, n, k, b, g) for (n, k), fs in formats.items() for b, g in fs}
+    for wl in base:
+        s, name = wl.shape, wl.op.name
+        if name not in ("rmsnorm_gemm", "act_gemm") or s.rows != 1:
+            continue
+        for b, g in formats.get((s.n, s.k), ()):
+            pro = {"act": s.act} if name == "act_gemm" else {"style": s.style, "add": s.add}
+            shape = kernels.QGemvShape(1, s.n, s.k, b, g, **pro)
+            if 32 % b == 0 and (name != "act_gemm" or s.act in kernels.ACTS):   # FMA form: whole words, a
+                # kernel activation (tanh GELU stays in torch)
+                shapes.add(shape)
+    return [(kernels.OP, s) for s in sorted(shapes, key=lambda s: (s.key[:4], len(s.prologue), repr(s.prologue)))]

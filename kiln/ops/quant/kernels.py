@@ -21,11 +21,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ...tune.device import interpreting
+from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, variant
 from ...weights.quantized import QuantizedWeight
 from ..common import COMMON, SUPPORTED, cdiv, pdl, pdl_wait, rne_flag, round_to
-from ..gemm.gemm import arrival_counters, last_arrival
+from ..gemm.activation import ACTS, act_f32, act_mul
+from ..gemm.gemm import arrival_counters, last_arrival, norm_args, norm_rstd
+from ..gemm.reference import GemmReference
+from ..norm import kernels as norm_kernels
+from ..norm.kernels import style_scaled
+from ..norm.reference import NormReference
 from .reference import dequantize, quantize
 
 
@@ -188,18 +193,40 @@ def top_bits(words, p: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def fma_words(words, scale, bias, xcol, BITS: tl.constexpr, X3: tl.constexpr):
+def x_values(x_ptr, m, cols, K: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, STYLE: tl.constexpr,
+             r_ptr, nw_ptr, rstd, RNE: tl.constexpr):
+    """Row m's x at columns `cols` (any shape, inside the row) in f32, through the prologue: ACT >= 0:
+    rows are [g | u] (2K wide) and x = act(g) * u; NORM 1: rmsnorm(x), 2: rmsnorm(x + r), with the
+    row's rstd; rounded where gemv_kernel's x_slice rounds (act_mul's and the rmsnorm kernel's places)."""
+    dtype = x_ptr.dtype.element_ty
+    if ACT >= 0:
+        g = tl.load(x_ptr + m * (2 * K) + cols).to(tl.float32)
+        u = tl.load(x_ptr + m * (2 * K) + K + cols).to(tl.float32)
+        a = round_to(act_f32(g, ACT), dtype, RNE).to(tl.float32)
+        xv = round_to(a * u, dtype, RNE).to(tl.float32)
+    else:
+        xv = tl.load(x_ptr + m * K + cols).to(tl.float32)
+        if NORM == 2:
+            xv = round_to(xv + tl.load(r_ptr + m * K + cols).to(tl.float32), dtype, RNE).to(tl.float32)
+        if NORM > 0:
+            xv = style_scaled(xv * rstd, tl.load(nw_ptr + cols).to(tl.float32), STYLE, dtype, RNE).to(tl.float32)
+    return xv
+
+
+@triton.jit
+def fma_words(words, scale, bias, x_ptr, m, cols, K: tl.constexpr, BITS: tl.constexpr, X3: tl.constexpr,
+              ACT: tl.constexpr, NORM: tl.constexpr, STYLE: tl.constexpr, r_ptr, nw_ptr, rstd, RNE: tl.constexpr):
     """A step's sum a word: words [BN, NG, WG] (WG words a group), scale and bias [BN, NG] as loaded,
-    xcol the address of each word's first x: [NG, WG], or with X3 [BN, NG, WG] (x loaded in the words'
-    own layout: no shared-memory exchange of x, at the cost of a sum(x) a row). Per word,
-    dot = sum_p (1 + q_p / 2^BITS) x_p (each word an element of the tile: no reduction across threads)
-    and xs = sum_p x_p; then S * dot + (bias - S) * xs with S = scale * 2^BITS, which is
-    scale * dot(q, x) + bias * xs."""
+    cols the column of each word's first value: [NG, WG], or with X3 [BN, NG, WG] (x read in the
+    words' own layout: no shared-memory exchange of x, at the cost of a sum(x) a row). x comes through
+    x_values' prologue. Per word, dot = sum_p (1 + q_p / 2^BITS) x_p (each word an element of the tile:
+    no reduction across threads) and xs = sum_p x_p; then S * dot + (bias - S) * xs with
+    S = scale * 2^BITS, which is scale * dot(q, x) + bias * xs."""
     PER: tl.constexpr = 32 // BITS
     dot = tl.zeros(words.shape, dtype=tl.float32)
-    xs = tl.zeros(xcol.shape, dtype=tl.float32)
+    xs = tl.zeros(cols.shape, dtype=tl.float32)
     for p in tl.static_range(PER):
-        xp = tl.load(xcol + p).to(tl.float32)
+        xp = x_values(x_ptr, m, cols + p, K, ACT, NORM, STYLE, r_ptr, nw_ptr, rstd, RNE)
         xs += xp
         if X3:
             dot += top_bits(words, p, BITS) * xp
@@ -215,13 +242,17 @@ def fma_words(words, scale, bias, xcol, BITS: tl.constexpr, X3: tl.constexpr):
 def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr,
                      BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
                      SPLIT_K: tl.constexpr, RNE: tl.constexpr, PF: tl.constexpr = False, X3: tl.constexpr = False,
+                     ACT: tl.constexpr = -1, nw_ptr=None, r_ptr=None, sum_ptr=None, eps=1e-6,
+                     NORM: tl.constexpr = 0, STYLE: tl.constexpr = 0, KP: tl.constexpr = 16,
                      PDL: tl.constexpr = False):
     """The FMA form a word at a time (bits dividing 32): program (column block, split) streams
     [BN, NG, WG] tiles of words (BW = NG whole groups of WG words a step) and their [BN, NG] scales
     and biases, adds fma_words elementwise over the steps and reduces once a row. PF: the next step's
     words, scales and biases are loaded before this step's arithmetic (the first before the PDL wait:
     weights are never written); the last step fetches the first again, what the next row reads.
-    X3: x read in the words' layout (fma_words). Split-K as gemv_kernel's serial form."""
+    X3: x read in the words' layout (fma_words). The prologue (x_values): ACT, or NORM with every
+    program computing the row's rstd from L2 and program (0, 0) storing s = x + r to sum_ptr, as
+    gemv_kernel does. Split-K as gemv_kernel's serial form."""
     PER: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = K // PER
     GROUPS: tl.constexpr = K // G
@@ -238,27 +269,33 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
     words = tl.load(qrow)
     scale = tl.load(s_ptr + grow)
     bias = tl.load(b_ptr + grow)
+    if X3:
+        cols = (rows * 0)[:, None, None] + wcol[None, :, :] * PER
+    else:
+        cols = wcol * PER
     pdl_wait(PDL)
     for m32 in range(0, M):
         m = tl.cast(m32, tl.int64)
+        rstd = 0.0
+        if NORM > 0:
+            rstd = tl.sum(norm_rstd(x_ptr, r_ptr, sum_ptr, m, eps, K, KP, NORM, (pid_n == 0) & (split == 0), RNE),
+                          axis=0)
         acc = tl.zeros((BN, NG, WG), dtype=tl.float32)
-        if X3:
-            xcol = x_ptr + m * K + (rows * 0)[:, None, None] + wcol[None, :, :] * PER
-        else:
-            xcol = x_ptr + m * K + wcol * PER
         for w0 in range(0, SPAN, BW):
             if PF:
                 nxt = (w0 + BW) % SPAN
                 words_n = tl.load(qrow + nxt)
                 scale_n = tl.load(s_ptr + grow + nxt // WG)
                 bias_n = tl.load(b_ptr + grow + nxt // WG)
-                acc += fma_words(words.to(tl.uint32, bitcast=True), scale, bias, xcol + w0 * PER, BITS, X3)
+                acc += fma_words(words.to(tl.uint32, bitcast=True), scale, bias, x_ptr, m, cols + w0 * PER, K, BITS,
+                                 X3, ACT, NORM, STYLE, r_ptr, nw_ptr, rstd, RNE)
                 words, scale, bias = words_n, scale_n, bias_n
             else:
                 words = tl.load(qrow + w0)
                 scale = tl.load(s_ptr + grow + w0 // WG)
                 bias = tl.load(b_ptr + grow + w0 // WG)
-                acc += fma_words(words.to(tl.uint32, bitcast=True), scale, bias, xcol + w0 * PER, BITS, X3)
+                acc += fma_words(words.to(tl.uint32, bitcast=True), scale, bias, x_ptr, m, cols + w0 * PER, K, BITS,
+                                 X3, ACT, NORM, STYLE, r_ptr, nw_ptr, rstd, RNE)
         total = tl.sum(tl.sum(acc, axis=2), axis=1)
         if SPLIT_K == 1:
             tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=rn < N)
@@ -277,25 +314,43 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
 
 # -- launching -------------------------------------------------------------------------------------
 
-def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ dequantize(w)^T with variant `v`; x [M, K] contiguous."""
+def prologue_reference(x: torch.Tensor, act: str | None = None, norm: dict | None = None) -> torch.Tensor:
+    """The GEMV's input as the reference computes it: act(g) * u of [g | u] rows, rmsnorm(x) or
+    rmsnorm(x + r) (norm {w, eps, style[, r, s]}; s = x + r written), or x itself."""
+    if act is not None:
+        g, u = x.split(x.shape[-1] // 2, dim=-1)
+        return GemmReference().act_mul(g, u, act)
+    if norm is None:
+        return x
+    src = x
+    if norm.get("r") is not None:
+        src = x + norm["r"]
+        norm["s"].copy_(src)
+    return NormReference().rmsnorm(src, norm["w"], norm["eps"], norm["style"])
+
+
+def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | None = None, act: str | None = None,
+          norm: dict | None = None) -> torch.Tensor:
+    """y = pro(x) @ dequantize(w)^T with variant `v`; x [M, K] contiguous ([M, 2K] = [g | u] with act),
+    pro as prologue_reference says (the fma forms compute it as they load x; the others take none)."""
     p = v.p
-    m, k = x.shape
-    n = w.shape[0]
+    m, k, n = x.shape[0], w.shape[-1], w.shape[0]
     if y is None:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if p.get("trusted"):
-        y.copy_(F.linear(x, dequantize(w)))
+        y.copy_(F.linear(prologue_reference(x, act, norm), dequantize(w)))
         return y
     if p.get("fma"):
         sk, blocks = p["sk"], cdiv(n, p["bn"])
         ws = y if sk == 1 else torch.empty((sk, m, n), dtype=torch.float32, device=x.device)
         counts = arrival_counters(x.device, blocks) if sk > 1 else y
+        pro = {k2 if k2 != "s_ptr" else "sum_ptr": a for k2, a in norm_args(norm, k).items()}
         qgemv_fma_kernel[(blocks, sk)](x, w.packed, w.scales, w.biases, y, ws, counts, m, N=n, K=k, BITS=w.bits,
                                        G=w.group_size, BN=p["bn"], BW=p["bw"], SPLIT_K=sk, RNE=rne_flag(x.dtype),
-                                       PF=p.get("pf", False), X3=p.get("x3", False), num_warps=p["w"],
-                                       **pdl(x))
+                                       PF=p.get("pf", False), X3=p.get("x3", False),
+                                       ACT=-1 if act is None else ACTS[act], **pro, num_warps=p["w"], **pdl(x))
         return y
+    assert act is None and norm is None, f"{v.name} takes no prologue"
     qgemv_kernel[(triton.cdiv(n, p["bn"]),)](x, w.packed, w.scales, w.biases, y, m, N=n, K=k, BITS=w.bits,
                                              G=w.group_size, BN=p["bn"], BK=p["bk"], GATHER=p["gather"],
                                              GROUPED=p.get("grouped", False), ACC=p.get("acc", False),
@@ -312,10 +367,41 @@ class QGemvShape:
     k: int        # input features
     bits: int
     group: int
+    act: str | None = None      # prologue: x rows are [g | u] and the input is act(g) * u
+    style: str | None = None    # prologue: the input is rmsnorm(x) in this style ...
+    add: bool = False           # ... of x + r, s = x + r written
 
     @property
     def key(self) -> tuple:
-        return (self.n, self.k, self.bits, self.group)
+        return (self.n, self.k, self.bits, self.group) + self.prologue
+
+    @property
+    def prologue(self) -> tuple:
+        return ((("act", self.act),) if self.act else ()) + ((("norm", self.style, self.add),) if self.style else ())
+
+    @property
+    def plain(self) -> "QGemvShape":
+        return QGemvShape(self.rows, self.n, self.k, self.bits, self.group)
+
+
+def unfused(inputs: dict, outputs: dict, plan, trusted: bool = False) -> None:
+    """The prologue's own kernel (act_mul, or the rmsnorm kernel as the plan chose), then the plain
+    quantised GEMV as the plan chose."""
+    x, w, act = inputs["x"], inputs["w"], inputs.get("act")
+    shape = QGemvShape(x.shape[0], w.shape[0], w.shape[-1], w.bits, w.group_size)
+    dev = plan.dev if plan is not None else device_info(x.device)
+    if act is not None:
+        g, u = x.split(w.shape[-1], dim=-1)
+        h = act_mul(g, u, act)
+    else:
+        ns = norm_kernels.NormShape(x.shape[0], x.shape[1], inputs["style"])
+        nv = plan.choose(norm_kernels.OP, ns) if plan is not None else norm_kernels.OP.default(ns, dev)
+        h = norm_kernels.rmsnorm(x, inputs["norm_w"], inputs["eps"], inputs["style"], nv, add=inputs.get("r"),
+                                 s=outputs.get("s"))
+    qgemv(h, w, plan.choose(OP, shape) if plan is not None else OP.default(shape, dev), outputs["y"])
+
+
+UNFUSED = variant("unfused", run=unfused)
 
 
 def qgemv_variant(bn: int, bk: int, w: int, gather: bool, grouped: bool = False, acc: bool = False) -> Variant:
@@ -363,15 +449,20 @@ class QGemvOp(Op):
     only: tuple = ()     # benches: only variants whose names start so (a tuple: the op is pickled to workers)
 
     def shape_str(self, s: QGemvShape) -> str:
-        return f"{s.rows}x{s.n}x{s.k}_q{s.bits}g{s.group}"
+        pro = (f"_{s.act}" if s.act else "") + (f"_{s.style}" + ("_add" if s.add else "") if s.style else "")
+        return f"{s.rows}x{s.n}x{s.k}_q{s.bits}g{s.group}{pro}"
 
     def with_rows(self, s: QGemvShape, rows: int) -> QGemvShape:
-        return QGemvShape(rows, s.n, s.k, s.bits, s.group)
+        return QGemvShape(rows, s.n, s.k, s.bits, s.group, s.act, s.style, s.add)
 
     def blocks(self, s: QGemvShape) -> tuple[int, int]:
         return max(2, s.rows), s.rows     # the rows loop taken more than once, and the rows asked for
 
     def catalogue(self, s: QGemvShape, dev) -> list[Variant]:
+        if s.prologue:      # the composition (trusted), its tuned kernels, or the FMA form computing it as it loads
+            fused = CPU_FMA if dev.capability is None else [f for f in GPU_FMA if not f[4] and not f[5]]
+            return [TRUSTED, UNFUSED] + [v for v in map(lambda f: fma_variant(*f), fused)
+                                         if fits(s, v.p) and v.name.startswith(self.only or "")]
         forms = CPU_FORMS if dev.capability is None else GPU_FORMS
         # words and grouped lost to acc on every H200 shape (bench/NOTES.md): the interpreter keeps them
         gpu_forms = [f for f in FORMS if f[0] or f[2]]
@@ -386,6 +477,8 @@ class QGemvOp(Op):
     def default(self, s: QGemvShape, dev) -> Variant:
         """Untuned: the FMA form's H200 winner (bn16, 128 words a step, no split) or its nearest that fits,
         else the widest gather form."""
+        if s.prologue:
+            return UNFUSED
         forms = [v for v in self.catalogue(s, dev) if v is not TRUSTED]
         fma = [v for v in forms if v.p.get("fma") and not v.p["pf"] and not v.p["x3"]]
         if fma:
@@ -394,16 +487,30 @@ class QGemvOp(Op):
         return forms[0] if forms else TRUSTED
 
     def inputs(self, s: QGemvShape, dtype, device, gen) -> dict:
-        x = torch.randn(s.rows, s.k, generator=gen, device=device).to(dtype)
+        if s.style:
+            d = norm_kernels.norm_inputs(s.rows, s.k, s.style, dtype, device, gen)
+            if s.add:
+                d["r"] = torch.randn(s.rows, s.k, generator=gen, device=device).to(dtype)
+        elif s.act:       # [g | u], gates across the activation's bend
+            d = {"x": (torch.randn(s.rows, 2 * s.k, generator=gen, device=device) * 2.0).to(dtype), "act": s.act}
+        else:
+            d = {"x": torch.randn(s.rows, s.k, generator=gen, device=device).to(dtype)}
         w = torch.randn(s.n, s.k, generator=gen, device=device) * s.k ** -0.5
-        return {"x": x, "w": quantize(w.to(dtype), s.bits, s.group)}
+        return {**d, "w": quantize(w.to(dtype), s.bits, s.group)}
 
     def outputs(self, s: QGemvShape, inputs: dict) -> dict:
         x = inputs["x"]
-        return {"y": torch.empty((x.shape[0], inputs["w"].shape[0]), dtype=x.dtype, device=x.device)}
+        out = {"y": torch.empty((x.shape[0], inputs["w"].shape[0]), dtype=x.dtype, device=x.device)}
+        if inputs.get("r") is not None:
+            out["s"] = torch.empty_like(x)
+        return out
 
     def launch(self, v: Variant, inputs: dict, outputs: dict, plan=None) -> None:
-        qgemv(inputs["x"], inputs["w"], v, outputs["y"])
+        norm = None
+        if "norm_w" in inputs:
+            norm = {"w": inputs["norm_w"], "eps": inputs["eps"], "style": inputs["style"], "r": inputs.get("r"),
+                    "s": outputs.get("s")}
+        qgemv(inputs["x"], inputs["w"], v, outputs["y"], act=inputs.get("act"), norm=norm)
 
     def compile(self, v: Variant, s: QGemvShape, dtype, device) -> list:
         if interpreting() or v.run is not None or v.p.get("trusted"):
@@ -415,10 +522,16 @@ class QGemvOp(Op):
         y = torch.empty((1, s.n), dtype=dtype, device=device)
         if p.get("fma"):
             ws = torch.empty((p["sk"], 1, s.n), dtype=torch.float32, device=device)
+            pro = {}
+            if s.act:
+                x, pro = torch.empty((1, 2 * s.k), dtype=dtype, device=device), {"ACT": ACTS[s.act]}
+            elif s.style:
+                r = x if s.add else None
+                pro = {k2 if k2 != "s_ptr" else "sum_ptr": a for k2, a in
+                       norm_args({"w": x[0], "eps": 1e-6, "style": s.style, "r": r, "s": r}, s.k).items()}
             return [qgemv_fma_kernel.warmup(x, q, sb, sb, y, ws, ws, 1, N=s.n, K=s.k, BITS=s.bits, G=s.group,
                                             BN=p["bn"], BW=p["bw"], SPLIT_K=p["sk"], RNE=False, PF=p.get("pf", False),
-                                            X3=p.get("x3", False), num_warps=p["w"],
-                                            grid=(1,), **pdl(x))]
+                                            X3=p.get("x3", False), **pro, num_warps=p["w"], grid=(1,), **pdl(x))]
         return [qgemv_kernel.warmup(x, q, sb, sb, y, 1, N=s.n, K=s.k, BITS=s.bits, G=s.group, BN=p["bn"], BK=p["bk"],
                                     GATHER=p["gather"], GROUPED=p.get("grouped", False), ACC=p.get("acc", False),
                                     RNE=False, num_warps=p["w"], grid=(1,), **pdl(x))]
@@ -427,7 +540,8 @@ class QGemvOp(Op):
         if v.p.get("trusted"):
             return []
         if v.p.get("fma"):
-            return [qgemv_fma_kernel, fma_words, top_bits, last_arrival, pdl_wait, round_to]
+            return [qgemv_fma_kernel, fma_words, x_values, top_bits, last_arrival, norm_rstd, style_scaled, act_f32,
+                    pdl_wait, round_to]
         return [qgemv_kernel, step_sums, flat_step, grouped_step, dequant_row, grouped_layout, scaled_group_sums,
                 words_tile, gather_tile, as_f32, pdl_wait, round_to]
 
@@ -436,6 +550,17 @@ class QGemvOp(Op):
         smallest step (128 inputs)."""
         return (isinstance(w, QuantizedWeight) and x.dtype in SUPPORTED and w.dtype == x.dtype
                 and w.packed.dim() == 2 and w.shape[-1] == x.shape[-1] and x.shape[-1] % 128 == 0)
+
+    def supports_prologue(self, x: torch.Tensor, w, act: str | None = None, norm_w=None, style=None, r=None) -> bool:
+        """One row of x ([g | u] with act), w as `supports` takes it and in a form the FMA kernel reads
+        (bits dividing 32); the norm's weight [K] in x's dtype, a known style, r shaped like x."""
+        k = w.shape[-1] if isinstance(w, QuantizedWeight) else -1
+        if x.dim() != 2 or x.shape[0] != 1 or 32 % getattr(w, "bits", 3) != 0:
+            return False
+        if act is not None:
+            return act in ACTS and x.shape[-1] == 2 * k and self.supports(x[:, :k], w)
+        return (self.supports(x, w) and norm_w is not None and norm_w.shape == (k,) and norm_w.dtype == x.dtype
+                and style in norm_kernels.STYLES and (r is None or (r.shape == x.shape and r.dtype == x.dtype)))
 
 
 OP = register(QGemvOp())

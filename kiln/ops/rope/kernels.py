@@ -23,7 +23,7 @@ import triton.language as tl
 from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, variant
 from ..common import COMMON, EXACT_ROUNDING, SUPPORTED, cdiv, pdl, pdl_wait, pow2_dim, rne_flag, round_to
-from ..norm.kernels import STYLES, scale_normed
+from ..norm.kernels import STYLES, scale_normed, style_scaled
 from ..norm.kernels import __file__ as NORM_FILE
 
 
@@ -238,7 +238,7 @@ class QkRopeOp(Op):
         return []
 
     def kernel_sources(self, v: Variant) -> list:
-        return [qk_rope_kernel, norm_rope_rows, scale_normed, round_to, pdl_wait]
+        return [qk_rope_kernel, norm_rope_rows, scale_normed, style_scaled, round_to, pdl_wait]
 
     def supports(self, q, k, v, k_buf, cos) -> bool:
         return supports(q, k, v, k_buf, cos)
