@@ -250,3 +250,26 @@ def test_every_gpu_candidate_passes_the_gate_on_qwen35_9b_shapes(bits):
         for v in [v for v in op.candidates(s, dev) if (v.p.get("bk") == 512 or v.p.get("bw") == 64)
                   and v.p.get("w", 4) == 4 and v.p.get("bn", 16) == 16]:
             assert gate.check(op, v, cases).ok, (s, v.name)
+
+
+# -- the embedding lookup ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group", (32, 128))
+def test_quantised_embedding_equals_the_reference_bit_for_bit(bits, group):
+    """Rows gathered and dequantised in one launch equal dequantize(table.rows(ids)) exactly: bf16 scales
+    (mlx-community), f32 scales with a bf16 weight (GGUF kept quantised), repeated and ragged ids; and
+    CudaOps.embed (with Gemma's scale) equals the reference backend's."""
+    from kiln.backends.reference import ReferenceOps
+    from kiln.ops.quant import embed
+
+    k = 384                                     # one block of 512: its tail masked
+    bf = quantized(50, k, bits, group, dtype=torch.bfloat16)
+    wide = type(bf)(bf.packed, bf.scales.float() * 1.001, bf.biases.float(), bits, group, out_dtype=torch.bfloat16)
+    ids = torch.tensor([[3, 49, 0], [3, 7, 21]], device=DEVICE)
+    for table in (bf, wide):
+        want = dequantize(table.rows(ids))
+        got = embed.qembed(ids, table)
+        assert got.dtype == want.dtype and torch.equal(got, want), table.scales.dtype
+    ops = CudaOps(DEVICE)
+    assert torch.equal(ops.embed(ids, bf, scale=30.0), ReferenceOps().embed(ids, bf, scale=30.0))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import TunedOps
-from ..quant.cuda import quant_act_down, quant_linear, quant_norm_linear
+from ..quant.cuda import quant_act_down, quant_embed, quant_linear, quant_norm_linear
 from ..quant.reference import QuantizedWeight
 from . import activation, gemm, gemm_act, norm_gemm
 from .reference import GemmReference
@@ -20,6 +20,13 @@ def dense(*ws) -> bool:
 
 
 class GemmCuda(TunedOps, GemmReference):
+    def embed(self, ids, table, scale=None):
+        if dense(table) or (x := quant_embed(self, ids, table)) is None:
+            return super().embed(ids, table, scale)
+        if scale is not None:   # as the reference: the scale cast to the table's dtype first
+            x = x * torch.tensor(scale, dtype=table.dtype)
+        return x
+
     def linear(self, x, w, b=None):
         if b is None and not dense(w) and (y := quant_linear(self, x, w)) is not None:
             return y

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...weights.quantized import QuantizedWeight
-from . import kernels
+from . import embed, kernels
 from .reference import dequantize
 
 GEMV_ROWS = 4     # up to this many rows the GEMV re-reads its slab from L2 for each row; beyond, one GEMM
@@ -26,6 +26,14 @@ def quant_linear(ops, x, w: QuantizedWeight):
     shape = kernels.QGemvShape(x2.shape[0], w.shape[0], k, w.bits, w.group_size)
     y = kernels.qgemv(x2.contiguous(), w, ops.choose(kernels.OP, shape))
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+def quant_embed(ops, ids, table: QuantizedWeight):
+    """The rows of a quantised table at ids, dequantised in one launch; None where the family is off or
+    the lookup does not fit (the caller's reference then gathers and dequantises)."""
+    if not ops.on("quant", table.packed) or not embed.supports(ids, table):
+        return None
+    return embed.qembed(ids, table)
 
 
 def quant_act_down(ops, gu, w: QuantizedWeight, act: str):
