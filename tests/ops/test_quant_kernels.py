@@ -258,8 +258,9 @@ def test_every_gpu_candidate_passes_the_gate_on_qwen35_9b_shapes(bits):
 @pytest.mark.parametrize("group", (32, 128))
 def test_quantised_embedding_equals_the_reference_bit_for_bit(bits, group):
     """Rows gathered and dequantised in one launch equal dequantize(table.rows(ids)) exactly: bf16 scales
-    (mlx-community), f32 scales with a bf16 weight (GGUF kept quantised), repeated and ragged ids; and
-    CudaOps.embed (with Gemma's scale) equals the reference backend's."""
+    (mlx-community), f32 scales with a bf16 weight (GGUF kept quantised), repeated and ragged ids; the
+    whole table (50 rows: a ragged last tile) equals dequantize(table); CudaOps.embed (with Gemma's
+    scale) equals the reference backend's."""
     from kiln.backends.reference import ReferenceOps
     from kiln.ops.quant import embed
 
@@ -271,5 +272,6 @@ def test_quantised_embedding_equals_the_reference_bit_for_bit(bits, group):
         want = dequantize(table.rows(ids))
         got = embed.qembed(ids, table)
         assert got.dtype == want.dtype and torch.equal(got, want), table.scales.dtype
+        assert torch.equal(embed.qembed(None, table), dequantize(table))      # the whole table (prefill's GEMM)
     ops = CudaOps(DEVICE)
     assert torch.equal(ops.embed(ids, bf, scale=30.0), ReferenceOps().embed(ids, bf, scale=30.0))

@@ -21,8 +21,8 @@ def quant_linear(ops, x, w: QuantizedWeight):
         return None
     k = w.shape[-1]
     x2 = x.reshape(-1, k)
-    if x2.shape[0] > GEMV_ROWS or not kernels.OP.supports(x2, w):
-        return ops.linear(x, dequantize(w))     # a dense weight: the gemm family's kernels
+    if x2.shape[0] > GEMV_ROWS or not kernels.OP.supports(x2, w):    # a dense weight: the gemm family's kernels
+        return ops.linear(x, embed.qembed(None, w) if embed.supports(None, w) else dequantize(w))
     shape = kernels.QGemvShape(x2.shape[0], w.shape[0], k, w.bits, w.group_size)
     y = kernels.qgemv(x2.contiguous(), w, ops.choose(kernels.OP, shape))
     return y.view(*x.shape[:-1], w.shape[0])
