@@ -99,6 +99,32 @@ def eos_ids(config: dict, generation: dict) -> list[int]:
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+def stacks_to_fused(ckpt, stack: str, fused: str):
+    """mlx-lm's expert stacks (`<stack>{gate,up,down}_proj.weight`, [E, rows, cols] each, quantised or
+    not: Qwen's `mlp.switch_mlp.`, Gemma 4's `experts.switch_glu.`) as kiln's fused layout:
+    `<fused>gate_up_proj` (each expert's gate rows, then its up rows) and `<fused>down_proj`. Other
+    checkpoints pass through."""
+    gates = [n for n in ckpt.shapes if n.endswith(stack + "gate_proj.weight")]
+    if not gates:
+        return ckpt
+    shapes, parts = dict(ckpt.shapes), {}
+    for gate in gates:
+        layer = gate[: -len(stack + "gate_proj.weight")]
+        up, down = layer + stack + "up_proj.weight", layer + stack + "down_proj.weight"
+        e, i, h = shapes.pop(gate)
+        shapes.pop(up)
+        shapes[layer + fused + "gate_up_proj"] = (e, 2 * i, h)
+        shapes[layer + fused + "down_proj"] = shapes.pop(down)
+        parts[layer + fused + "gate_up_proj"], parts[layer + fused + "down_proj"] = (gate, up), (down,)
+
+    def load(name: str):
+        if name not in parts:
+            return ckpt.load(name)
+        return cat_rows([ckpt.load(n) for n in parts[name]]) if len(parts[name]) > 1 else ckpt.load(parts[name][0])
+
+    return dataclasses.replace(ckpt, shapes=shapes, loader=load, locator=None, located=None)
+
+
 def fuse_experts(ckpt):
     """Per-expert checkpoint names (`experts.{e}.gate_proj.weight`, ...) -> the fused layout the
     models use (`experts.gate_up_proj` [E, 2I, H], gate rows first; `experts.down_proj` [E, H, I]).

@@ -13,7 +13,17 @@ import torch
 
 from ..cache import KVCache, RingKVCache
 from ..errors import KilnError
-from .base import Model, config_from_dict, fuse_experts, gated_mlp_shapes, gemms, kernel, lm_head_shapes, norms
+from .base import (
+    Model,
+    config_from_dict,
+    fuse_experts,
+    gated_mlp_shapes,
+    gemms,
+    kernel,
+    lm_head_shapes,
+    norms,
+    stacks_to_fused,
+)
 from .rope import inv_freq
 
 _OVERRIDABLE = {"head_dim", "num_key_value_heads"}  # per_layer_config keys the HF model reads
@@ -208,9 +218,11 @@ class Gemma4(Model):
 
     @classmethod
     def sanitize(cls, ckpt):
-        """Experts stored one by one are fused; KV-shared layers may carry K/V weights they never
-        use (HF ignores them on load): those are dropped."""
-        c, ckpt = config_from_dict(cls.config_class, ckpt.config), fuse_experts(ckpt)
+        """Experts stored one by one (HF) or as mlx-lm's `experts.switch_glu` stacks are fused; KV-shared
+        layers may carry K/V weights they never use (HF ignores them on load, mlx-lm drops them):
+        those are dropped."""
+        c = config_from_dict(cls.config_class, ckpt.config)
+        ckpt = stacks_to_fused(fuse_experts(ckpt), "experts.switch_glu.", "experts.")
         unused = {n for i, src in enumerate(c.kv_source) if src is not None for n in cls._kv_shapes(c, i)}
         if not unused & set(ckpt.shapes):
             return ckpt

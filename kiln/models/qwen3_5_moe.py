@@ -4,10 +4,7 @@ scaled by a sigmoid gate)."""
 
 from __future__ import annotations
 
-import dataclasses
-
-from ..weights.quantized import cat_rows
-from .base import fuse_experts, gated_mlp_shapes, gemms, kernel
+from .base import fuse_experts, gated_mlp_shapes, gemms, kernel, stacks_to_fused
 from .qwen3_5 import Qwen35, undo_mlx_sanitize
 
 
@@ -20,7 +17,7 @@ class Qwen35Moe(Qwen35):
     @classmethod
     def sanitize(cls, ckpt):
         # checkpoints store experts one by one, fused, or (mlx-lm) as switch_mlp stacks; models use fused
-        return undo_mlx_sanitize(switch_mlp_to_fused(fuse_experts(ckpt)))
+        return undo_mlx_sanitize(stacks_to_fused(fuse_experts(ckpt), "mlp.switch_mlp.", "mlp.experts."))
 
     def is_sparse(self, layer: int) -> bool:
         return self.sparse_layer(self.cfg, layer)
@@ -60,28 +57,3 @@ class Qwen35Moe(Qwen35):
         weights, idx = ops.router_topk(ops.linear(x, w[p + "gate.weight"]), c.num_experts_per_tok, c.norm_topk_prob)
         return ops.moe_experts_gated(x, idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
                                      c.hidden_act, w[p + "shared_expert_gate.weight"], shared)
-
-
-def switch_mlp_to_fused(ckpt):
-    """mlx-lm's expert stacks (`mlp.switch_mlp.{gate,up,down}_proj.weight`, [E, rows, cols] each,
-    quantised or not) as kiln's fused layout: `mlp.experts.gate_up_proj` (each expert's gate rows,
-    then its up rows) and `mlp.experts.down_proj`. Other checkpoints pass through."""
-    gates = [n for n in ckpt.shapes if n.endswith("mlp.switch_mlp.gate_proj.weight")]
-    if not gates:
-        return ckpt
-    shapes, parts = dict(ckpt.shapes), {}
-    for gate in gates:
-        mlp = gate[: -len("switch_mlp.gate_proj.weight")]
-        up, down = mlp + "switch_mlp.up_proj.weight", mlp + "switch_mlp.down_proj.weight"
-        e, i, h = shapes.pop(gate)
-        shapes.pop(up)
-        shapes[mlp + "experts.gate_up_proj"] = (e, 2 * i, h)
-        shapes[mlp + "experts.down_proj"] = shapes.pop(down)
-        parts[mlp + "experts.gate_up_proj"], parts[mlp + "experts.down_proj"] = (gate, up), (down,)
-
-    def load(name: str):
-        if name not in parts:
-            return ckpt.load(name)
-        return cat_rows([ckpt.load(n) for n in parts[name]]) if len(parts[name]) > 1 else ckpt.load(parts[name][0])
-
-    return dataclasses.replace(ckpt, shapes=shapes, loader=load, locator=None, located=None)

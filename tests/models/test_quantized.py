@@ -1,13 +1,14 @@
 """Quantised checkpoints as mlx-lm writes them, kept quantised by kiln: tiny Llama, Qwen3, Qwen3.5,
-Qwen3.5-MoE, Gemma 3 and Qwen3-Next models, quantised by mlx-lm itself (4 or 8 bits; the MLP's down
-projection at 8 bits, or an MoE's own choice: its routers at 8), give mlx-lm's own greedy tokens on
-kiln's reference backend, and on its cuda backend under the interpreter for Llama and Qwen3 (the
-quantised GEMV and its dispatch serve every family; the others take minutes there). The reference
-dequantises exactly as mx.dequantize (tests/ops/test_quant.py)."""
+Qwen3.5-MoE, Gemma 3, Qwen3-Next and Gemma 4 (dense and MoE) models, quantised by mlx-lm itself (4
+or 8 bits; the MLP's down projection at 8 bits, or an MoE's own choice: its routers at 8), give
+mlx-lm's own greedy tokens on kiln's reference backend, and on its cuda backend under the
+interpreter for Llama and Qwen3 (the quantised GEMV and its dispatch serve every family; the others
+take minutes there). The reference dequantises exactly as mx.dequantize (tests/ops/test_quant.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,12 @@ FAMILIES = {"llama": dict(CONFIGS["tiny-llama"], **SHAPES),
                                full_attention_interval=3, linear_num_key_heads=2, linear_num_value_heads=4,
                                linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2,
                                moe_intermediate_size=64, shared_expert_intermediate_size=128,
-                               rope_theta=10_000_000.0, partial_rotary_factor=0.25)}   # mlx-lm reads these keys
+                               rope_theta=10_000_000.0, partial_rotary_factor=0.25),   # mlx-lm reads these keys
+            # Gemma 4: sliding and full layers with their own head dims; the MoE one with mlx-lm's
+            # experts.switch_glu stacks (HF's fused gate_up_proj split in two) and its routers at 8 bits
+            "gemma4": dict(CONFIGS["tiny-gemma4"], **SHAPES, head_dim=32, global_head_dim=64),
+            "gemma4_moe": dict(CONFIGS["tiny-gemma4-moe"], **SHAPES, head_dim=32, global_head_dim=64, num_experts=4,
+                               top_k_experts=2, moe_intermediate_size=64)}
 
 
 def hf_folder(config: dict, out: Path) -> Path:
@@ -99,7 +105,7 @@ def mlx_greedy(path: Path, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module", params=[("llama", 4), ("qwen3", 8), ("qwen3_5", 4), ("qwen3_5_moe", 4), ("gemma3", 4),
-                                        ("qwen3_next", 4)],
+                                        ("qwen3_next", 4), ("gemma4", 4), ("gemma4_moe", 4)],
                 ids=lambda p: f"{p[0]}-{p[1]}bit")
 def quantised(request, tmp_path_factory):
     family, bits = request.param
@@ -109,18 +115,25 @@ def quantised(request, tmp_path_factory):
     return path, mlx_greedy(path, 16), family
 
 
-MOE = ("qwen3_5_moe", "qwen3_next")
-CUDA_FAMILIES = ("llama", "qwen3")   # the same quantised GEMV and dispatch serve every family
+MOE = ("qwen3_5_moe", "qwen3_next", "gemma4_moe")
+# the same quantised GEMV and dispatch serve every family; KILN_TEST_ALL_FAMILIES=1 runs them all (minutes each)
+CUDA_FAMILIES = tuple(FAMILIES) if os.environ.get("KILN_TEST_ALL_FAMILIES") else ("llama", "qwen3")
 # (a module at 8 bits, a module at the default bits, a merged weight the model keeps) per family
 NAMES = {"moe": ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.switch_mlp.gate_proj.weight",
                  "model.layers.0.mlp.experts.gate_up_proj"),
          "dense": ("model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.gate_proj.weight",
-                   "model.layers.0.mlp.gate_up_proj.weight")}
+                   "model.layers.0.mlp.gate_up_proj.weight"),
+         "gemma4_moe": ("model.layers.0.router.proj.weight", "model.layers.0.experts.switch_glu.gate_proj.weight",
+                        "model.layers.0.experts.gate_up_proj")}
+
+
+def names(family: str) -> tuple:
+    return NAMES.get(family) or NAMES["moe" if family in MOE else "dense"]
 
 
 def test_the_reader_keeps_quantised_modules_quantised(quantised):
     path, _, family = quantised
-    eight, default, _ = NAMES["moe" if family in MOE else "dense"]
+    eight, default, _ = names(family)
     ckpt = open_checkpoint(path)
     assert not any(n.endswith((".scales", ".biases")) for n in ckpt.shapes)
     w8, w = ckpt.load(eight), ckpt.load(default)
@@ -136,7 +149,7 @@ def test_greedy_tokens_are_mlx_lms(quantised, backend, monkeypatch):
     if backend == "cuda" and family not in CUDA_FAMILIES:     # CI's time: a minute or more each under the interpreter
         pytest.skip("the cuda backend's quantised path is run on llama (4-bit) and qwen3 (8-bit) in CI")
     llm = kiln.load(str(path), device="cpu", dtype="f32", backend=backend)
-    kept = NAMES["moe" if family in MOE else "dense"][2]
+    kept = names(family)[2]
     assert isinstance(llm.model.w[kept], QuantizedWeight)   # kept quantised
     n = 16 if backend == "reference" else 8     # the interpreter runs every quantised GEMV: CI's time
     assert llm.generate(PROMPT, max_new_tokens=n, temperature=0).token_ids == want[:n]
