@@ -275,3 +275,36 @@ def test_quantised_embedding_equals_the_reference_bit_for_bit(bits, group):
         assert torch.equal(embed.qembed(None, table), dequantize(table))      # the whole table (prefill's GEMM)
     ops = CudaOps(DEVICE)
     assert torch.equal(ops.embed(ids, bf, scale=30.0), ReferenceOps().embed(ids, bf, scale=30.0))
+
+
+# -- routed experts ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("tokens", (1, 3))
+def test_quantised_moe_equals_the_reference(dtype, tokens):
+    """Every (token, slot) pair's gate|up GEMV on its expert's packed stack, the down GEMV with act(g) * u
+    in its prologue and the routing weight in its epilogue, then the combine (with and without Qwen's
+    gated shared expert): MoeReference on the dequantised experts, the same roundings, so f32 agrees to
+    its summation order and bf16 to an ulp or two where a rounding lands the other way."""
+    from kiln.backends.reference import ReferenceOps
+
+    e, k, h, i = 4, 2, 128, 64
+    gate_up = quantize(rand(e, 2 * i, h, dtype=dtype, seed=1, scale=h ** -0.5), 4, 64)
+    down = quantize(rand(e, h, i, dtype=dtype, seed=2, scale=i ** -0.5), 8, 32)
+    x = rand(tokens, h, dtype=dtype, seed=3)
+    idx = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(t))[:k] for t in range(tokens)])
+    weights = torch.rand(tokens, k, generator=torch.Generator().manual_seed(9)).to(dtype).to(DEVICE)
+    gate_w, shared = rand(1, h, dtype=dtype, seed=4), rand(tokens, h, dtype=dtype, seed=5)
+    ops, ref = CudaOps(DEVICE), ReferenceOps()
+    tol = 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+    calls = []
+    real = kernels.qgemv_pairs
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "qgemv_pairs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        got = ops.moe_experts(x, idx.to(DEVICE), weights, gate_up, down, "silu")
+        gated = ops.moe_experts_gated(x, idx.to(DEVICE), weights, gate_up, down, "silu", gate_w, shared)
+    assert len(calls) == 4          # two launches a call: the kernels ran, not the reference
+    want = ref.moe_experts(x, idx.to(DEVICE), weights, gate_up, down, "silu")
+    want_gated = ref.moe_experts_gated(x, idx.to(DEVICE), weights, gate_up, down, "silu", gate_w, shared)
+    for a, b in ((got, want), (gated, want_gated)):
+        assert a.dtype == b.dtype and (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()

@@ -8,13 +8,14 @@ import torch
 
 from ..dispatch import TunedOps
 from ..gemm.reference import ACTIVATIONS
+from ..quant.cuda import quant_moe
 from . import kernels
 from .reference import MoeReference
 
 
 def dense(*ws) -> bool:
-    """No quantised weight among ws: the MoE kernels take 16-bit experts; quantised ones run the
-    reference (each chosen expert's projections through `linear`)."""
+    """No quantised weight among ws: the MoE kernels take 16-bit experts; quantised ones run the quant
+    family's routed GEMVs (quant_moe) or, where those do not fit, the reference."""
     return all(isinstance(w, torch.Tensor) for w in ws)
 
 
@@ -34,6 +35,9 @@ class MoeCuda(TunedOps, MoeReference):
 
     def moe_experts_gated(self, x, idx, weights, gate_up, down, act, gate_w, shared):
         """The routed experts' combine also adds sigmoid(x . gate_w) * shared (one launch fewer)."""
+        if (not dense(gate_up, down) and dense(gate_w) and gate_w.shape[0] == 1 and shared.shape == x.shape
+                and (y := quant_moe(self, x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None):
+            return y
         if (self.on("moe", x) and dense(gate_up, down, gate_w) and kernels.supports(x, gate_up, down, act)
                 and gate_w.shape[0] == 1
                 and gate_w.dtype == shared.dtype == x.dtype and shared.shape == x.shape and x.dim() == 2):
@@ -43,7 +47,8 @@ class MoeCuda(TunedOps, MoeReference):
 
     def moe_experts(self, x, idx, weights, gate_up, down, act):
         if not dense(gate_up, down):
-            return super().moe_experts(x, idx, weights, gate_up, down, act)
+            y = quant_moe(self, x, idx, weights, gate_up, down, act)
+            return y if y is not None else super().moe_experts(x, idx, weights, gate_up, down, act)
         if self.on("moe", x) and kernels.supports(x, gate_up, down, act):
             v = self.choose(kernels.OP, self._moe_shape(x, idx, gate_up, down, act))
             return kernels.moe_experts(x, idx, weights, gate_up, down, act, v=v)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...weights.quantized import QuantizedWeight
+from ..moe import kernels as moe_kernels
 from . import embed, kernels
 from .reference import dequantize
 
@@ -34,6 +35,45 @@ def quant_embed(ops, ids, table: QuantizedWeight):
     if not ops.on("quant", table.packed) or not embed.supports(ids, table):
         return None
     return embed.qembed(ids, table)
+
+
+def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWeight, act: str, gate=None):
+    """The routed experts on quantised [E, rows, cols] stacks in three launches: every (token, slot)
+    pair's gate|up GEMV, the down GEMV computing act(g) * u as it loads and weighting its output, then
+    the MoE family's combine (with Qwen's gated shared expert: gate = (gate_w, shared)). The same
+    roundings as MoeReference. None where the family is off or the stacks do not fit (an activation
+    the prologue lacks, bits that cross words): the caller's reference then runs."""
+    if not (ops.on("quant", x) and isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
+            and gate_up.packed.dim() == down.packed.dim() == 3 and x.dim() == 2 and act in kernels.ACTS
+            and all(32 % w.bits == 0 and w.dtype == x.dtype for w in (gate_up, down))):
+        return None
+    e, i2, h = gate_up.shape
+    up_shape = kernels.QGemvShape(1, i2, h, gate_up.bits, gate_up.group_size)
+    down_shape = kernels.QGemvShape(1, h, i2 // 2, down.bits, down.group_size)
+    v_up, v_down = (unsplit(kernels.OP.default(s, ops.dev), s) for s in (up_shape, down_shape))
+    if v_up is None or v_down is None:
+        return None
+    t, k = idx.shape
+    pairs, flat = t * k, idx.reshape(-1).contiguous()
+    gu = x.new_empty((pairs, i2))
+    kernels.qgemv_pairs(x.contiguous(), gate_up, flat, v_up, gu, xdiv=k)
+    y = x.new_empty((pairs, h))
+    kernels.qgemv_pairs(gu, down, flat, v_down, y, xdiv=1, act=act, rw=weights.reshape(-1).contiguous())
+    out = torch.empty_like(x)
+    moe_kernels.combine(y, idx.contiguous(), out, x, gate)
+    return out
+
+
+def unsplit(v, shape):
+    """An fma form without split-K for `shape`: v itself, or bn 16 with the step nearest 128 words
+    that fits; None where none does."""
+    if v.p.get("fma") and v.p["sk"] == 1:
+        return v
+    for bw in (128, 64, 256, 32, 16, 8, 4):
+        f = kernels.fma_variant(16, bw, 4, 1)
+        if kernels.fits(shape, f.p):
+            return f
+    return None
 
 
 def quant_act_down(ops, gu, w: QuantizedWeight, act: str):

@@ -28,6 +28,7 @@ from ..common import COMMON, SUPPORTED, cdiv, pdl, pdl_wait, rne_flag, round_to
 from ..gemm.activation import ACTS, act_f32, act_mul
 from ..gemm.gemm import arrival_counters, last_arrival, norm_args, norm_rstd
 from ..gemm.reference import GemmReference
+from ..moe.kernels import weighted
 from ..norm import kernels as norm_kernels
 from ..norm.kernels import style_scaled
 from ..norm.reference import NormReference
@@ -244,7 +245,7 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
                      SPLIT_K: tl.constexpr, RNE: tl.constexpr, PF: tl.constexpr = False, X3: tl.constexpr = False,
                      ACT: tl.constexpr = -1, nw_ptr=None, r_ptr=None, sum_ptr=None, eps=1e-6,
                      NORM: tl.constexpr = 0, STYLE: tl.constexpr = 0, KP: tl.constexpr = 16,
-                     PDL: tl.constexpr = False):
+                     idx_ptr=None, rw_ptr=None, XDIV: tl.constexpr = 0, PDL: tl.constexpr = False):
     """The FMA form a word at a time (bits dividing 32): program (column block, split) streams
     [BN, NG, WG] tiles of words (BW = NG whole groups of WG words a step) and their [BN, NG] scales
     and biases, adds fma_words elementwise over the steps and reduces once a row. PF: the next step's
@@ -252,7 +253,10 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
     weights are never written); the last step fetches the first again, what the next row reads.
     X3: x read in the words' layout (fma_words). The prologue (x_values): ACT, or NORM with every
     program computing the row's rstd from L2 and program (0, 0) storing s = x + r to sum_ptr, as
-    gemv_kernel does. Split-K as gemv_kernel's serial form."""
+    gemv_kernel does. Split-K as gemv_kernel's serial form. XDIV > 0: routed experts, program axis 2
+    the (token, slot) pair: the weights are expert idx[pair] of [E, N, K] stacks, x row pair // XDIV,
+    y row pair, M = 1, no split; with rw_ptr the output is weighted by the pair's routing weight as
+    the MoE kernels weight it."""
     PER: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = K // PER
     GROUPS: tl.constexpr = K // G
@@ -260,6 +264,14 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
     NG: tl.constexpr = BW // WG
     SPAN: tl.constexpr = WORDS // SPLIT_K              # words a split (fits() makes it whole BW steps)
     pid_n, split = tl.program_id(0), tl.program_id(1)
+    if XDIV > 0:
+        pair = tl.program_id(2).to(tl.int64)
+        e = tl.load(idx_ptr + pair).to(tl.int64)
+        q_ptr += e * (N * WORDS)
+        s_ptr += e * (N * GROUPS)
+        b_ptr += e * (N * GROUPS)
+        x_ptr += (pair // XDIV) * (2 * K if ACT >= 0 else K)
+        y_ptr += pair * N
     rn = pid_n * BN + tl.arange(0, BN)
     rows = tl.minimum(rn, N - 1).to(tl.int64)        # rows past N read row N-1, never stored
     g = tl.arange(0, NG)
@@ -297,7 +309,10 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
                 acc += fma_words(words.to(tl.uint32, bitcast=True), scale, bias, x_ptr, m, cols + w0 * PER, K, BITS,
                                  X3, ACT, NORM, STYLE, r_ptr, nw_ptr, rstd, RNE)
         total = tl.sum(tl.sum(acc, axis=2), axis=1)
-        if SPLIT_K == 1:
+        if XDIV > 0 and rw_ptr is not None:
+            tl.store(y_ptr + rn, weighted(total, tl.load(rw_ptr + pair).to(tl.float32), y_ptr.dtype.element_ty, RNE),
+                     mask=rn < N)
+        elif SPLIT_K == 1:
             tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=rn < N)
         else:
             tl.store(ws_ptr + (split * M + m) * N + rn, total, mask=rn < N)
@@ -355,6 +370,24 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
                                              G=w.group_size, BN=p["bn"], BK=p["bk"], GATHER=p["gather"],
                                              GROUPED=p.get("grouped", False), ACC=p.get("acc", False),
                                              RNE=rne_flag(x.dtype), num_warps=p["w"], **pdl(x))
+    return y
+
+
+def qgemv_pairs(x: torch.Tensor, w: QuantizedWeight, idx: torch.Tensor, v: Variant, y: torch.Tensor,
+                xdiv: int, act: str | None = None, rw: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts' projections, one launch: y[pair] = pro(x[pair // xdiv]) @ dequantize(w[idx[pair]])^T
+    (weighted by rw[pair] when given) for every pair of idx (flattened); w an [E, N, K] stack, v an
+    unsplit fma form."""
+    p, n, k = v.p, w.shape[-2], w.shape[-1]
+    pairs = idx.numel()
+    assert p.get("fma") and p["sk"] == 1, f"{v.name}: routed experts take an unsplit fma form"
+    if pairs:
+        extra = {"rw_ptr": rw} if rw is not None else {}
+        qgemv_fma_kernel[(cdiv(n, p["bn"]), 1, pairs)](x, w.packed, w.scales, w.biases, y, y, y, 1, N=n, K=k,
+                                                       BITS=w.bits, G=w.group_size, BN=p["bn"], BW=p["bw"],
+                                                       SPLIT_K=1, RNE=rne_flag(x.dtype), PF=p.get("pf", False),
+                                                       X3=p.get("x3", False), ACT=-1 if act is None else ACTS[act],
+                                                       idx_ptr=idx, XDIV=xdiv, num_warps=p["w"], **extra, **pdl(x))
     return y
 
 
@@ -541,7 +574,7 @@ class QGemvOp(Op):
             return []
         if v.p.get("fma"):
             return [qgemv_fma_kernel, fma_words, x_values, top_bits, last_arrival, norm_rstd, style_scaled, act_f32,
-                    pdl_wait, round_to]
+                    weighted, pdl_wait, round_to]
         return [qgemv_kernel, step_sums, flat_step, grouped_step, dequant_row, grouped_layout, scaled_group_sums,
                 words_tile, gather_tile, as_f32, pdl_wait, round_to]
 
