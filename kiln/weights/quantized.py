@@ -147,3 +147,39 @@ def module_paths(base: str) -> list[str]:
     wrapper's (mlx-community keeps Qwen3.5's text model under language_model.)."""
     inner = base[len("model."):] if base.startswith("model.") else base
     return [base, f"language_model.{base}", f"language_model.model.{inner}", f"model.language_model.{inner}"]
+
+
+# -- mx.quantize (the reference: kiln/ops/quant/reference.py re-exports it beside mx.dequantize) ----
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+EPS = 1e-7      # the smallest scale mlx lets a group have (a constant group)
+
+
+def check_format(bits: int, group_size: int) -> None:
+    if bits not in BITS or group_size not in GROUP_SIZES:
+        raise ValueError(f"affine quantisation takes bits in {BITS} and group sizes in {GROUP_SIZES}, "
+                         f"got bits {bits}, group size {group_size}")
+
+
+def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64) -> QuantizedWeight:
+    """mx.quantize(w, group_size, bits): every step in f32 as mlx's CPU kernel takes it."""
+    check_format(bits, group_size)
+    if w.shape[-1] % group_size:
+        raise ValueError(f"the last dimension ({w.shape[-1]}) is not a multiple of the group size {group_size}")
+    groups = w.float().reshape(-1, group_size)                                   # [n, G]
+    n_bins = float(2 ** bits - 1)
+    w_max, w_min = groups.max(-1).values, groups.min(-1).values
+    low_edge = w_min.abs() > w_max.abs()
+    scale = torch.clamp((w_max - w_min) / n_bins, min=EPS)
+    scale = torch.where(low_edge, scale, -scale)
+    edge = torch.where(low_edge, w_min, w_max)
+    q0 = torch.round(edge / scale)
+    exact = q0 != 0
+    scale = torch.where(exact, edge / torch.where(exact, q0, 1.0), scale)
+    bias = torch.where(exact, edge, torch.zeros_like(edge))
+    q = torch.round((groups - bias[:, None]) / scale[:, None]).clamp(0, n_bins).to(torch.int64)
+    rows = w.shape[:-1]
+    packed = pack(q.reshape(*rows, w.shape[-1]), bits)
+    cast = lambda t: t.to(w.dtype).reshape(*rows, -1)  # noqa: E731
+    return QuantizedWeight(packed, cast(scale), cast(bias), bits, group_size)

@@ -33,6 +33,9 @@ from tqdm import tqdm
 
 from ..errors import KilnError
 from .checkpoint import Checkpoint
+from .quantized import BITS as QUANT_BITS
+from .quantized import GROUP_SIZES as QUANT_GROUPS
+from .quantized import QuantizedWeight, quantize
 
 BLOCK = 1 << 22          # elements per independently seeded block (part of the determinism contract)
 WORKERS = min(8, os.cpu_count() or 1)
@@ -314,32 +317,90 @@ class Spec:
     name: str
     layers: int | None = None
     seed: int = 0
+    bits: int | None = None      # drawn quantised (MLX affine): projections and embeddings at these bits
+    group: int = 64
+    router: int | None = None    # MoE routers (mlp.gate, shared_expert_gate) at these bits
+    experts: int | None = None   # routed experts at these bits
+
+
+SPEC_USAGE = "synth:NAME[:layers=N][:seed=S][:bits=B[:group=G][:router=B][:experts=B]]"
+_SPEC_KEYS = ("layers", "seed", "bits", "group", "router", "experts")
 
 
 def parse_spec(spec: str) -> Spec:
     prefix, _, rest = str(spec).partition(":")
     parts = rest.split(":")
     if prefix != "synth" or not parts[0]:
-        raise KilnError(f"not a synthesized model spec: {spec!r} (use synth:NAME[:layers=N][:seed=S])")
+        raise KilnError(f"not a synthesized model spec: {spec!r} (use {SPEC_USAGE})")
     synth_config(parts[0])  # unknown names are an error that lists the known ones
     opts: dict[str, int] = {}
     for opt in parts[1:]:
         key, eq, value = opt.partition("=")
-        if key not in ("layers", "seed") or not eq or not value.isdigit() or key in opts:
-            raise KilnError(f"bad option {opt!r} in {spec!r} (use synth:NAME[:layers=N][:seed=S])")
+        if key not in _SPEC_KEYS or not eq or not value.isdigit() or key in opts:
+            raise KilnError(f"bad option {opt!r} in {spec!r} (use {SPEC_USAGE})")
         opts[key] = int(value)
+    if "bits" not in opts and opts.keys() & {"group", "router", "experts"}:
+        raise KilnError(f"{spec!r}: group, router and experts need bits=B (the quantised draw)")
+    for key in ("bits", "router", "experts"):
+        if key in opts and opts[key] not in QUANT_BITS:
+            raise KilnError(f"{spec!r}: {key} takes bits in {QUANT_BITS}, got {opts[key]}")
+    if opts.get("group", 64) not in QUANT_GROUPS:
+        raise KilnError(f"{spec!r}: group takes {QUANT_GROUPS}, got {opts['group']}")
     return Spec(parts[0], **opts)
 
 
-def open_synth(spec: str) -> Checkpoint:
+def quant_format(spec: Spec, name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """(bits, group) a quantised draw gives tensor `name`, or None (kept 16-bit): as mlx-lm quantises,
+    the Linear and Embedding weights whose input width is a multiple of the group (not norms, not
+    conv1d, not the GDN's per-head parameters); the routed expert stacks at `experts` bits, the
+    routers at `router` bits."""
+    if spec.bits is None or shape[-1] % spec.group:
+        return None
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and len(shape) == 3:
+        return spec.experts or spec.bits, spec.group
+    if len(shape) != 2 or not name.endswith(".weight") or "norm" in name or "conv1d" in name:
+        return None
+    if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "router.proj.weight")):
+        return spec.router or spec.bits, spec.group
+    return spec.bits, spec.group
+
+
+def quantized_draw(synthesis: Synthesis, name: str, fmt: tuple[int, int], dtype: torch.dtype) -> QuantizedWeight:
+    """The tensor drawn as `synthesis.tensor` draws it (rounded to dtype) and quantised block by block
+    as it lands: a group never straddles a row (the width is a multiple of it) and its bits fill whole
+    words, so groups quantised in flat order are the rows' own (mx.quantize's values, never a full
+    16-bit copy)."""
+    bits, group = fmt
+    shape = synthesis.shapes[name]
+    n = math.prod(shape)
+    packed = torch.empty(n * bits // 32, dtype=torch.int32)
+    scales, biases = torch.empty(n // group, dtype=dtype), torch.empty(n // group, dtype=dtype)
+    at = 0
+    for b in synthesis.blocks(name):
+        q = quantize(b.to(dtype).view(-1, group), bits, group)
+        g = b.numel() // group
+        packed[at * bits // 32:(at + b.numel()) * bits // 32] = q.packed.reshape(-1)
+        scales[at // group:at // group + g], biases[at // group:at // group + g] = q.scales[:, 0], q.biases[:, 0]
+        at += b.numel()
+    rows = shape[:-1]
+    return QuantizedWeight(packed.view(*rows, -1), scales.view(*rows, -1), biases.view(*rows, -1), bits, group)
+
+
+def open_synth(spec: str, dtype: torch.dtype = torch.bfloat16) -> Checkpoint:
     """A `Checkpoint` of the spec's config whose tensors are the ones the model declares, drawn when
-    loaded (f32; the load casts to its dtype): see Checkpoint.for_model."""
+    loaded (f32; the load casts to its dtype): see Checkpoint.for_model. With bits=B the tensors
+    quant_format names are drawn quantised (values rounded to `dtype` first, scales and biases in it)."""
     s = parse_spec(spec)
     config = synth_config(s.name, s.layers)
 
     def drawn(shapes: dict, norm_offset: bool) -> Checkpoint:
         synthesis = Synthesis(config, shapes, norm_offset, s.seed)
-        return Checkpoint(Path(spec), "synth", config, dict(shapes), synthesis.tensor)
+
+        def load(name: str):
+            fmt = quant_format(s, name, shapes[name])
+            return synthesis.tensor(name) if fmt is None else quantized_draw(synthesis, name, fmt, dtype)
+
+        return Checkpoint(Path(spec), "synth", config, dict(shapes), load)
 
     return Checkpoint(Path(spec), "synth", config, {}, _undeclared, drawn=drawn)
 

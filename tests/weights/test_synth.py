@@ -142,6 +142,8 @@ def test_layers_cut_depth_and_keep_gemma4_last_layer_full():
     ("synth:nope", "unknown synthesized model"), ("synth:", "not a synthesized"),
     ("synth:tiny-llama:layers=x", "bad option"), ("synth:tiny-llama:depth=2", "bad option"),
     ("synth:tiny-llama:seed=1:seed=2", "bad option"), ("synth:tiny-llama:layers=0", "between 1 and 3"),
+    ("synth:tiny-llama:bits=7", "bits takes bits in"), ("synth:tiny-llama:bits=4:group=48", "group takes"),
+    ("synth:tiny-llama:experts=2", "need bits=B"), ("synth:tiny-llama:bits=4:router=9", "router takes bits in"),
 ])
 def test_bad_specs_are_user_errors(spec, says):
     with pytest.raises(KilnError, match=says):
@@ -355,3 +357,41 @@ def test_list_names_every_configuration():
     r = subprocess.run([sys.executable, "-m", "kiln.cli", "synth", "--list"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and all(n in r.stdout for n in synth.CONFIGS)
+
+
+# -- drawn quantised ----------------------------------------------------------------------------
+
+def test_a_quantised_draw_is_mx_quantize_of_the_rounded_draw(monkeypatch):
+    """Quantised block by block as drawn (several blocks, a partial last one), the words, scales and
+    biases are quantize() of the whole tensor rounded to bf16: no 16-bit copy needed for the same result."""
+    from kiln.ops.quant.reference import quantize
+
+    monkeypatch.setattr(synth, "BLOCK", 64 * 40)
+    name = "model.layers.0.mlp.up_proj.weight"
+    drawn = synth.Synthesis(synth.CONFIGS["tiny-llama"], {name: (150, 128)}, False, 3)
+    for bits, group in ((4, 64), (3, 32), (2, 128)):
+        got = synth.quantized_draw(drawn, name, (bits, group), torch.bfloat16)
+        want = quantize(drawn.tensor(name, torch.bfloat16), bits, group)
+        assert got.shape == want.shape and torch.equal(got.packed, want.packed)
+        assert torch.equal(got.scales, want.scales) and torch.equal(got.biases, want.biases)
+
+
+def test_a_quantised_spec_loads_and_runs_kept_quantised(monkeypatch):
+    """synth:NAME:bits=4:group=32:router=8:experts=2 quantises what mlx-lm would (projections and the
+    embedding at 4 bits, routers at 8, the expert stacks at 2; norms, conv1d and widths that are not a
+    multiple of the group stay 16-bit), and the cuda backend (its quantised GEMV, routed experts and
+    embedding under the interpreter) gives the reference backend's greedy tokens."""
+    from kiln.weights.quantized import QuantizedWeight
+
+    monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")    # each op's default variant: tuning is tested elsewhere
+    spec = "synth:tiny-qwen3.5-moe-p2:bits=4:group=32:router=8:experts=2"
+    ref = kiln.load(spec, device="cpu", dtype="f32", backend="reference")
+    w = ref.model.w
+    bits = {n: t.bits for n, t in w.items() if isinstance(t, QuantizedWeight)}
+    assert bits["model.embed_tokens.weight"] == 4 and bits["model.layers.0.mlp.gate.weight"] == 8
+    assert bits["model.layers.0.mlp.experts.gate_up_proj"] == bits["model.layers.0.mlp.experts.down_proj"] == 2
+    assert not any(isinstance(t, QuantizedWeight) for n, t in w.items() if "norm" in n or "conv1d" in n)
+    prompt = [5, 17, 200, 33, 91, 4]
+    want = ref.generate(prompt, max_new_tokens=4, temperature=0).token_ids
+    cuda = kiln.load(spec, device="cpu", dtype="f32", backend="cuda")
+    assert cuda.generate(prompt, max_new_tokens=4, temperature=0).token_ids == want

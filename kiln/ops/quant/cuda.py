@@ -69,7 +69,7 @@ def unsplit(v, shape):
     that fits; None where none does."""
     if v.p.get("fma") and v.p["sk"] == 1:
         return v
-    for bw in (128, 64, 256, 32, 16, 8, 4):
+    for bw in (128, 64, 256, 32, 16, 8, 4, 2):
         f = kernels.fma_variant(16, bw, 4, 1)
         if kernels.fits(shape, f.p):
             return f
