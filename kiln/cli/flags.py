@@ -69,7 +69,8 @@ def token_ids(s: str) -> list[int]:
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model (run, chat, serve, bench, ...)."""
     p.add_argument("model", nargs="?", default=None,
-                   help="a path (HF folder or .gguf), a bundled model name, or synth:NAME[:layers=N][:seed=S]")
+                   help="a path (HF folder or .gguf), a bundled model name, or "
+                        "synth:NAME[:layers=N][:seed=S][:bits=B...] (docs/synth.md)")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=["f32", "bf16", "f16"], default=None,
                    help="weights and activations (default: bf16 on GPU, f32 on CPU)")

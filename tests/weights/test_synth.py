@@ -395,3 +395,10 @@ def test_a_quantised_spec_loads_and_runs_kept_quantised(monkeypatch):
     want = ref.generate(prompt, max_new_tokens=4, temperature=0).token_ids
     cuda = kiln.load(spec, device="cpu", dtype="f32", backend="cuda")
     assert cuda.generate(prompt, max_new_tokens=4, temperature=0).token_ids == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_quantised_draw_on_a_gpu_is_the_cpus(monkeypatch):
+    """Where a GPU is present the draw quantises there: the same words, scales and biases as the CPU's."""
+    test_a_quantised_draw_is_mx_quantize_of_the_rounded_draw(monkeypatch)
