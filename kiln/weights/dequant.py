@@ -274,20 +274,32 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch
 
 # -- kept quantised: the 32-element blocks as MLX affine groups of 32 -------------------------------
 
-AFFINE = {Q4_0: (4, 18), Q4_1: (4, 20), Q5_0: (5, 22), Q8_0: (8, 34)}   # type -> (bits, block bytes)
+AFFINE = {Q4_0: (4, 18), Q4_1: (4, 20), Q5_0: (5, 22), Q8_0: (8, 34),   # type -> (bits, block bytes)
+          Q4_K: (4, 144), Q5_K: (5, 176)}    # super-blocks of 256: eight sub-blocks of 32, each a group
 
 
 def affine_parts(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]):
     """(q values uint8 [..., K], scales f32 [..., K/32], biases f32 [..., K/32]) of a Q4_0, Q4_1,
-    Q5_0 or Q8_0 tensor, with scale * q + bias equal, bit for bit, to what `dequantize` gives:
+    Q5_0, Q8_0, Q4_K or Q5_K tensor, with scale * q + bias equal, bit for bit, to what `dequantize` gives:
     Q4_1 is d*q + m as stored; Q4_0 d*(q - 8) is d*q + (-8d), Q5_0 d*q + (-16d) and Q8_0 (q + 128)
     as unsigned with -128d (every product of an f16 scale and a small integer is exact in f32, and so
-    is their sum, the exact d*(q - c))."""
+    is their sum, the exact d*(q - c)). Q4_K and Q5_K: each 32-value sub-block has scale d*sc and bias
+    -(dmin*m) (both exact in f32: an f16 times a 6-bit integer), and scale*q + bias is the
+    dequantiser's (d*sc)*q - (dmin*m), the subtraction its one rounding."""
     t = int(ggml_type)
     bits, size = AFFINE[t]
     b = _as_torch_bytes(raw).view(-1, size)
     n = b.shape[0]
     d = _f16(b, 0)
+    if t in (Q4_K, Q5_K):
+        sc, mn = _k_scales(b[:, 4:16])
+        scale, bias = d * sc, -(_f16(b, 2) * mn)                                  # [n, 8] each
+        first = 16 if t == Q4_K else 48                                          # qs after Q5_K's qh[32]
+        q = _nibbles(b[:, first:first + 128].reshape(n, 4, 32), 2).reshape(n, 8, 32)
+        if t == Q5_K:
+            q = q | (_bits(b[:, 16:48], 8, 1, 1) << 4)
+        rows = shape[:-1]
+        return q.reshape(*rows, shape[-1]), scale.reshape(*rows, -1), bias.reshape(*rows, -1)
     if t == Q4_1:
         q, bias = _nibbles(b[:, 4:20], 1).reshape(n, 32), _f16(b, 2)
     elif t == Q4_0:

@@ -62,11 +62,15 @@ class QuantizedWeight:
 
 
 def cat_rows(weights: list) -> "QuantizedWeight | torch.Tensor":
-    """Weights stacked row-wise: tensors by torch.cat, quantized ones word by word (one format)."""
+    """Weights stacked row-wise: tensors by torch.cat, quantized ones word by word (one format). Parts
+    in different formats (a GGUF Q4_K_M file mixes types inside q|k|v and gate|up) are dequantised and
+    stacked as one 16-bit weight: correct, without the memory saving for that projection."""
+    quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
+    formats = {(w.bits, w.group_size, w.dtype, w.shape[-1]) for w in quantized}
+    if len(quantized) < len(weights) or len(formats) > 1:
+        weights = [dequantize(w) if isinstance(w, QuantizedWeight) else w for w in weights]
     if not isinstance(weights[0], QuantizedWeight):
         return torch.cat(weights, dim=-2 if weights[0].dim() >= 2 else 0)
-    if len({(w.bits, w.group_size, w.dtype, w.shape[-1]) for w in weights}) != 1:
-        raise ValueError("quantized weights packed together must share bits, group size, dtype and width")
     # rows are the second-last axis (of a 2-D weight and of an expert stack [E, rows, cols] alike)
     return weights[0]._with(*(torch.cat([getattr(w, f) for w in weights], dim=-2)
                               for f in ("packed", "scales", "biases")))
@@ -183,3 +187,12 @@ def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64) -> QuantizedW
     packed = pack(q.reshape(*rows, w.shape[-1]), bits)
     cast = lambda t: t.to(w.dtype).reshape(*rows, -1)  # noqa: E731
     return QuantizedWeight(packed, cast(scale), cast(bias), bits, group_size)
+
+
+def dequantize(w: QuantizedWeight) -> torch.Tensor:
+    """mx.dequantize: scale * q + bias in the scales' dtype, each step rounded to it."""
+    q = unpack(w.packed, w.bits).to(w.scales.dtype)
+    g = w.group_size
+    q = q.reshape(*q.shape[:-1], -1, g)
+    out = w.scales[..., None] * q + w.biases[..., None]
+    return out.reshape(*w.shape).to(w.dtype)      # scales kept wider (GGUF's, exact): one rounding here

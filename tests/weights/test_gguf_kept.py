@@ -1,7 +1,7 @@
-"""GGUF's 32-element block types kept quantised (KILN_KEEP_QUANTIZED=1): Q4_0, Q4_1, Q5_0 and Q8_0
+"""GGUF's block types kept quantised (KILN_KEEP_QUANTIZED=1): Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q5_K
 map exactly onto MLX affine groups of 32, so dequantising the kept weight gives, bit for bit, the
-tensor the dequantise-at-load path gives (llama's permuted Q/K rows included); SmolLM2 then gives
-the same greedy tokens both ways."""
+tensor the dequantise-at-load path gives (llama's permuted Q/K rows included); both bundled models
+then give the same greedy tokens both ways."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import kiln
 from kiln import hub
 from kiln.ops.quant.reference import dequantize
-from kiln.weights.dequant import AFFINE, Q4_0, affine_parts
+from kiln.weights.dequant import AFFINE, Q4_0, Q4_K, Q5_K, affine_parts
 from kiln.weights.dequant import dequantize as gguf_dequantize
 from kiln.weights.gguf import hf_name, open_gguf
 from kiln.weights.gguf_file import GGUFFile
@@ -58,11 +58,32 @@ def test_q4_0_maps_exactly():
     assert torch.equal(w, gguf_dequantize(raw, Q4_0, (rows, k)))
 
 
-def test_smollm2_gives_the_same_tokens_kept_quantised(monkeypatch):
+@pytest.mark.parametrize("name, tokens, kept", [("smollm2-135m", 6, "model.layers.0.mlp.gate_up_proj.weight"),
+                                                ("gemma3-270m", 3, "model.layers.0.self_attn.o_proj.weight")])
+def test_bundled_models_give_the_same_tokens_kept_quantised(monkeypatch, name, tokens, kept):
+    """gemma3-270m (Q4_K_M) mixes types inside its packed projections (Q4_K with Q5_0, Q6_K dequantised):
+    those load as one 16-bit weight, the rest stay quantised; the tokens are the same either way (the
+    reference backend dequantises every call: gemma's 262k-row embedding makes it slow, hence 3)."""
     prompt = "The capital of France is"
     monkeypatch.setenv("KILN_KEEP_QUANTIZED", "0")
-    want = kiln.load("smollm2-135m", device="cpu", dtype="f32").generate(prompt, max_new_tokens=6, temperature=0)
+    want = kiln.load(name, device="cpu", dtype="f32").generate(prompt, max_new_tokens=tokens, temperature=0)
     monkeypatch.setenv("KILN_KEEP_QUANTIZED", "1")
-    llm = kiln.load("smollm2-135m", device="cpu", dtype="f32")
-    assert isinstance(llm.model.w["model.layers.0.mlp.gate_up_proj.weight"], QuantizedWeight)
-    assert llm.generate(prompt, max_new_tokens=6, temperature=0).token_ids == want.token_ids
+    llm = kiln.load(name, device="cpu", dtype="f32")
+    assert isinstance(llm.model.w[kept], QuantizedWeight)
+    assert llm.generate(prompt, max_new_tokens=tokens, temperature=0).token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("ggml_type, size", [(Q4_K, 144), (Q5_K, 176)])
+def test_k_quants_map_exactly(ggml_type, size):
+    """Q4_K and Q5_K: random super-blocks (random f16 d and dmin, every 6-bit scale and min, every value)
+    as eight affine groups of 32 each, scale * q + bias equal bit for bit to the dequantiser's."""
+    rng = np.random.default_rng(1)
+    rows, k = 5, 512
+    blocks = rng.integers(0, 256, size=(rows * k // 256, size), dtype=np.uint8)
+    blocks[:, :4] = np.frombuffer(rng.standard_normal(rows * k // 128).astype(np.float16).tobytes(),
+                                  dtype=np.uint8).reshape(-1, 4)
+    raw = blocks.reshape(-1)
+    q, scales, biases = affine_parts(raw, ggml_type, (rows, k))
+    assert q.shape == (rows, k) and scales.shape == biases.shape == (rows, k // 32)
+    w = scales.repeat_interleave(32, -1) * q.float() + biases.repeat_interleave(32, -1)
+    assert torch.equal(w, gguf_dequantize(raw, ggml_type, (rows, k)))
