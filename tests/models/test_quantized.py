@@ -117,7 +117,7 @@ def quantised(request, tmp_path_factory):
 
 MOE = ("qwen3_5_moe", "qwen3_next", "gemma4_moe")
 # the same quantised GEMV and dispatch serve every family; KILN_TEST_ALL_FAMILIES=1 runs them all (minutes each)
-CUDA_FAMILIES = tuple(FAMILIES) if os.environ.get("KILN_TEST_ALL_FAMILIES") else ("llama", "qwen3", "gemma3", "gemma4")
+CUDA_FAMILIES = tuple(FAMILIES) if os.environ.get("KILN_TEST_ALL_FAMILIES") else ("llama", "qwen3")
 # (a module at 8 bits, a module at the default bits, a merged weight the model keeps) per family
 NAMES = {"moe": ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.switch_mlp.gate_proj.weight",
                  "model.layers.0.mlp.experts.gate_up_proj"),
@@ -147,7 +147,7 @@ def test_greedy_tokens_are_mlx_lms(quantised, backend, monkeypatch):
     monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")    # each op's default variant: tuning is tested elsewhere
     path, want, family = quantised
     if backend == "cuda" and family not in CUDA_FAMILIES:     # CI's time: a minute or more each under the interpreter
-        pytest.skip("the cuda backend's quantised path runs on llama, qwen3, gemma3 and gemma4 in CI")
+        pytest.skip("the cuda backend's quantised path runs on llama and qwen3 in CI (KILN_TEST_ALL_FAMILIES=1: all)")
     llm = kiln.load(str(path), device="cpu", dtype="f32", backend=backend)
     kept = names(family)[2]
     assert isinstance(llm.model.w[kept], QuantizedWeight)   # kept quantised

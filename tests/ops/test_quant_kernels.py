@@ -30,13 +30,14 @@ def quantized(n: int, k: int, bits: int, group: int, dtype=torch.float32, seed: 
 
 def forms(bits: int, group: int, k: int) -> list:
     """Every form where it applies, at the interpreter's block sizes (K in one step and in several;
-    the FMA form also split in two, with x in the words' layout and with its prefetch)."""
+    the FMA form in one step, split in two with x in the words' layout, and with its prefetch)."""
     out = [kernels.qgemv_variant(bn, bk, 4, *form) for bn, bk in ((8, 128), (16, 256))
            for form in kernels.FORMS if form[0] or 32 % bits == 0]
     if 32 % bits == 0:
         words, wg = k * bits // 32, group * bits // 32
-        out += [kernels.fma_variant(8, words, 4, 1), kernels.fma_variant(16, wg, 4, 1, x3=True),
-                kernels.fma_variant(8, wg, 4, 2, x3=True), kernels.fma_variant(8, wg, 4, 1, pf=True)]
+        out += [kernels.fma_variant(8, words, 4, 1), kernels.fma_variant(8, wg, 4, 2, x3=True)]
+        if group == 64:     # the prefetch and one-group steps at one group size (CI's time)
+            out += [kernels.fma_variant(16, wg, 4, 1, pf=True)]
     return out
 
 
