@@ -1,7 +1,8 @@
-"""The quant family's dispatch: projections on quantised weights, called by the gemm family's `linear`
-(the mixins own disjoint names: `linear` is gemm's). A few rows (decode) run the tuned quantised GEMV
-(kernels.py), which reads the packed words; more rows dequantise the weight once and run the gemm
-family's tuned 16-bit kernel."""
+"""The quant family's dispatch, called by the gemm and MoE families' methods (the mixins own disjoint
+names: `linear` is gemm's). A few rows (decode) run the tuned quantised GEMV (kernels.py), which reads
+the packed words, with decode's norm or activation in its prologue where the tuner keeps that; more
+rows dequantise the weight in one kernel pass (embed.py) and run the gemm family's tuned 16-bit
+kernel. Embedding lookups and a few tokens' routed experts run on the packed words too."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWei
     the prologue lacks, bits that cross words): the caller's reference then runs."""
     if not (ops.on("quant", x) and isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
             and gate_up.packed.dim() == down.packed.dim() == 3 and x.dim() == 2 and act in kernels.ACTS
+            and x.shape[0] <= GEMV_ROWS     # more tokens: the reference's per-expert GEMMs re-read less
+            and (gate is None or gate[0].dtype == gate[1].dtype == x.dtype)
             and all(32 % w.bits == 0 and w.dtype == x.dtype for w in (gate_up, down))):
         return None
     e, i2, h = gate_up.shape
