@@ -302,15 +302,23 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: t
         else:
             tl.store(ws_ptr + (split * M + m).to(tl.int64) * N + rn, total, mask=nmask)
     if SPLIT_K > 1:
-        if last_arrival(count_ptr, pid_n, SPLIT_K):
-            for m32 in range(0, M):
-                m = tl.cast(m32, tl.int64)
-                total = tl.zeros((BN,), dtype=tl.float32)
-                for sp in tl.static_range(SPLIT_K):
-                    total += tl.load(ws_ptr + (sp * M + m).to(tl.int64) * N + rn, mask=nmask, other=0.0,
-                                     cache_modifier=".cg")
-                tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=nmask)
-            tl.atomic_xchg(count_ptr + pid_n, 0)
+        gemv_splitk_finish(ws_ptr, y_ptr, count_ptr, pid_n, rn, M, N, BN, SPLIT_K, RNE)
+
+
+@triton.jit
+def gemv_splitk_finish(ws_ptr, y_ptr, count_ptr, idx, rn, M, N: tl.constexpr, BN: tl.constexpr,
+                       SPLIT_K: tl.constexpr, RNE: tl.constexpr):
+    """A GEMV column block's serial split-K finish, after every split stored its f32 partials of the M
+    rows to ws [SPLIT_K, M, N]: the last to arrive adds them in split order, rounds once, stores y and
+    resets counter idx for the next launch."""
+    if last_arrival(count_ptr, idx, SPLIT_K):
+        for m32 in range(0, M):
+            m = tl.cast(m32, tl.int64)
+            total = tl.zeros((BN,), dtype=tl.float32)
+            for sp in tl.static_range(SPLIT_K):
+                total += tl.load(ws_ptr + (sp * M + m) * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=rn < N)
+        tl.atomic_xchg(count_ptr + idx, 0)
 
 
 # -- launching -------------------------------------------------------------------------------------
@@ -596,7 +604,7 @@ class GemmOp(Op):
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("gemv"):
             return [gemv_kernel, masked_k, x_slice, x_normed_row, norm_source, act_f32, pdl_wait, round_to,
-                    last_arrival, norm_rstd, scale_normed, norm_kernels.style_scaled]
+                    last_arrival, gemv_splitk_finish, norm_rstd, scale_normed, norm_kernels.style_scaled]
         if v.p.get("tma"):
             return ([gemm_tma_sk_kernel, tile_of, mma, round_to, splitk_finish, last_arrival] if v.p.get("sk", 1) > 1
                     else [gemm_tma_kernel, tma_tile, tile_of, mma])

@@ -26,7 +26,7 @@ from ...tune.registry import Op, Variant, register, variant
 from ...weights.quantized import QuantizedWeight
 from ..common import COMMON, SUPPORTED, cdiv, pdl, pdl_wait, rne_flag, round_to
 from ..gemm.activation import ACTS, act_f32, act_mul
-from ..gemm.gemm import arrival_counters, last_arrival, norm_args, norm_rstd
+from ..gemm.gemm import arrival_counters, gemv_splitk_finish, last_arrival, norm_args, norm_rstd
 from ..gemm.reference import GemmReference
 from ..moe.kernels import weighted
 from ..norm import kernels as norm_kernels
@@ -317,14 +317,7 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
         else:
             tl.store(ws_ptr + (split * M + m) * N + rn, total, mask=rn < N)
     if SPLIT_K > 1:
-        if last_arrival(count_ptr, pid_n, SPLIT_K):
-            for m32 in range(0, M):
-                m = tl.cast(m32, tl.int64)
-                total = tl.zeros((BN,), dtype=tl.float32)
-                for sp in tl.static_range(SPLIT_K):
-                    total += tl.load(ws_ptr + (sp * M + m) * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=rn < N)
-            tl.atomic_xchg(count_ptr + pid_n, 0)
+        gemv_splitk_finish(ws_ptr, y_ptr, count_ptr, pid_n, rn, M, N, BN, SPLIT_K, RNE)
 
 
 # -- launching -------------------------------------------------------------------------------------
@@ -573,7 +566,8 @@ class QGemvOp(Op):
         if v.p.get("trusted"):
             return []
         if v.p.get("fma"):
-            return [qgemv_fma_kernel, fma_words, x_values, top_bits, last_arrival, norm_rstd, style_scaled, act_f32,
+            return [qgemv_fma_kernel, fma_words, x_values, top_bits, gemv_splitk_finish, last_arrival, norm_rstd,
+                    style_scaled, act_f32,
                     weighted, pdl_wait, round_to]
         return [qgemv_kernel, step_sums, flat_step, grouped_step, dequant_row, grouped_layout, scaled_group_sums,
                 words_tile, gather_tile, as_f32, pdl_wait, round_to]
