@@ -19,7 +19,7 @@ from ..ops.gdn.cuda import GdnCuda
 from ..ops.gemm.cuda import GemmCuda
 from ..ops.moe.cuda import MoeCuda
 from ..ops.norm.cuda import NormCuda
-from ..ops.quant.cuda import quant_workloads
+from ..ops.quant.cuda import dense_decode_workloads, quant_workloads
 from ..ops.sample.cuda import SampleCuda
 from ..tune.device import device_info, interpreting
 from ..tune.registry import REGISTRY
@@ -60,6 +60,8 @@ class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, R
         # The config gives every shape but the quantised weights' formats, which the weights give.
         base = workloads(type(model), model.cfg, m_values, off=self.off)
         extra = [Workload(op, s) for op, s in quant_workloads(model.w, base) if op.family not in self.off]
+        if extra:
+            base = dense_decode_workloads(model.w, base)
         self.plan, report = tuner.tune(base + extra)
         self.tune_s, self.tune_cache = time.perf_counter() - t0, "hit" if report.hit else "miss"
         return report

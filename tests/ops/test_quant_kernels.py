@@ -121,6 +121,21 @@ def test_quant_workloads_come_from_the_weights():
     assert [s for _, s in got] == [kernels.QGemvShape(1, 32, 256, 8, 32), kernels.QGemvShape(1, 64, 128, 4, 64)]
 
 
+def test_decode_gemvs_of_quantised_weights_are_not_tuned_in_bf16():
+    from kiln.ops.gemm import gemm, gemm_act, norm_gemm
+    from kiln.tune.tuner import Workload
+
+    weights = {"q": quantized(64, 128, 4, 64), "gu": quantized(512, 128, 4, 64), "shared": quantized(32, 128, 4, 64),
+               "dense": torch.zeros(32, 128)}
+    keep = [Workload(gemm.OP, gemm.GemmShape(512, 64, 128)),           # prefill: a GEMM on the dequantised weight
+            Workload(gemm.OP, gemm.GemmShape(1, 32, 128)),             # a dense weight has that shape too
+            Workload(gemm.OP, gemm.GemmShape(1, 16, 128))]             # no quantised weight of that shape
+    drop = [Workload(gemm.OP, gemm.GemmShape(1, 64, 128)),
+            Workload(norm_gemm.OP, norm_gemm.NormGemmShape(1, 64, 128, "offset", add=True)),
+            Workload(gemm_act.OP, gemm_act.GemmActShape(1, 256, 128, "silu"))]   # its weight: [2 * 256, 128]
+    assert quant_cuda.dense_decode_workloads(weights, keep + drop) == keep
+
+
 PROLOGUES = [{"act": "silu"}, {"act": "sigmoid"}, {"style": "llama"}, {"style": "offset", "add": True},
              {"style": "plain", "add": True}]
 
@@ -236,6 +251,21 @@ def test_prologue_workloads_come_from_the_models_norm_and_act_gemvs():
                    kernels.QGemvShape(1, 128, 256, 3, 64)]
 
 
+def test_gpu_catalogue_splits_k_into_whole_steps_and_keeps_only_fma_where_it_fits():
+    from types import SimpleNamespace
+
+    h200 = SimpleNamespace(capability=(9, 0), sms=132)
+    down = kernels.QGemvShape(1, 1024, 3584, 4, 64)           # 448 words: 7 steps of 64, 3.5 of 128
+    assert kernels.split_for(down, 64) == 7 and kernels.split_for(down, 128) == 0
+    assert kernels.split_for(kernels.QGemvShape(1, 64, 12288, 4, 64), 128) == 4
+    names = [v.name for v in kernels.OP.catalogue(down, h200)]
+    assert "fma_bn16_bw64_w4_sk7" in names and not any(n.startswith(("acc", "gather")) for n in names)
+    for v in kernels.OP.catalogue(down, h200)[1:]:
+        assert kernels.fits(down, v.p), v.name
+    three = [v.name for v in kernels.OP.catalogue(kernels.QGemvShape(1, 64, 512, 3, 64), h200)]
+    assert three[0] == "dequant_linear" and three[1:] and all(n.startswith("gather") for n in three[1:])
+
+
 # -- on the GPU: real model shapes ------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -253,6 +283,34 @@ def test_every_gpu_candidate_passes_the_gate_on_qwen35_9b_shapes(bits):
             assert gate.check(op, v, cases).ok, (s, v.name)
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_launch_finds_the_kernel_the_tuner_compiled():
+    """A launch whose arguments specialise apart from the compile's (a pointer of another dtype, an
+    integer equal to 1) compiles again, serially, in the tuning process: 150 s of a 0.8b tune once."""
+    knobs = pytest.importorskip("triton.knobs")
+    if not hasattr(knobs.runtime, "jit_cache_hook"):
+        pytest.skip("this Triton has no jit_cache_hook")
+    op, dev = kernels.OP, device_info(DEVICE)
+    plain = kernels.QGemvShape(1, 256, 1024, 4, 64)
+    shapes = [plain, kernels.QGemvShape(1, 256, 1024, 4, 64, act="silu"),
+              kernels.QGemvShape(1, 256, 1024, 4, 64, style="offset", add=True)]
+    misses = []
+    for s in shapes:
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+        inputs = op.inputs(s, torch.bfloat16, DEVICE, gen)
+        forms = [v for v in op.candidates(s, dev) if v.run is None and not v.p.get("trusted")]
+        forms = [v for v in forms if v.p.get("fma") and v.p["bn"] == 16] + [v for v in forms if not v.p.get("fma")][:2]
+        for v in forms:
+            op.compile(v, s, torch.bfloat16, DEVICE)
+            knobs.runtime.jit_cache_hook = lambda *a, v=v, s=s, **k: misses.append((op.shape_str(s), v.name))
+            try:
+                op.run(v, inputs, op.outputs(s, inputs), None)
+                torch.cuda.synchronize()
+            finally:
+                knobs.runtime.jit_cache_hook = None
+    assert not misses, misses
 # -- the embedding lookup ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bits", BITS)

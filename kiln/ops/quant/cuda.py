@@ -111,6 +111,26 @@ def quant_norm_linear(ops, x, r, norm_w, eps, style, w: QuantizedWeight):
     return s, outputs["y"].view(*x.shape[:-1], w.shape[0])
 
 
+def dense_decode_workloads(weights: dict, base) -> list:
+    """`base` less its one-row GEMV workloads (ops gemm, rmsnorm_gemm, act_gemm, gemm_act) whose
+    weight shape only quantised weights have: decode runs those on the quantised GEMV, so measuring
+    their bf16 kernels would be load time spent for nothing (the 9B's LM head alone: 30 variants)."""
+    quantised, dense = set(), set()
+    for w in weights.values():
+        if isinstance(w, QuantizedWeight) and w.packed.dim() == 2:
+            quantised.add(tuple(w.shape))
+        elif isinstance(w, torch.Tensor) and w.dim() == 2:
+            dense.add(tuple(w.shape))
+    only_quantised = quantised - dense
+
+    def weight_shape(wl):
+        s = wl.shape
+        return (2 * s.n if wl.op.name == "gemm_act" else s.n, s.k)
+
+    return [wl for wl in base if not (wl.op.name in ("gemm", "rmsnorm_gemm", "act_gemm", "gemm_act")
+                                      and wl.shape.rows == 1 and weight_shape(wl) in only_quantised)]
+
+
 def quant_workloads(weights: dict, base=()) -> list[tuple]:
     """(op, shape) at one row for each distinct 2-D quantised weight a model holds (what decode runs),
     and the prologue forms of those the model's one-row norm and activation GEMVs (`base`: workloads

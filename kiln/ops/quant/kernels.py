@@ -337,10 +337,22 @@ def prologue_reference(x: torch.Tensor, act: str | None = None, norm: dict | Non
     return NormReference().rmsnorm(src, norm["w"], norm["eps"], norm["style"])
 
 
+def launch(kernel, grid: tuple, warm: bool, *args, **kwargs):
+    """kernel[grid](*args, **kwargs), or with `warm` only its compile (kernel.warmup): the tuner's
+    compile and the launch build one argument list, so the kernel the workers compiled is the one
+    the launch finds (a pointer of another dtype, or an integer specialised apart, would compile
+    again, serially, in the launching process)."""
+    if warm:
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    kernel[grid](*args, **kwargs)
+    return None
+
+
 def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | None = None, act: str | None = None,
-          norm: dict | None = None) -> torch.Tensor:
+          norm: dict | None = None, warm: bool = False):
     """y = pro(x) @ dequantize(w)^T with variant `v`; x [M, K] contiguous ([M, 2K] = [g | u] with act),
-    pro as prologue_reference says (the fma forms compute it as they load x; the others take none)."""
+    pro as prologue_reference says (the fma forms compute it as they load x; the others take none).
+    With `warm`, compiles the launch's kernel instead and returns it."""
     p = v.p
     m, k, n = x.shape[0], w.shape[-1], w.shape[0]
     if y is None:
@@ -353,17 +365,17 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
         ws = y if sk == 1 else torch.empty((sk, m, n), dtype=torch.float32, device=x.device)
         counts = arrival_counters(x.device, blocks) if sk > 1 else y
         pro = {k2 if k2 != "s_ptr" else "sum_ptr": a for k2, a in norm_args(norm, k).items()}
-        qgemv_fma_kernel[(blocks, sk)](x, w.packed, w.scales, w.biases, y, ws, counts, m, N=n, K=k, BITS=w.bits,
-                                       G=w.group_size, BN=p["bn"], BW=p["bw"], SPLIT_K=sk, RNE=rne_flag(x.dtype),
-                                       PF=p.get("pf", False), X3=p.get("x3", False),
-                                       ACT=-1 if act is None else ACTS[act], **pro, num_warps=p["w"], **pdl(x))
-        return y
+        built = launch(qgemv_fma_kernel, (blocks, sk), warm, x, w.packed, w.scales, w.biases, y, ws, counts, m, N=n,
+                       K=k, BITS=w.bits, G=w.group_size, BN=p["bn"], BW=p["bw"], SPLIT_K=sk, RNE=rne_flag(x.dtype),
+                       PF=p.get("pf", False), X3=p.get("x3", False), ACT=-1 if act is None else ACTS[act], **pro,
+                       num_warps=p["w"], **pdl(x))
+        return built if warm else y
     assert act is None and norm is None, f"{v.name} takes no prologue"
-    qgemv_kernel[(triton.cdiv(n, p["bn"]),)](x, w.packed, w.scales, w.biases, y, m, N=n, K=k, BITS=w.bits,
-                                             G=w.group_size, BN=p["bn"], BK=p["bk"], GATHER=p["gather"],
-                                             GROUPED=p.get("grouped", False), ACC=p.get("acc", False),
-                                             RNE=rne_flag(x.dtype), num_warps=p["w"], **pdl(x))
-    return y
+    built = launch(qgemv_kernel, (triton.cdiv(n, p["bn"]),), warm, x, w.packed, w.scales, w.biases, y, m, N=n, K=k,
+                   BITS=w.bits, G=w.group_size, BN=p["bn"], BK=p["bk"], GATHER=p["gather"],
+                   GROUPED=p.get("grouped", False), ACC=p.get("acc", False), RNE=rne_flag(x.dtype),
+                   num_warps=p["w"], **pdl(x))
+    return built if warm else y
 
 
 def qgemv_pairs(x: torch.Tensor, w: QuantizedWeight, idx: torch.Tensor, v: Variant, y: torch.Tensor,
@@ -448,14 +460,35 @@ def fma_variant(bn: int, bw: int, w: int, sk: int, pf: bool = False, x3: bool = 
 TRUSTED = variant("dequant_linear", trusted=True)
 GPU_FORMS = [(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (2, 4, 8)]
 CPU_FORMS = [(8, 128, 4), (16, 256, 4)]    # the interpreter's cost is per program: few, each path taken
-# (bn, bw, warps, splits): 4 to 32 words a thread
-# (bn, bw, warps, splits, prefetch, x3), 4 to 32 words a thread. On the H200 (bench/NOTES.md) the
-# prefetch lost at every 9B shape (its extra registers cost more than the latency it hides)
-GPU_FMA = [(bn, bw, 4, sk, False, x3) for bn in (8, 16, 32) for bw in (64, 128, 256) for sk in (1, 4)
+# (bn, bw, warps, splits, prefetch, x3), 4 to 32 words a thread; splits 0: the divisor of the shape's
+# steps nearest 4 (split_for). On the H200 (bench/NOTES.md) the prefetch lost at every 9B shape (its
+# extra registers cost more than the latency it hides)
+GPU_FMA = [(bn, bw, 4, sk, False, x3) for bn in (8, 16, 32) for bw in (64, 128, 256) for sk in (1, 0)
            for x3 in (False, True) if 4 <= bn * bw // 128 <= 32] + [(16, 128, 4, 1, True, False)]
 CPU_FMA = [(8, 16, 4, 2, True, False), (16, 32, 4, 1, False, True)]
 # (gather, grouped, acc): words, grouped, acc, gather
 FORMS = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
+
+
+def split_for(s: QGemvShape, bw: int) -> int:
+    """The split of K into whole steps of `bw` words nearest 4 ways (2 to 8; 0: none): 0.8b's down
+    projection (K 3584) has 7 steps of 64 words, the 27B's (K 17408) 17 of 128."""
+    words = s.k * s.bits // 32 if 32 % s.bits == 0 else 0
+    steps = words // bw if words % bw == 0 else 0
+    ways = [d for d in range(2, 9) if steps and steps % d == 0]
+    return min(ways, key=lambda d: (abs(d - 4), d)) if ways else 0
+
+
+def fma_forms(s: QGemvShape, forms: list[tuple]) -> list[Variant]:
+    """fma_variant of each form that fits the shape, its split 0 made split_for's."""
+    out = []
+    for bn, bw, w, sk, pf, x3 in forms:
+        sk = sk or split_for(s, bw)
+        if sk:
+            v = fma_variant(bn, bw, w, sk, pf, x3)
+            if fits(s, v.p):
+                out.append(v)
+    return list(dict.fromkeys(out))
 
 
 def fits(s: QGemvShape, p: dict) -> bool:
@@ -485,17 +518,17 @@ class QGemvOp(Op):
         return max(2, s.rows), s.rows     # the rows loop taken more than once, and the rows asked for
 
     def catalogue(self, s: QGemvShape, dev) -> list[Variant]:
+        only = self.only or ""
         if s.prologue:      # the composition (trusted), its tuned kernels, or the FMA form computing it as it loads
             fused = CPU_FMA if dev.capability is None else [f for f in GPU_FMA if not f[4] and not f[5]]
-            return [TRUSTED, UNFUSED] + [v for v in map(lambda f: fma_variant(*f), fused)
-                                         if fits(s, v.p) and v.name.startswith(self.only or "")]
+            return [TRUSTED, UNFUSED] + [v for v in fma_forms(s, fused) if v.name.startswith(only)]
+        fma = [v for v in fma_forms(s, CPU_FMA if dev.capability is None else GPU_FMA) if v.name.startswith(only)]
+        # words and grouped lost to acc on every H200 shape, and acc and gather to fma wherever it fits
+        # (bench/NOTES.md): the interpreter keeps every form
         forms = CPU_FORMS if dev.capability is None else GPU_FORMS
-        # words and grouped lost to acc on every H200 shape (bench/NOTES.md): the interpreter keeps them
-        gpu_forms = [f for f in FORMS if f[0] or f[2]]
-        out = [TRUSTED] + [qgemv_variant(*f, *form) for f in forms for form in (FORMS if dev.capability is None
-                                                                                  else gpu_forms)]
-        out += [fma_variant(*f) for f in (CPU_FMA if dev.capability is None else GPU_FMA)]
-        return [v for v in out if v is TRUSTED or (fits(s, v.p) and v.name.startswith(self.only or ""))]
+        kinds = FORMS if dev.capability is None else [] if fma else [f for f in FORMS if f[0] or f[2]]
+        old = [qgemv_variant(*f, *form) for f in forms for form in kinds]
+        return [TRUSTED] + [v for v in old if fits(s, v.p) and v.name.startswith(only)] + fma
 
     def trusted(self, s, dev) -> Variant:
         return TRUSTED
@@ -541,26 +574,15 @@ class QGemvOp(Op):
     def compile(self, v: Variant, s: QGemvShape, dtype, device) -> list:
         if interpreting() or v.run is not None or v.p.get("trusted"):
             return []
-        p = v.p
-        x = torch.empty((1, s.k), dtype=dtype, device=device)
-        q = torch.empty((s.n, s.k * s.bits // 32), dtype=torch.int32, device=device)
+        x = torch.empty((1, 2 * s.k if s.act else s.k), dtype=dtype, device=device)
         sb = torch.empty((s.n, s.k // s.group), dtype=dtype, device=device)
-        y = torch.empty((1, s.n), dtype=dtype, device=device)
-        if p.get("fma"):
-            ws = torch.empty((p["sk"], 1, s.n), dtype=torch.float32, device=device)
-            pro = {}
-            if s.act:
-                x, pro = torch.empty((1, 2 * s.k), dtype=dtype, device=device), {"ACT": ACTS[s.act]}
-            elif s.style:
-                r = x if s.add else None
-                pro = {k2 if k2 != "s_ptr" else "sum_ptr": a for k2, a in
-                       norm_args({"w": x[0], "eps": 1e-6, "style": s.style, "r": r, "s": r}, s.k).items()}
-            return [qgemv_fma_kernel.warmup(x, q, sb, sb, y, ws, ws, 1, N=s.n, K=s.k, BITS=s.bits, G=s.group,
-                                            BN=p["bn"], BW=p["bw"], SPLIT_K=p["sk"], RNE=False, PF=p.get("pf", False),
-                                            X3=p.get("x3", False), **pro, num_warps=p["w"], grid=(1,), **pdl(x))]
-        return [qgemv_kernel.warmup(x, q, sb, sb, y, 1, N=s.n, K=s.k, BITS=s.bits, G=s.group, BN=p["bn"], BK=p["bk"],
-                                    GATHER=p["gather"], GROUPED=p.get("grouped", False), ACC=p.get("acc", False),
-                                    RNE=False, num_warps=p["w"], grid=(1,), **pdl(x))]
+        w = QuantizedWeight(torch.empty((s.n, s.k * s.bits // 32), dtype=torch.int32, device=device), sb, sb,
+                            s.bits, s.group)
+        norm = None
+        if s.style:
+            r = torch.empty_like(x) if s.add else None
+            norm = {"w": torch.empty(s.k, dtype=dtype, device=device), "eps": 1e-6, "style": s.style, "r": r, "s": r}
+        return [qgemv(x, w, v, act=s.act, norm=norm, warm=True)]
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("trusted"):
