@@ -345,11 +345,21 @@ def test_quantised_moe_equals_the_reference(dtype, tokens):
     in its prologue and the routing weight in its epilogue, then the combine (with and without Qwen's
     gated shared expert): MoeReference on the dequantised experts, the same roundings, so f32 agrees to
     its summation order and bf16 to an ulp or two where a rounding lands the other way."""
+    check_quant_moe(4, 2, 128, 64, tokens, dtype, down_bits=8, down_group=32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", (1, 4))
+def test_quantised_moe_on_qwen35_35b_shapes(tokens):
+    check_quant_moe(256, 8, 2048, 512, tokens, torch.bfloat16)
+
+
+def check_quant_moe(e, k, h, i, tokens, dtype, down_bits=4, down_group=64):
     from kiln.backends.reference import ReferenceOps
 
-    e, k, h, i = 4, 2, 128, 64
     gate_up = quantize(rand(e, 2 * i, h, dtype=dtype, seed=1, scale=h ** -0.5), 4, 64)
-    down = quantize(rand(e, h, i, dtype=dtype, seed=2, scale=i ** -0.5), 8, 32)
+    down = quantize(rand(e, h, i, dtype=dtype, seed=2, scale=i ** -0.5), down_bits, down_group)
     x = rand(tokens, h, dtype=dtype, seed=3)
     idx = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(t))[:k] for t in range(tokens)])
     weights = torch.rand(tokens, k, generator=torch.Generator().manual_seed(9)).to(dtype).to(DEVICE)
