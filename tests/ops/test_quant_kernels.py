@@ -377,3 +377,34 @@ def check_quant_moe(e, k, h, i, tokens, dtype, down_bits=4, down_group=64):
     want_gated = ref.moe_experts_gated(x, idx.to(DEVICE), weights, gate_up, down, "silu", gate_w, shared)
     for a, b in ((got, want), (gated, want_gated)):
         assert a.dtype == b.dtype and (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quantised_moe_reads_the_routers_ids_in_a_cuda_graph():
+    """The experts' GEMV starts early under programmatic dependent launch: it must read the expert ids
+    only after the router kernel that writes them has finished (read before, a replay took stale or
+    garbage ids: the 35B's decode graph faulted)."""
+    e, k, h, i = 256, 8, 2048, 512
+    gate_up = quantize(rand(e, 2 * i, h, dtype=torch.bfloat16, seed=1, scale=h ** -0.5), 4, 64)
+    down = quantize(rand(e, h, i, dtype=torch.bfloat16, seed=2, scale=i ** -0.5), 4, 64)
+    x, logits = rand(1, h, dtype=torch.bfloat16, seed=3), rand(1, e, dtype=torch.bfloat16, seed=4)
+    ops = CudaOps(DEVICE)
+
+    def step():
+        weights, idx = ops.router_topk(logits, k, True)
+        return ops.moe_experts(x, idx, weights, gate_up, down, "silu")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in range(8):
+        logits.copy_(rand(1, e, dtype=torch.bfloat16, seed=10 + seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step()), seed

@@ -250,7 +250,8 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
     [BN, NG, WG] tiles of words (BW = NG whole groups of WG words a step) and their [BN, NG] scales
     and biases, adds fma_words elementwise over the steps and reduces once a row. PF: the next step's
     words, scales and biases are loaded before this step's arithmetic (the first before the PDL wait:
-    weights are never written); the last step fetches the first again, what the next row reads.
+    weights are never written; with XDIV after it: the expert id is the router's output); the last
+    step fetches the first again, what the next row reads.
     X3: x read in the words' layout (fma_words). The prologue (x_values): ACT, or NORM with every
     program computing the row's rstd from L2 and program (0, 0) storing s = x + r to sum_ptr, as
     gemv_kernel does. Split-K as gemv_kernel's serial form. XDIV > 0: routed experts, program axis 2
@@ -265,6 +266,7 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
     SPAN: tl.constexpr = WORDS // SPLIT_K              # words a split (fits() makes it whole BW steps)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     if XDIV > 0:
+        pdl_wait(PDL)      # idx is the router's output, written by the kernel just before
         pair = tl.program_id(2).to(tl.int64)
         e = tl.load(idx_ptr + pair).to(tl.int64)
         q_ptr += e * (N * WORDS)
@@ -285,7 +287,8 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
         cols = (rows * 0)[:, None, None] + wcol[None, :, :] * PER
     else:
         cols = wcol * PER
-    pdl_wait(PDL)
+    if XDIV == 0:
+        pdl_wait(PDL)
     for m32 in range(0, M):
         m = tl.cast(m32, tl.int64)
         rstd = 0.0
