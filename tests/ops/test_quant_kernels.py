@@ -355,6 +355,33 @@ def test_quantised_moe_on_qwen35_35b_shapes(tokens):
     check_quant_moe(256, 8, 2048, 512, tokens, torch.bfloat16)
 
 
+@pytest.mark.parametrize("quantised_gate", (False, True))
+def test_a_prefill_chunks_quantised_experts_run_the_grouped_kernel_on_dequantised_stacks(quantised_gate):
+    """Past the routed GEMVs' few rows, both stacks are dequantised whole (one launch each, bit-exact)
+    and the MoE family's grouped kernel runs: the reference's result on the dequantised experts."""
+    from kiln.backends.reference import ReferenceOps
+    from kiln.ops.moe import kernels as moe_kernels
+
+    e, k, h, i, tokens, dtype = 4, 2, 128, 64, 9, torch.bfloat16
+    gate_up = quantize(rand(e, 2 * i, h, dtype=dtype, seed=1, scale=h ** -0.5), 4, 64)
+    down = quantize(rand(e, h, i, dtype=dtype, seed=2, scale=i ** -0.5), 3, 32)
+    x = rand(tokens, h, dtype=dtype, seed=3)
+    idx = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(t))[:k]
+                       for t in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, k, generator=torch.Generator().manual_seed(9)).to(dtype).to(DEVICE)
+    gate_w, shared = rand(1, h, dtype=dtype, seed=4), rand(tokens, h, dtype=dtype, seed=5)
+    if quantised_gate:
+        gate_w = quantize(gate_w, 8, 64)
+    calls = []
+    real = moe_kernels.moe_experts
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe_kernels, "moe_experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        got = CudaOps(DEVICE).moe_experts_gated(x, idx, weights, gate_up, down, "silu", gate_w, shared)
+    assert len(calls) == 1
+    want = ReferenceOps().moe_experts_gated(x, idx, weights, gate_up, down, "silu", gate_w, shared)
+    assert (got.float() - want.float()).abs().max() <= 4 * torch.finfo(dtype).eps * want.float().abs().max()
+
+
 def check_quant_moe(e, k, h, i, tokens, dtype, down_bits=4, down_group=64):
     from kiln.backends.reference import ReferenceOps
 

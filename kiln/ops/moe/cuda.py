@@ -8,7 +8,7 @@ import torch
 
 from ..dispatch import TunedOps
 from ..gemm.reference import ACTIVATIONS
-from ..quant.cuda import quant_moe
+from ..quant.cuda import dequantised_stacks, quant_moe
 from . import kernels
 from .reference import MoeReference
 
@@ -35,9 +35,11 @@ class MoeCuda(TunedOps, MoeReference):
 
     def moe_experts_gated(self, x, idx, weights, gate_up, down, act, gate_w, shared):
         """The routed experts' combine also adds sigmoid(x . gate_w) * shared (one launch fewer)."""
-        if (not dense(gate_up, down) and dense(gate_w) and gate_w.shape[0] == 1 and shared.shape == x.shape
-                and (y := quant_moe(self, x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None):
-            return y
+        if not dense(gate_up, down):
+            if (dense(gate_w) and gate_w.shape[0] == 1 and shared.shape == x.shape
+                    and (y := quant_moe(self, x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None):
+                return y
+            gate_up, down = self._dequantised(x, gate_up, down)
         if (self.on("moe", x) and dense(gate_up, down, gate_w) and kernels.supports(x, gate_up, down, act)
                 and gate_w.shape[0] == 1
                 and gate_w.dtype == shared.dtype == x.dtype and shared.shape == x.shape and x.dim() == 2):
@@ -48,13 +50,23 @@ class MoeCuda(TunedOps, MoeReference):
     def moe_experts(self, x, idx, weights, gate_up, down, act):
         if not dense(gate_up, down):
             y = quant_moe(self, x, idx, weights, gate_up, down, act)
-            return y if y is not None else super().moe_experts(x, idx, weights, gate_up, down, act)
+            if y is not None:
+                return y
+            gate_up, down = self._dequantised(x, gate_up, down)
+            if not dense(gate_up, down):
+                return super().moe_experts(x, idx, weights, gate_up, down, act)
         if self.on("moe", x) and kernels.supports(x, gate_up, down, act):
             v = self.choose(kernels.OP, self._moe_shape(x, idx, gate_up, down, act))
             return kernels.moe_experts(x, idx, weights, gate_up, down, act, v=v)
         if x.shape[0] == 1 and x.device.type == "cuda":
             return self._moe_one_token(x, idx, weights, gate_up, down, act)
         return super().moe_experts(x, idx, weights, gate_up, down, act)
+
+    def _dequantised(self, x, gate_up, down):
+        """Quantised stacks past the routed GEMVs (a prefill chunk): both dequantised whole, one launch
+        each, for the grouped kernels; as they were where they do not fit (the reference's loop)."""
+        stacks = dequantised_stacks(self, x, gate_up, down)
+        return stacks if stacks is not None else (gate_up, down)
 
     @staticmethod
     def _moe_shape(x, idx, gate_up, down, act):

@@ -6,6 +6,8 @@ kernel. Embedding lookups and a few tokens' routed experts run on the packed wor
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...weights.quantized import QuantizedWeight
@@ -65,6 +67,24 @@ def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWei
     out = torch.empty_like(x)
     moe_kernels.combine(y, idx.contiguous(), out, x, gate)
     return out
+
+
+def dequantised_stacks(ops, x, *stacks: QuantizedWeight) -> list | None:
+    """A prefill chunk's routed experts: each [E, N, K] stack dequantised in one launch (bit-exact to
+    dequantize), for the MoE family's grouped GEMM to read once. None where the family is off, a stack
+    does not fit the kernel, or the copies would take more than half the free GPU memory (the caller's
+    per-expert reference then dequantises one expert at a time)."""
+    if (not ops.on("quant", x) or x.shape[0] <= GEMV_ROWS          # a few tokens read a few experts
+            or not all(isinstance(w, QuantizedWeight) and w.packed.dim() == 3 for w in stacks)):
+        return None
+    flat = [w._with(w.packed.reshape(-1, w.packed.shape[-1]), w.scales.reshape(-1, w.scales.shape[-1]),
+                    w.biases.reshape(-1, w.biases.shape[-1])) for w in stacks]
+    if not all(embed.supports(None, w) for w in flat):
+        return None
+    need = sum(math.prod(w.shape) * w.dtype.itemsize for w in stacks)
+    if x.is_cuda and need > torch.cuda.mem_get_info(x.device)[0] // 2:
+        return None
+    return [embed.qembed(None, f).view(w.shape) for f, w in zip(flat, stacks)]
 
 
 def unsplit(v, shape):
