@@ -219,12 +219,13 @@ class Generation:
 def load(model: str | Path | None = None, device: str | None = "auto", dtype: str | None = None,
          backend: str = "auto", max_context: int | None = None, quiet: bool = True,
          retune: bool = False, tune: dict[str, str] | None = None, enforce_eager: bool = False,
-         check: Callable[[Tokenizer | None], None] | None = None) -> LLM:
+         check: Callable[[Tokenizer | None], None] | None = None, verify: str = "lazy") -> LLM:
     """Load a model: a path (HF folder or GGUF file), a bundled model's name, or None (the default).
     A compiling backend tunes its kernels for the model here (`retune` measures again; `tune` pins
     op -> variant). Backend "auto" is cuda on a CUDA device, reference elsewhere; on cuda the decode
     step runs as one CUDA graph unless `enforce_eager`. `check(tokenizer)` (None for a model without
-    one) runs before the weights load: the caller's chance to refuse, cheaply, what the model cannot do."""
+    one) runs before the weights load: the caller's chance to refuse, cheaply, what the model cannot do.
+    `verify` (full, lazy, off): how a packed directory's files are checked against its manifest."""
     t0 = time.perf_counter()
     stages, mark = {}, [t0]
 
@@ -236,7 +237,7 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     path = resolve_model(model, quiet=quiet)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(path, verify=verify)
     if backend == "auto":
         backend = "cuda" if dev.type == "cuda" else "reference"
     ops = get_ops(backend, dev)

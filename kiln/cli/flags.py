@@ -83,6 +83,9 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retune", action="store_true", help="cuda backend: measure kernels again even on a cache hit")
     p.add_argument("--tune", action="append", default=[], metavar="OP=VARIANT",
                    help="cuda backend: pin a kernel variant for every shape of OP (repeatable)")
+    p.add_argument("--verify", choices=["full", "lazy", "off"], default="lazy",
+                   help="a packed model's files against its manifest's SHA-256: all at load, each on first "
+                        "use (default), or not at all")
     p.add_argument("--quiet", action="store_true", help="print nothing on stderr")
 
 
@@ -125,7 +128,7 @@ def load_from_flags(a, check=None) -> LLM:
     """kiln.load with the runtime flags of `add_runtime_flags`; `check(tokenizer)` as kiln.load takes it."""
     return load(a.model, device=a.device, dtype=a.dtype, backend=a.backend, max_context=a.max_context,
                 quiet=a.quiet, retune=a.retune, tune=parse_pins(a.tune), enforce_eager=a.enforce_eager,
-                check=check)
+                check=check, verify=getattr(a, "verify", "lazy"))
 
 
 def load_announced(a, check=None) -> LLM:

@@ -53,7 +53,9 @@ def build_model(ckpt, ops, dtype, device, progress: bool = False):
     """Config from the checkpoint, weights loaded strictly, packed projections merged, forward bound
     to `ops`."""
     cls, cfg = model_config(ckpt.config)
-    ckpt = cls.sanitize(ckpt.for_model(cls.checkpoint_shapes(cfg), cls.norm_style == "offset"))
+    ckpt = ckpt.for_model(cls.checkpoint_shapes(cfg), cls.norm_style == "offset")
+    if not ckpt.sanitized:
+        ckpt = cls.sanitize(ckpt)
     weights = load_strict(ckpt, cls.weight_shapes(cfg), dtype, device, tied=cls.tied_names(cfg), progress=progress)
     merge_packed(weights, cls.packed_groups(cfg))
     return cls(cfg, weights, ops)

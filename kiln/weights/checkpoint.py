@@ -12,7 +12,7 @@ import torch
 @dataclass
 class Checkpoint:
     path: Path
-    format: str                                   # "hf" | "gguf" | "synth"
+    format: str                                   # "hf" | "gguf" | "synth" | "packed"
     config: dict                                  # HF-style text config (model_type, sizes, ...)
     shapes: dict[str, tuple[int, ...]]            # canonical name -> shape
     loader: Callable[[str], torch.Tensor]         # canonical name -> tensor (stored or f32 dtype)
@@ -21,6 +21,7 @@ class Checkpoint:
     locator: Callable[[str], "FileSpan | None"] | None = None   # where a tensor's bytes lie, if plain
     located: Callable | None = None               # the loader the locator describes
     drawn: Callable[[dict, bool], "Checkpoint"] | None = None   # synthesized: see for_model
+    sanitized: bool = False                       # stored as the model reads it (a packed dir): no sanitize
 
     def for_model(self, shapes: dict[str, tuple[int, ...]], norm_offset: bool) -> "Checkpoint":
         """The checkpoint as a model reads it: a file's is itself; a synthesized one draws exactly the

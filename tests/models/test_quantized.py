@@ -166,3 +166,23 @@ def test_a_quantised_checkpoint_without_its_config_is_an_error(quantised, tmp_pa
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(kiln.KilnError, match="no `quantization`"):
         open_checkpoint(broken)
+
+
+def test_a_packed_mlx_folder_keeps_its_quantised_values_and_tokens(quantised, tmp_path):
+    """`kiln pack` of the mlx-lm folder: the quantised words, scales and biases copied unchanged (the
+    routed experts into their blobs), mlx-lm's greedy tokens on the reference backend."""
+    from kiln.cli import main as cli_main
+
+    path, want, family = quantised
+    if family not in ("llama", "qwen3_5_moe", "gemma4_moe"):
+        pytest.skip("one dense family and both MoE stack layouts (CI's time)")
+    out = tmp_path / "packed"
+    assert cli_main(["pack", str(path), str(out), "--quiet"]) == 0
+    assert (out / "experts").is_dir() == (family in MOE)
+    kept = names(family)[2]
+    llm = kiln.load(str(out), device="cpu", dtype="f32", backend="reference")
+    source = kiln.load(str(path), device="cpu", dtype="f32", backend="reference")
+    a, b = llm.model.w[kept], source.model.w[kept]
+    assert isinstance(a, QuantizedWeight) and (a.bits, a.group_size) == (b.bits, b.group_size)
+    assert all(x.equal(y) for x, y in zip((a.packed, a.scales, a.biases), (b.packed, b.scales, b.biases)))
+    assert llm.generate(PROMPT, max_new_tokens=16, temperature=0).token_ids == want
