@@ -28,14 +28,15 @@ from ..weights.packed import (
     BLOB_ALIGN,
     CORE,
     CORE_ALIGN,
-    DTYPE_NAMES,
     FORMAT,
     MANIFEST,
     MANIFEST_HASH,
     VERSION,
     align,
+    part_record,
     parts_of,
     sha256_file,
+    tensor_record,
     verify_dir,
 )
 from ..weights.quantized import QuantizedWeight
@@ -117,13 +118,6 @@ class HashedFile:
         return {"size": self.at, "sha256": self.h.hexdigest()}
 
 
-def quant_record(w) -> dict:
-    q = {"bits": w.bits, "group_size": w.group_size}
-    if w.out_dtype is not None:
-        q["out_dtype"] = DTYPE_NAMES[w.out_dtype]
-    return q
-
-
 def write_core(tmp: Path, ckpt: Checkpoint, names: list[str], spec, bar) -> tuple[dict, dict]:
     f, tensors = HashedFile(tmp / CORE, bar), {}
     for name in names:
@@ -131,12 +125,9 @@ def write_core(tmp: Path, ckpt: Checkpoint, names: list[str], spec, bar) -> tupl
         parts = {}
         for key, t in parts_of(w).items():
             f.pad_to(align(f.at, CORE_ALIGN))
-            parts[key] = {"offset": f.at, "nbytes": t.numel() * t.element_size(), "dtype": DTYPE_NAMES[t.dtype],
-                          "shape": list(t.shape)}
+            parts[key] = part_record(t, f.at)
             f.write(part_bytes(t))
-        tensors[name] = {"shape": list(w.shape), "parts": parts}
-        if isinstance(w, QuantizedWeight):
-            tensors[name]["quant"] = quant_record(w)
+        tensors[name] = tensor_record(w, parts)
     return tensors, f.close()
 
 
@@ -149,14 +140,10 @@ def write_experts(tmp: Path, ckpt: Checkpoint, prefix: str, index: int, spec, ba
         parts = {}
         for key, t in parts_of(w).items():
             at = align(at, CORE_ALIGN)
-            one = t[0]
-            parts[key] = {"offset": at, "nbytes": one.numel() * one.element_size(), "dtype": DTYPE_NAMES[t.dtype],
-                          "shape": list(one.shape)}
+            parts[key] = part_record(t[0], at)           # one expert's part, at its offset in every blob
             layout.append((t, at))
             at += parts[key]["nbytes"]
-        tensors[name] = {"shape": list(w.shape), "parts": parts}
-        if isinstance(w, QuantizedWeight):
-            tensors[name]["quant"] = quant_record(w)
+        tensors[name] = tensor_record(w, parts)
     stride = align(at, BLOB_ALIGN)
     rel = f"experts/layer_{index:03d}.bin"
     f = HashedFile(tmp / rel, bar)

@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import mmap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -70,6 +70,8 @@ def tensor_record(w, parts: dict[str, dict]) -> dict:
     rec = {"shape": list(w.shape), "parts": parts}
     if isinstance(w, QuantizedWeight):
         rec["quant"] = {"bits": w.bits, "group_size": w.group_size}
+        if w.out_dtype is not None:
+            rec["quant"]["out_dtype"] = DTYPE_NAMES[w.out_dtype]
     return rec
 
 
@@ -82,7 +84,6 @@ class _Mapped:
     sha256: str | None
     mm: mmap.mmap | None = None
     checked: bool = False
-    views: list = field(default_factory=list)
 
     def buffer(self) -> mmap.mmap:
         if not self.checked and self.sha256 is not None:
@@ -165,7 +166,8 @@ def open_packed(d: Path, verify: str = "lazy") -> Checkpoint:
             got = {k: mapped(CORE).view(p) for k, p in rec["parts"].items()}
         if "quant" in rec:
             q = rec["quant"]
-            return QuantizedWeight(got["weight"], got["scales"], got["biases"], q["bits"], q["group_size"])
+            return QuantizedWeight(got["weight"], got["scales"], got["biases"], q["bits"], q["group_size"],
+                                   DTYPES[q["out_dtype"]] if "out_dtype" in q else None)
         return got["tensor"]
 
     return Checkpoint(d, "packed", m["config"], shapes, load, m.get("generation", {}), sanitized=True)
