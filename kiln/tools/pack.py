@@ -1,8 +1,10 @@
 """`kiln pack SRC OUT`: a model installed as a kiln packed directory (docs/format.md), and `kiln verify
-DIR`. SRC is an HF folder, an mlx-community folder (its quantised values copied unchanged), a GGUF file
-or a synth: spec. The tensors are written as the model reads them (its sanitize applied), the routed
-experts one fixed-stride blob each; everything goes to OUT.partial, is hashed as it is written, read
-back and checked, and only then renamed to OUT. A lock keeps two packs out of one OUT."""
+DIR`. SRC is an HF folder, an mlx-community folder (its quantised values copied unchanged), a GGUF file,
+a synth: spec or the URL of an HF-style repository (kiln/weights/remote.py). The tensors are written as
+the model reads them (its sanitize applied), the routed experts one fixed-stride blob each. Everything
+goes to OUT.partial a unit at a time (a core tensor, an expert layer), hashed as it is written and
+recorded in a checkpoint, so a rerun resumes; at the end every file is read back and checked, and only
+then is OUT.partial renamed to OUT. A lock keeps two packs out of one OUT."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -21,6 +24,7 @@ from tqdm import tqdm
 
 from ..cli.flags import positive_int
 from ..errors import KilnError
+from ..fsutil import write_atomic
 from ..models import model_config
 from ..ops.quant.reference import BITS, GROUP_SIZES, quantize
 from ..weights import Checkpoint, open_checkpoint
@@ -40,15 +44,19 @@ from ..weights.packed import (
     verify_dir,
 )
 from ..weights.quantized import QuantizedWeight
+from ..weights.remote import CHUNK, Remote, open_remote
 from ..weights.synth import Spec, quant_format
-from .quantize import write_tokenizer
+from .quantize import TOKENIZER_FILES, write_tokenizer
 
 EXPERT_STACKS = ("experts.gate_up_proj", "experts.down_proj")
+STATE = ".pack-state.json"       # OUT.partial's checkpoint (State)
+HASH_CHUNK = 8 << 20
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("pack", help="install a model as a kiln packed directory (verified, expert blobs)")
-    p.add_argument("src", help="HF or mlx-community folder, .gguf file, or synth:NAME spec")
+    p.add_argument("src", help="HF or mlx-community folder, .gguf file, synth:NAME spec, or the http(s) URL of an "
+                               "HF-style repository (read with range requests)")
     p.add_argument("out", help="the packed directory to create (must not exist)")
     p.add_argument("--bits", type=int, choices=BITS, default=None,
                    help="quantise 16-bit projections and embeddings on the way (MLX affine); "
@@ -56,8 +64,11 @@ def add_parser(sub) -> None:
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64, help="with --bits (default 64)")
     p.add_argument("--router-bits", type=int, choices=BITS, default=None, help="MoE routers at these bits")
     p.add_argument("--expert-bits", type=int, choices=BITS, default=None, help="routed experts at these bits")
-    p.add_argument("--discard-partial", action="store_true", help="start over from an existing OUT.partial")
-    p.add_argument("--jobs", type=positive_int, default=4, help="parallel range requests (http sources)")
+    p.add_argument("--revision", default="main", help="a URL source's branch, tag or commit (pinned to the commit "
+                                                     "it resolves to; default main)")
+    p.add_argument("--discard-partial", action="store_true",
+                   help="start over where OUT.partial holds a pack of another source or plan (default: refuse)")
+    p.add_argument("--jobs", type=positive_int, default=4, help="range requests in flight (URL sources; default 4)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(main=main)
     v = sub.add_parser("verify", help="check a packed directory's files against its manifest")
@@ -75,10 +86,13 @@ def model_view(ckpt: Checkpoint) -> Checkpoint:
     return ckpt if ckpt.sanitized else cls.sanitize(ckpt)
 
 
-def expert_layers(shapes: dict) -> list[str]:
-    """The prefixes (`model.layers.N.mlp.`) holding both routed expert stacks."""
+def expert_layers(shapes: dict) -> list[tuple[int, str]]:
+    """(layer number, prefix) of the layers holding both routed expert stacks (`model.layers.N.mlp.`), in
+    layer order: whatever order a reader lists the tensors in, the files are the same."""
     prefixes = [n[: -len(EXPERT_STACKS[0])] for n in shapes if n.endswith(EXPERT_STACKS[0])]
-    return [p for p in prefixes if p + EXPERT_STACKS[1] in shapes and len(shapes[p + EXPERT_STACKS[0]]) == 3]
+    found = [p for p in prefixes if p + EXPERT_STACKS[1] in shapes and len(shapes[p + EXPERT_STACKS[0]]) == 3]
+    numbered = [(int(m[1]) if (m := re.search(r"layers\.(\d+)\.", p)) else i, p) for i, p in enumerate(found)]
+    return sorted(numbered)
 
 
 def stored(ckpt: Checkpoint, name: str, spec: Spec | None):
@@ -94,12 +108,66 @@ def part_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
-class HashedFile:
-    """A file written front to back, hashed as it goes, padded to offsets on request."""
+def region_sha(path: Path, offset: int, nbytes: int) -> str | None:
+    """SHA-256 of bytes [offset, offset + nbytes) of `path`, None where the file is shorter."""
+    if not path.is_file() or path.stat().st_size < offset + nbytes:
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = nbytes
+        while left:
+            chunk = f.read(min(HASH_CHUNK, left))
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
 
-    def __init__(self, path: Path, bar):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.f, self.h, self.at, self.bar = open(path, "wb"), hashlib.sha256(), 0, bar
+
+class State:
+    """OUT.partial's checkpoint: the source's identity, the plan's fingerprint and each completed unit
+    (a core tensor or an expert layer: file, offset, size, SHA-256 of the bytes written, its manifest
+    record), written atomically after each unit. A rerun re-hashes a unit's bytes before keeping it."""
+
+    def __init__(self, tmp: Path, source: dict, plan: str):
+        self.path, self.source, self.plan, self.units = tmp / STATE, source, plan, {}
+
+    @classmethod
+    def resume(cls, tmp: Path, source: dict, plan: str, discard: bool) -> "State":
+        state = cls(tmp, source, plan)
+        if tmp.exists():
+            try:
+                old = json.loads((tmp / STATE).read_text())
+            except (OSError, ValueError):
+                old = None      # killed before its first unit: nothing worth keeping
+            if old is not None and (old.get("source") != source or old.get("plan") != plan) and not discard:
+                what = "source" if old.get("source") != source else "plan (flags or model)"
+                raise KilnError(f"{tmp} holds a pack of another {what}: rerun with --discard-partial to start over")
+            if old is None or discard or old.get("source") != source or old.get("plan") != plan:
+                shutil.rmtree(tmp)
+            else:
+                state.units = old["units"]
+        tmp.mkdir(exist_ok=True)
+        return state
+
+    def kept(self, key: str, file: Path, offset: int) -> dict | None:
+        """The unit's record where its bytes on disk still hash as written, else None (fetch again)."""
+        u = self.units.get(key)
+        if u is None or u["offset"] != offset or region_sha(file, offset, u["nbytes"]) != u["sha256"]:
+            return None
+        return u
+
+    def done(self, key: str, unit: dict) -> None:
+        self.units[key] = unit
+        write_atomic(self.path, lambda f: f.write(json.dumps({"source": self.source, "plan": self.plan,
+                                                              "units": self.units}).encode()))
+
+
+class Region:
+    """Bytes laid out from `offset` of an open file, parts padded to offsets, hashed as written."""
+
+    def __init__(self, f, offset: int, bar):
+        self.f, self.start, self.at, self.h, self.bar = f, offset, offset, hashlib.sha256(), bar
+        f.seek(offset)
 
     def write(self, b) -> None:
         self.f.write(b)
@@ -111,28 +179,45 @@ class HashedFile:
         if offset > self.at:
             self.write(bytes(offset - self.at))
 
-    def close(self) -> dict:
+    def unit(self, record: dict) -> dict:
         self.f.flush()
         os.fsync(self.f.fileno())
-        self.f.close()
-        return {"size": self.at, "sha256": self.h.hexdigest()}
+        return {"offset": self.start, "nbytes": self.at - self.start, "sha256": self.h.hexdigest(), "record": record}
 
 
-def write_core(tmp: Path, ckpt: Checkpoint, names: list[str], spec, bar) -> tuple[dict, dict]:
-    f, tensors = HashedFile(tmp / CORE, bar), {}
-    for name in names:
-        w = stored(ckpt, name, spec)
-        parts = {}
-        for key, t in parts_of(w).items():
-            f.pad_to(align(f.at, CORE_ALIGN))
-            parts[key] = part_record(t, f.at)
-            f.write(part_bytes(t))
-        tensors[name] = tensor_record(w, parts)
-    return tensors, f.close()
+def write_core(tmp: Path, ckpt: Checkpoint, names: list[str], spec, state: State, bar) -> dict:
+    """core.bin, a tensor at a time (each part at a 64-byte offset); units kept from an earlier run
+    are re-hashed, not fetched again."""
+    path, tensors, at = tmp / CORE, {}, 0
+    path.touch()
+    with open(path, "r+b") as f:
+        for name in names:
+            offset = align(at, CORE_ALIGN)
+            unit = state.kept(name, path, offset)
+            if unit is None:
+                w = stored(ckpt, name, spec)
+                region, parts = Region(f, offset, bar), {}
+                for key, t in parts_of(w).items():
+                    region.pad_to(align(region.at, CORE_ALIGN))
+                    parts[key] = part_record(t, region.at)
+                    region.write(part_bytes(t))
+                unit = region.unit(tensor_record(w, parts))
+                state.done(name, unit)
+            else:
+                bar.update(unit["nbytes"])
+            tensors[name], at = unit["record"], offset + unit["nbytes"]
+        f.truncate(at)
+    return tensors
 
 
-def write_experts(tmp: Path, ckpt: Checkpoint, prefix: str, index: int, spec, bar) -> tuple[dict, str, dict]:
-    """One layer's routed experts as fixed-stride blobs: expert e's parts at e * stride + their offsets."""
+def write_experts(tmp: Path, ckpt: Checkpoint, prefix: str, index: int, spec, state: State, bar) -> dict:
+    """One layer's routed experts as fixed-stride blobs: expert e's parts at e * stride + their offsets.
+    Written to a temporary name and renamed: a layer file is whole or absent."""
+    rel = f"experts/layer_{index:03d}.bin"
+    unit = state.kept(rel, tmp / rel, 0)
+    if unit is not None:
+        bar.update(unit["nbytes"])
+        return unit["record"]
     stacks = {prefix + s: stored(ckpt, prefix + s, spec) for s in EXPERT_STACKS}
     count = next(iter(stacks.values())).shape[0]
     at, layout, tensors = 0, [], {}
@@ -145,65 +230,115 @@ def write_experts(tmp: Path, ckpt: Checkpoint, prefix: str, index: int, spec, ba
             at += parts[key]["nbytes"]
         tensors[name] = tensor_record(w, parts)
     stride = align(at, BLOB_ALIGN)
-    rel = f"experts/layer_{index:03d}.bin"
-    f = HashedFile(tmp / rel, bar)
-    for e in range(count):
-        for t, offset in layout:
-            f.pad_to(e * stride + offset)
-            f.write(part_bytes(t[e]))
-        f.pad_to((e + 1) * stride)
-    layer = {"prefix": prefix, "file": rel, "count": count, "stride": stride, "alignment": BLOB_ALIGN,
-             "tensors": tensors}
-    return layer, rel, f.close()
+    (tmp / "experts").mkdir(exist_ok=True)
+    part = tmp / (rel + ".tmp")
+    with open(part, "wb") as f:
+        region = Region(f, 0, bar)
+        for e in range(count):
+            for t, offset in layout:
+                region.pad_to(e * stride + offset)
+                region.write(part_bytes(t[e]))
+            region.pad_to((e + 1) * stride)
+        record = {"prefix": prefix, "file": rel, "count": count, "stride": stride, "alignment": BLOB_ALIGN,
+                  "tensors": tensors}
+        unit = region.unit(record)
+    os.replace(part, tmp / rel)
+    state.done(rel, unit)
+    return record
 
 
-def source_identity(src: str, ckpt: Checkpoint) -> dict:
-    ident = {"kind": "mlx" if "quantization" in ckpt.config else ckpt.format, "path": str(src)}
+def open_source(src: str, revision: str, jobs: int) -> tuple[Checkpoint, dict, Remote | None]:
+    """The source checkpoint, its identity (what a resume must find unchanged) and, for a URL, the
+    repository it is read from."""
+    if src.startswith(("http://", "https://")):
+        remote = Remote(src, revision, jobs=jobs, chunk=int(os.environ.get("KILN_PACK_RANGE_BYTES", CHUNK)))
+        ckpt = open_remote(remote)
+        return ckpt, {"kind": "http", "url": src, "revision": revision, "commit": remote.commit}, remote
+    ckpt = open_checkpoint(src, verify="full")
+    ident = {"kind": "mlx" if "quantization" in ckpt.config else ckpt.format, "path": str(Path(src).resolve())
+             if not src.startswith("synth:") else src}
     p = Path(src).expanduser()
-    if p.is_dir():
+    if p.is_file():
+        st = p.stat()
+        ident["size"], ident["mtime_ns"] = st.st_size, st.st_mtime_ns
+    elif p.is_dir():
         for name in ("model.safetensors.index.json", "config.json"):
             if (p / name).is_file():
                 ident["index"], ident["index_sha256"] = name, sha256_file(p / name)
                 break
-    return ident
+    return ckpt, ident, None
 
 
-def pack(src: str, out: Path, spec: Spec | None, quiet: bool) -> dict:
-    """Write the packed directory to OUT.partial, check it, rename it to OUT; the manifest."""
-    source = open_checkpoint(src, verify="full")
+def fetch_tokenizer(remote: Remote, tmp: Path) -> None:
+    """The repository's tokenizer and generation files that exist, fetched whole (they are small)."""
+    for name in TOKENIZER_FILES:
+        size = remote.size(name)
+        if size:
+            data = remote.read(name, 0, size)
+            write_atomic(tmp / name, lambda f, d=data: f.write(d))
+
+
+def hash_checked(path: Path, units: list[dict]) -> str:
+    """The file's SHA-256, read once, checking on the way that each unit's bytes still hash as they
+    did when written (a byte changed on disk since is an error, not part of an install)."""
+    whole, spans = hashlib.sha256(), sorted((u["offset"], u["offset"] + u["nbytes"], u) for u in units)
+    open_spans = [(a, b, u, hashlib.sha256()) for a, b, u in spans]
+    at = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            whole.update(chunk)
+            end = at + len(chunk)
+            for a, b, _, h in open_spans:
+                if a < end and b > at:
+                    h.update(chunk[max(a, at) - at:min(b, end) - at])
+            at = end
+    for a, _, u, h in open_spans:
+        if h.hexdigest() != u["sha256"]:
+            raise KilnError(f"{path}: bytes at {a} changed after they were written; run the same command again "
+                            f"to rewrite them")
+    return whole.hexdigest()
+
+
+def plan_fingerprint(ckpt: Checkpoint, spec: Spec | None, layers: list[str]) -> str:
+    plan = {"version": VERSION, "spec": None if spec is None else [spec.bits, spec.group, spec.router, spec.experts],
+            "tensors": sorted([n, list(s)] for n, s in ckpt.shapes.items()), "layers": layers}
+    return hashlib.sha256(json.dumps(plan).encode()).hexdigest()
+
+
+def pack(src: str, out: Path, spec: Spec | None, quiet: bool, revision: str = "main", jobs: int = 4,
+         discard: bool = False) -> dict:
+    """Write the packed directory to OUT.partial (resuming what an earlier run completed), check it,
+    rename it to OUT; the manifest."""
+    source, ident, remote = open_source(src, revision, jobs)
     ckpt = model_view(source)
     layers = expert_layers(ckpt.shapes)
-    in_layers = {p + s for p in layers for s in EXPERT_STACKS}
-    core_names = [n for n in ckpt.shapes if n not in in_layers]
+    in_layers = {p + s for _, p in layers for s in EXPERT_STACKS}
+    core_names = sorted(n for n in ckpt.shapes if n not in in_layers)     # a reader's order is not the plan's
     tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)     # a local source is re-read whole: nothing of an earlier attempt is kept
-    tmp.mkdir()
-    files = {}
+    state = State.resume(tmp, ident, plan_fingerprint(ckpt, spec, layers), discard)
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="pack", file=sys.stderr, disable=quiet) as bar:
-        tensors, files[CORE] = write_core(tmp, ckpt, core_names, spec, bar)
-        expert_info = []
-        for i, prefix in enumerate(layers):
-            layer, rel, files[rel] = write_experts(tmp, ckpt, prefix, i, spec, bar)
-            expert_info.append(layer)
-    if source.format in ("hf", "gguf"):
+        tensors = write_core(tmp, ckpt, core_names, spec, state, bar)
+        expert_info = [write_experts(tmp, ckpt, prefix, i, spec, state, bar) for i, prefix in layers]
+    if remote is not None:
+        fetch_tokenizer(remote, tmp)
+    elif source.format in ("hf", "gguf"):
         write_tokenizer(source, tmp)
+    files = {}
     for p in sorted(tmp.rglob("*")):
         rel = p.relative_to(tmp).as_posix()
-        if p.is_file() and rel not in files:
-            files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
-    manifest = {"format": FORMAT, "version": VERSION, "source": source_identity(src, source),
+        if p.is_file() and rel not in (STATE, MANIFEST, MANIFEST_HASH):
+            units = [u for k, u in state.units.items() if k == rel or (rel == CORE and not k.startswith("experts/"))]
+            files[rel] = {"size": p.stat().st_size, "sha256": hash_checked(p, units)}
+    manifest = {"format": FORMAT, "version": VERSION, "source": ident,
                 "config": ckpt.config, "generation": ckpt.generation,
                 "quantization": None if spec is None else {"bits": spec.bits, "group_size": spec.group,
                                                            "router_bits": spec.router, "expert_bits": spec.experts},
                 "tensors": tensors, "experts": {"layers": expert_info} if expert_info else {},
-                "files": dict(sorted(files.items()))}
+                "files": files}
     raw = json.dumps(manifest, indent=1, default=str).encode()
-    (tmp / MANIFEST).write_bytes(raw)
-    (tmp / MANIFEST_HASH).write_text(f"{hashlib.sha256(raw).hexdigest()}  {MANIFEST}\n")
-    bad = verify_dir(tmp)            # what is on disk, read back: the hashes taken as it was written
-    if bad:
-        raise KilnError(f"{tmp}: the written files do not check ({bad[0]}); nothing was installed")
+    write_atomic(tmp / MANIFEST, lambda f: f.write(raw))
+    write_atomic(tmp / MANIFEST_HASH, lambda f: f.write(f"{hashlib.sha256(raw).hexdigest()}  {MANIFEST}\n".encode()))
+    (tmp / STATE).unlink()
     os.replace(tmp, out)
     return manifest
 
@@ -225,8 +360,6 @@ def exclusive(out: Path):
 
 def main(a) -> int:
     t0 = time.perf_counter()
-    if str(a.src).startswith(("http://", "https://")):
-        raise KilnError("kiln pack does not read http(s) sources yet: download the repository and pack the folder")
     out = Path(a.out).expanduser()
     if out.exists():
         raise KilnError(f"{out} already exists (remove it or choose another)")
@@ -237,7 +370,7 @@ def main(a) -> int:
     spec = None if a.bits is None else Spec("pack", bits=a.bits, group=a.group_size, router=a.router_bits,
                                             experts=a.expert_bits)
     with exclusive(out):
-        manifest = pack(a.src, out, spec, a.quiet)
+        manifest = pack(str(a.src), out, spec, a.quiet, revision=a.revision, jobs=a.jobs, discard=a.discard_partial)
     if not a.quiet:
         size = sum(f["size"] for f in manifest["files"].values())
         print(f"kiln: packed {len(manifest['tensors'])} tensors and {len(manifest['experts'].get('layers', []))} "
