@@ -32,6 +32,7 @@ from ..weights.packed import (
     BLOB_ALIGN,
     CORE,
     CORE_ALIGN,
+    DTYPE_NAMES,
     FORMAT,
     MANIFEST,
     MANIFEST_HASH,
@@ -102,6 +103,31 @@ def stored(ckpt: Checkpoint, name: str, spec: Spec | None):
         return w
     fmt = quant_format(spec, name, tuple(w.shape))
     return w if fmt is None else quantize(w.contiguous(), *fmt)
+
+
+def streamed(ckpt: Checkpoint, name: str, spec: Spec | None):
+    """Where tensor `name` is copied as its source stores it (no transform, not quantised on the way),
+    its span (FileSpan or RemoteSpan: dtype, shape, nbytes): written a window at a time, never held."""
+    span = ckpt.locate(name)
+    if span is None or (spec is not None and span.dtype.is_floating_point
+                        and quant_format(spec, name, tuple(span.shape)) is not None):
+        return None
+    return span
+
+
+def span_chunks(span):
+    if hasattr(span, "chunks"):
+        yield from span.chunks()
+        return
+    with open(span.path, "rb") as f:
+        f.seek(span.offset)
+        left = span.nbytes
+        while left:
+            chunk = f.read(min(HASH_CHUNK, left))
+            if not chunk:
+                raise KilnError(f"{span.path}: ends before the tensor it declares")
+            yield chunk
+            left -= len(chunk)
 
 
 def part_bytes(t: torch.Tensor) -> memoryview:
@@ -195,13 +221,21 @@ def write_core(tmp: Path, ckpt: Checkpoint, names: list[str], spec, state: State
             offset = align(at, CORE_ALIGN)
             unit = state.kept(name, path, offset)
             if unit is None:
-                w = stored(ckpt, name, spec)
-                region, parts = Region(f, offset, bar), {}
-                for key, t in parts_of(w).items():
-                    region.pad_to(align(region.at, CORE_ALIGN))
-                    parts[key] = part_record(t, region.at)
-                    region.write(part_bytes(t))
-                unit = region.unit(tensor_record(w, parts))
+                region = Region(f, offset, bar)
+                if (span := streamed(ckpt, name, spec)) is not None:
+                    parts = {"tensor": {"offset": offset, "nbytes": span.nbytes, "dtype": DTYPE_NAMES[span.dtype],
+                                        "shape": list(span.shape)}}
+                    for chunk in span_chunks(span):
+                        region.write(chunk)
+                    record = {"shape": list(span.shape), "parts": parts}
+                else:
+                    w, parts = stored(ckpt, name, spec), {}
+                    for key, t in parts_of(w).items():
+                        region.pad_to(align(region.at, CORE_ALIGN))
+                        parts[key] = part_record(t, region.at)
+                        region.write(part_bytes(t))
+                    record = tensor_record(w, parts)
+                unit = region.unit(record)
                 state.done(name, unit)
             else:
                 bar.update(unit["nbytes"])

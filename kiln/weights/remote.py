@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -125,6 +126,12 @@ class Remote:
                 list(pool.map(get, spans))
         return out
 
+    def stream(self, file: str, start: int, nbytes: int):
+        """nbytes at `start` as successive pieces of at most `jobs` ranges: memory stays at a window."""
+        window = self.chunk * self.jobs
+        for a in range(start, start + nbytes, window):
+            yield self.read(file, a, min(window, start + nbytes - a))
+
     def json(self, file: str) -> dict:
         size = self.size(file)
         if size is None:
@@ -164,5 +171,25 @@ def open_remote(remote: Remote) -> Checkpoint:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(remote.read(shard, at, nbytes), dtype=dtype).view(shape)
 
+    def locate(canon: str) -> RemoteSpan:
+        shard, at, nbytes, dtype, shape = where[canon]
+        return RemoteSpan(remote, shard, at, nbytes, dtype, shape)
+
     generation = remote.json("generation_config.json") if remote.size("generation_config.json") else {}
-    return quantized_view(Checkpoint(Path(remote.base), "hf", config, shapes, load, generation))
+    return quantized_view(Checkpoint(Path(remote.base), "hf", config, shapes, load, generation, locator=locate,
+                                     located=load))
+
+
+@dataclass(frozen=True)
+class RemoteSpan:
+    """Where a tensor's bytes lie in the repository (FileSpan's remote twin): a pack copies them as
+    they come, a window at a time, instead of holding the tensor."""
+    remote: Remote
+    file: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def chunks(self):
+        return self.remote.stream(self.file, self.offset, self.nbytes)
