@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -149,13 +150,20 @@ def region_sha(path: Path, offset: int, nbytes: int) -> str | None:
     return h.hexdigest()
 
 
+def killed_at(point: str) -> None:
+    """KILN_PACK_KILL_AT=POINT (tests): the process SIGKILLs itself there (`unit:N` after the N-th unit
+    this run writes, `hashing` after the final check's first file), as a power cut would stop it."""
+    if os.environ.get("KILN_PACK_KILL_AT") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class State:
     """OUT.partial's checkpoint: the source's identity, the plan's fingerprint and each completed unit
     (a core tensor or an expert layer: file, offset, size, SHA-256 of the bytes written, its manifest
     record), written atomically after each unit. A rerun re-hashes a unit's bytes before keeping it."""
 
     def __init__(self, tmp: Path, source: dict, plan: str):
-        self.path, self.source, self.plan, self.units = tmp / STATE, source, plan, {}
+        self.path, self.source, self.plan, self.units, self.written = tmp / STATE, source, plan, {}, 0
 
     @classmethod
     def resume(cls, tmp: Path, source: dict, plan: str, discard: bool) -> "State":
@@ -186,6 +194,8 @@ class State:
         self.units[key] = unit
         write_atomic(self.path, lambda f: f.write(json.dumps({"source": self.source, "plan": self.plan,
                                                               "units": self.units}).encode()))
+        self.written += 1
+        killed_at(f"unit:{self.written}")
 
 
 class Region:
@@ -287,7 +297,10 @@ def open_source(src: str, revision: str, jobs: int) -> tuple[Checkpoint, dict, R
     if src.startswith(("http://", "https://")):
         remote = Remote(src, revision, jobs=jobs, chunk=int(os.environ.get("KILN_PACK_RANGE_BYTES", CHUNK)))
         ckpt = open_remote(remote)
-        return ckpt, {"kind": "http", "url": src, "revision": revision, "commit": remote.commit}, remote
+        index = "model.safetensors.index.json" if remote.size("model.safetensors.index.json") else "config.json"
+        digest = hashlib.sha256(remote.read(index, 0, remote.size(index))).hexdigest()
+        return ckpt, {"kind": "http", "url": src, "revision": revision, "commit": remote.commit, "index": index,
+                      "index_sha256": digest}, remote
     ckpt = open_checkpoint(src, verify="full")
     ident = {"kind": "mlx" if "quantization" in ckpt.config else ckpt.format, "path": str(Path(src).resolve())
              if not src.startswith("synth:") else src}
@@ -363,6 +376,7 @@ def pack(src: str, out: Path, spec: Spec | None, quiet: bool, revision: str = "m
         if p.is_file() and rel not in (STATE, MANIFEST, MANIFEST_HASH):
             units = [u for k, u in state.units.items() if k == rel or (rel == CORE and not k.startswith("experts/"))]
             files[rel] = {"size": p.stat().st_size, "sha256": hash_checked(p, units)}
+            killed_at("hashing")
     manifest = {"format": FORMAT, "version": VERSION, "source": ident,
                 "config": ckpt.config, "generation": ckpt.generation,
                 "quantization": None if spec is None else {"bits": spec.bits, "group_size": spec.group,

@@ -6,6 +6,7 @@ to resume unless --discard-partial; a pack killed mid-range resumes to the same 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -60,8 +61,19 @@ def test_a_url_packs_to_the_folders_bytes_and_tokens(folder, reference, tmp_path
         assert pack(hub.url, tmp_path / "out") == 0
         manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
         assert manifest["source"]["commit"] == hub.commit and manifest["source"]["kind"] == "http"
+        assert manifest["source"]["index_sha256"] == hashlib.sha256((folder / manifest["source"]["index"])
+                                                                    .read_bytes()).hexdigest()
     assert same_bytes(tmp_path / "out", reference)
     assert greedy(tmp_path / "out") == greedy(folder)
+
+
+def test_a_dense_model_packs_from_a_url_as_from_its_folder(tmp_path):
+    src = hf_folder("tiny-llama", tmp_path / "hf")
+    assert cli_main(["pack", str(src), str(tmp_path / "local"), "--quiet"]) == 0
+    with HubServer(src) as hub:
+        assert pack(hub.url, tmp_path / "out") == 0
+    assert not (tmp_path / "out" / "experts").exists() and same_bytes(tmp_path / "out", tmp_path / "local")
+    assert greedy(tmp_path / "out") == greedy(src)
 
 
 @pytest.mark.parametrize("fault", ["drop", "500", "truncate"])
@@ -100,6 +112,27 @@ def test_a_changed_commit_refuses_to_resume_unless_discarded(folder, reference, 
         assert pack(hub.url, out) == 2
         assert "holds a pack of another source" in capsys.readouterr().err
         assert pack(hub.url, out, "--discard-partial") == 0
+    assert same_bytes(out, reference)
+
+
+def killed_pack(url: str, out: Path, **env) -> int:
+    """`kiln pack URL OUT` in a process of its own; its exit status (-9: SIGKILLed)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KILN_PACK_RANGE_BYTES=str(RANGE), **env)
+    return subprocess.run([sys.executable, "-m", "kiln.cli", "pack", url, str(out), "--quiet"], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300).returncode
+
+
+@pytest.mark.parametrize("when", ["a core tensor", "an expert file", "hashing"])
+def test_a_pack_killed_between_units_or_while_hashing_resumes_to_the_same_bytes(folder, reference, tmp_path, when):
+    """SIGKILL after the 3rd core tensor, after the first expert layer's file (the units after the core's),
+    and in the final check: the rerun keeps what verifies, writes the rest, installs the same bytes."""
+    core = len(json.loads((reference / "manifest.json").read_text())["tensors"])
+    point = {"a core tensor": "unit:3", "an expert file": f"unit:{core + 1}", "hashing": "hashing"}[when]
+    out = tmp_path / "out"
+    with HubServer(folder) as hub:
+        assert killed_pack(hub.url, out, KILN_PACK_KILL_AT=point) == -signal.SIGKILL
+        assert not out.exists() and (tmp_path / "out.partial").is_dir()
+        assert pack(hub.url, out) == 0
     assert same_bytes(out, reference)
 
 
