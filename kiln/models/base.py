@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import KilnError
+from ..weights.checkpoint import FileSpan
 from ..weights.quantized import QuantizedWeight, cat_rows
 from ..weights.upload import Uploader, file_reads_on, pinned_upload_on
 
@@ -55,7 +56,7 @@ def load_strict(ckpt, expected: dict[str, tuple[int, ...]], dtype, device, tied:
 def _load_one(ckpt, name: str, dtype, device, uploader):
     """One tensor on `device` in `dtype`: read from its file into pinned buffers where the checkpoint
     can say where its bytes lie, else through the reader (a view of the file's memory map)."""
-    if uploader is not None and file_reads_on() and (span := ckpt.locate(name)) is not None:
+    if uploader is not None and file_reads_on() and isinstance(span := ckpt.locate(name), FileSpan):
         return uploader.upload_span(span, dtype)
     stored = ckpt.load(name)
     if isinstance(stored, QuantizedWeight):   # the words as they are; scales and biases in `dtype`

@@ -32,8 +32,9 @@ class Checkpoint:
         return self.loader(name)
 
     def locate(self, name: str) -> "FileSpan | None":
-        """The tensor's bytes as a span of one file (stored dtype, row-major), or None where the
-        reader must convert them (GGUF quantisation, synth): the upload then reads the file itself."""
+        """Where the tensor's bytes lie as stored (row-major): a FileSpan of one file (the upload reads
+        it directly), a span of a URL or of the draw that yields them in pieces (kiln pack copies them
+        a window at a time); None where the reader must convert them (GGUF, mlx-lm's changes)."""
         if self.locator is None or self.loader is not self.located:
             return None     # a wrapper changed what the tensors are (dataclasses.replace(loader=...))
         return self.locator(name)

@@ -403,9 +403,33 @@ def open_synth(spec: str, dtype: torch.dtype = torch.bfloat16) -> Checkpoint:
             fmt = quant_format(s, name, shapes[name])
             return synthesis.tensor(name) if fmt is None else quantized_draw(synthesis, name, fmt, dtype)
 
-        return Checkpoint(Path(spec), "synth", config, dict(shapes), load)
+        def locate(name: str):
+            return DrawnSpan(synthesis, name) if quant_format(s, name, shapes[name]) is None else None
+
+        return Checkpoint(Path(spec), "synth", config, dict(shapes), load, locator=locate, located=load)
 
     return Checkpoint(Path(spec), "synth", config, {}, _undeclared, drawn=drawn)
+
+
+@dataclass(frozen=True)
+class DrawnSpan:
+    """A drawn tensor's f32 bytes as they are drawn, a block at a time (FileSpan's synthesized twin:
+    kiln pack writes them without holding the tensor)."""
+    synthesis: Synthesis
+    name: str
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.synthesis.shapes[self.name])
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * 4
+
+    def chunks(self) -> Iterator[bytes]:
+        for b in self.synthesis.blocks(self.name):
+            yield b.contiguous().numpy().tobytes()
 
 
 def _undeclared(name: str) -> torch.Tensor:

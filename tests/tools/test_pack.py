@@ -94,6 +94,14 @@ def test_a_dense_model_packs_without_experts_and_with_bits(tmp_path):
     assert len(greedy(q4)) == 10
 
 
+def test_a_synth_spec_packs_as_it_is_drawn(tmp_path):
+    spec = "synth:tiny-qwen3.5-moe:seed=2"
+    out = pack(spec, tmp_path / "packed")
+    assert json.loads((out / "manifest.json").read_text())["tensors"]["model.embed_tokens.weight"]["parts"][
+        "tensor"]["dtype"] == "f32"                 # drawn in f32, written as drawn
+    assert greedy(out) == greedy(spec)
+
+
 def test_a_gguf_file_packs_with_its_tokenizer(tmp_path):
     from tests.tools.test_quantize import FAMILIES, write_gguf
     from tests.tools.test_quantize import hf_folder as quantize_folder
