@@ -131,6 +131,24 @@ def span_chunks(span):
             left -= len(chunk)
 
 
+class Pieces:
+    """Exact byte counts taken in order from an iterator of chunks of any size (a stack's experts from
+    its span's windows)."""
+
+    def __init__(self, chunks):
+        self.chunks, self.buf = iter(chunks), bytearray()
+
+    def take(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            chunk = next(self.chunks, None)
+            if chunk is None:
+                raise KilnError(f"the source ended {n - len(self.buf)} bytes early")
+            self.buf += chunk
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+
 def part_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
@@ -262,26 +280,39 @@ def write_experts(tmp: Path, ckpt: Checkpoint, prefix: str, index: int, spec, st
     if unit is not None:
         bar.update(unit["nbytes"])
         return unit["record"]
-    stacks = {prefix + s: stored(ckpt, prefix + s, spec) for s in EXPERT_STACKS}
-    count = next(iter(stacks.values())).shape[0]
-    at, layout, tensors = 0, [], {}
-    for name, w in stacks.items():
-        parts = {}
-        for key, t in parts_of(w).items():
+    spans = {prefix + s: streamed(ckpt, prefix + s, spec) for s in EXPERT_STACKS}
+    if all(spans.values()):     # both stacks as stored: each expert's bytes read in turn, never a stack
+        count = next(iter(spans.values())).shape[0]
+        at, layout, tensors = 0, [], {}
+        for name, span in spans.items():
             at = align(at, CORE_ALIGN)
-            parts[key] = part_record(t[0], at)           # one expert's part, at its offset in every blob
-            layout.append((t, at))
-            at += parts[key]["nbytes"]
-        tensors[name] = tensor_record(w, parts)
+            one = {"offset": at, "nbytes": span.nbytes // count, "dtype": DTYPE_NAMES[span.dtype],
+                   "shape": list(span.shape[1:])}
+            tensors[name] = {"shape": list(span.shape), "parts": {"tensor": one}}
+            pieces = Pieces(span_chunks(span))
+            layout.append((lambda e, p=pieces, n=one["nbytes"]: p.take(n), at))
+            at += one["nbytes"]
+    else:
+        stacks = {prefix + s: stored(ckpt, prefix + s, spec) for s in EXPERT_STACKS}
+        count = next(iter(stacks.values())).shape[0]
+        at, layout, tensors = 0, [], {}
+        for name, w in stacks.items():
+            parts = {}
+            for key, t in parts_of(w).items():
+                at = align(at, CORE_ALIGN)
+                parts[key] = part_record(t[0], at)           # one expert's part, at its offset in every blob
+                layout.append((lambda e, t=t: part_bytes(t[e]), at))
+                at += parts[key]["nbytes"]
+            tensors[name] = tensor_record(w, parts)
     stride = align(at, BLOB_ALIGN)
     (tmp / "experts").mkdir(exist_ok=True)
     part = tmp / (rel + ".tmp")
     with open(part, "wb") as f:
         region = Region(f, 0, bar)
         for e in range(count):
-            for t, offset in layout:
+            for expert_bytes, offset in layout:
                 region.pad_to(e * stride + offset)
-                region.write(part_bytes(t[e]))
+                region.write(expert_bytes(e))
             region.pad_to((e + 1) * stride)
         record = {"prefix": prefix, "file": rel, "count": count, "stride": stride, "alignment": BLOB_ALIGN,
                   "tensors": tensors}
