@@ -434,6 +434,7 @@ def exclusive(out: Path):
         try:
             yield
         finally:
+            lock.unlink(missing_ok=True)     # still held: a pack waiting on it fails now, not on a stale file
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
@@ -467,7 +468,7 @@ def main_verify(a) -> int:
     except (OSError, ValueError, KeyError, TypeError):
         total = None
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr,
-              disable=a.quiet) as bar:
+              disable=a.quiet or total is None) as bar:
         bad = verify_dir(d, bar.update)
     for line in bad:
         print(f"kiln verify: {d}: {line}", file=sys.stderr)

@@ -118,6 +118,8 @@ def check_file(path: Path, want: str) -> None:
 
 
 def read_manifest(d: Path, check: bool = True) -> dict:
+    if not (d / MANIFEST).is_file():
+        raise KilnError(f"{d}: not a kiln packed directory (no {MANIFEST})")
     raw = (d / MANIFEST).read_bytes()
     if check and (d / MANIFEST_HASH).is_file():
         if hashlib.sha256(raw).hexdigest() != (d / MANIFEST_HASH).read_text().split()[0]:
