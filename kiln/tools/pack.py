@@ -470,8 +470,8 @@ def main_verify(a) -> int:
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr,
               disable=a.quiet or total is None) as bar:
         bad = verify_dir(d, bar.update)
-    for line in bad:
-        print(f"kiln verify: {d}: {line}", file=sys.stderr)
+    for line in bad:        # a file's line names it relative to d; a manifest error names d itself
+        print(f"kiln verify: {line if line.startswith(str(d)) else f'{d}: {line}'}", file=sys.stderr)
     if bad:
         return 1
     print(f"{d}: ok")
