@@ -216,8 +216,9 @@ def token_bytes(model) -> int:
 
 
 def quant_summary(model) -> dict | None:
-    """{bits, group_size, quantised}: the format of most of the quantised bytes (a model can keep its
-    router at 8 bits), and how many weights are quantised; None for a 16-bit model."""
+    """{bits, group_size, bytes_per_token, quantised, formats}: the format of most of the quantised
+    bytes (a model can keep its router at 8 bits), the weight bytes a decode token reads (token_bytes),
+    how many weights are quantised and in which formats; None for a 16-bit model."""
     by_format: dict[tuple[int, int], int] = {}
     for w in model.w.values():
         if hasattr(w, "bits"):
@@ -225,5 +226,6 @@ def quant_summary(model) -> dict | None:
     if not by_format:
         return None
     bits, group = max(by_format, key=by_format.get)
-    return {"bits": bits, "group_size": group, "quantised": sum(hasattr(w, "bits") for w in model.w.values()),
+    return {"bits": bits, "group_size": group, "bytes_per_token": token_bytes(model),
+            "quantised": sum(hasattr(w, "bits") for w in model.w.values()),
             "formats": sorted(f"{b}-bit g{g}" for b, g in by_format)}

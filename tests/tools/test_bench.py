@@ -298,5 +298,6 @@ def test_token_bytes_and_quant_summary_count_what_a_token_reads():
     row = (64 * 128 * 8 // 8 + 64 * 2 * 4 * 2) // 64
     want = row + 64 * 128 * 2 + 8 * 32 * 128 * 2 * 2 // 8 + 256 * 128 // 2 + 256 * 2 * 4 * 2
     assert token_bytes(model) == want
-    assert quant_summary(model) == {"bits": 4, "group_size": 64, "quantised": 2, "formats": ["4-bit g64", "8-bit g64"]}
+    assert quant_summary(model) == {"bits": 4, "group_size": 64, "bytes_per_token": want, "quantised": 2,
+                                    "formats": ["4-bit g64", "8-bit g64"]}
     assert quant_summary(SimpleNamespace(w={"a": torch.zeros(2)})) is None
