@@ -46,7 +46,6 @@ class Remote:
         if head is None:
             raise KilnError(f"{url}: no config.json at revision {revision!r} (is it an HF-style repository?)")
         self.commit = head.get("x-repo-commit") or revision
-        self.fetched = 0          # bytes received, for the progress bar
 
     def url(self, file: str, rev: str | None = None) -> str:
         return f"{self.base}/resolve/{rev or self.commit}/{file}"
@@ -72,7 +71,10 @@ class Remote:
     def size(self, file: str) -> int | None:
         if file not in self.sizes:
             h = self.head(file)
-            self.sizes[file] = None if h is None else int(h.get("x-linked-size") or h["content-length"])
+            length = None if h is None else (h.get("x-linked-size") or h.get("content-length"))
+            if h is not None and not str(length).isdigit():
+                raise KilnError(f"{self.url(file)}: no Content-Length in its headers (cannot plan range requests)")
+            self.sizes[file] = None if h is None else int(length)
         return self.sizes[file]
 
     def range(self, file: str, start: int, end: int) -> bytes:
@@ -107,7 +109,6 @@ class Remote:
             raise Retry(f"{type(e).__name__}: {getattr(e, 'reason', e)}") from None
         if len(body) != end - start:
             raise Retry(f"{len(body)} bytes of {end - start}")
-        self.fetched += len(body)
         return body
 
     def read(self, file: str, start: int, nbytes: int) -> bytearray:
