@@ -63,8 +63,11 @@ def qgemv_fma(bn, bw, warps, sk, pf, x3, n=12288, k=4096, bits=4, g=64):
     sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", "count_ptr": "*i32", "M": "i32"}
     consts = {"N": n, "K": k, "BITS": bits, "G": g, "BN": bn, "BW": bw, "SPLIT_K": sk, "RNE": False,
-              "PF": bool(pf), "X3": bool(x3), "PDL": False}
+              "PF": bool(pf), "X3": bool(x3), "ACT": -1, "NORM": 0, "STYLE": 0, "KP": 16, "XDIV": 0, "PDL": False,
+              # the plain GEMV: no prologue, no routed experts (their pointers absent, as a launch passes None)
+              "nw_ptr": None, "r_ptr": None, "sum_ptr": None, "idx_ptr": None, "rw_ptr": None}
     sig.update({c: "constexpr" for c in consts})
+    sig["eps"] = "fp32"
     per_thread = bn * bw // (32 * warps) * (32 // bits)       # values a thread a step
     return build(kernels.qgemv_fma_kernel, sig, consts, warps), per_thread
 
