@@ -30,3 +30,17 @@ def assert_rounding_close(got: torch.Tensor, want: torch.Tensor, exact_fraction:
     ulp = want.float().abs().clamp_min(1e-3) * torch.finfo(want.dtype).eps
     assert (err <= ulp + 1e-6).all(), f"{(err / ulp).max().item():.2f} ulp"
     assert (got == want).float().mean().item() >= exact_fraction
+
+
+def captured(step):
+    """(CUDA graph of step(), what step() returned while captured): step runs once on a side stream
+    first, as torch asks before a capture (lazy allocations, autotuning, arrival counters)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

@@ -15,6 +15,8 @@ from kiln.tune import gate  # noqa: E402
 from kiln.tune.device import device_info  # noqa: E402
 from kiln.tune.registry import get_op  # noqa: E402
 
+from .support import captured  # noqa: E402
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 REF = ReferenceOps(DEVICE)
 # (T, k, H, I, act): one token, a few, ragged H/I (not multiples of the tiles), more rows than a tile.
@@ -182,14 +184,7 @@ def test_gpu_moe_captures_in_a_cuda_graph(form):
     out = torch.empty_like(d["x"])
     run_once = lambda: moe_kernels.moe_experts(d["x"], d["idx"], d["weights"], d["gate_up"], d["down"], "silu",  # noqa: E731
                                                form, out)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run_once()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_once()
+    graph, _ = captured(run_once)
     d["idx"].copy_(torch.flip(d["idx"], dims=[0]).roll(1, dims=1))
     d["x"].copy_(torch.randn_like(d["x"]))
     graph.replay()

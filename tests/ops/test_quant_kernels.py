@@ -19,7 +19,7 @@ from kiln.tune import gate  # noqa: E402
 from kiln.tune.device import device_info  # noqa: E402
 from kiln.tune.registry import extra_variant, variant  # noqa: E402
 
-from .support import DEVICE, rand  # noqa: E402
+from .support import DEVICE, captured, rand  # noqa: E402
 
 BITS = (2, 3, 4, 5, 6, 8)
 
@@ -422,14 +422,7 @@ def test_quantised_moe_reads_the_routers_ids_in_a_cuda_graph():
         weights, idx = ops.router_topk(logits, k, True)
         return ops.moe_experts(x, idx, weights, gate_up, down, "silu")
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = captured(step)
     for seed in range(8):
         logits.copy_(rand(1, e, dtype=torch.bfloat16, seed=10 + seed))
         graph.replay()
