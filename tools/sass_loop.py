@@ -72,7 +72,19 @@ def qgemv_fma(bn, bw, warps, sk, pf, x3, n=12288, k=4096, bits=4, g=64):
     return build(kernels.qgemv_fma_kernel, sig, consts, warps), per_thread
 
 
-KERNELS = {"qgemv_fma": qgemv_fma}
+def qgemv_mma(bn, sub, warps, sk, n=12288, k=4096, bits=4, g=64, asm=1):
+    from kiln.ops.quant import mma
+
+    sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
+           "ws_ptr": "*fp32", "count_ptr": "*i32", "M": "i32"}
+    consts = {"N": n, "K": k, "BITS": bits, "G": g, "BN": bn, "SUB": sub, "SPLIT_K": sk, "RNE": False,
+              "ASM": bool(asm), "PDL": False}
+    sig.update({c: "constexpr" for c in consts})
+    per_thread = bn * sub * g // (32 * warps)       # values a thread a tensor-core product
+    return build(mma.qgemv_mma_kernel, sig, consts, warps), per_thread
+
+
+KERNELS = {"qgemv_fma": qgemv_fma, "qgemv_mma": qgemv_mma}
 
 
 def main() -> None:

@@ -70,6 +70,23 @@ def test_qgemv_bf16_within_the_rounding_of_the_dequantised_weight(bits):
         assert ((got - exact).abs() <= ulp).all(), v.name
 
 
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("bits", (2, 4))
+def test_tensor_core_form_within_the_rounding_of_the_dequantised_weight(bits, dtype):
+    """The tensor-core form (16-bit 1 + q / 2^m against a block-diagonal x, then scale and bias once a
+    group in f32): within a 16-bit ulp of the exact f32 arithmetic, whole and split groups, dead
+    products in a split's last chunk, several rows, a ragged last block of rows."""
+    n, k = 40, 512
+    w = quantized(n, k, bits, 64, dtype=dtype)
+    x = rand(2, k, dtype=dtype, seed=3)
+    exact = F.linear(x.float(), w.scales.float().repeat_interleave(64, -1) * _values(w) +
+                     w.biases.float().repeat_interleave(64, -1))
+    for v in kernels.mma_forms(kernels.QGemvShape(1, n, k, bits, 64), kernels.CPU_MMA):
+        got = kernels.qgemv(x, w, v).float()
+        ulp = exact.abs().clamp_min(1e-2) * torch.finfo(dtype).eps
+        assert ((got - exact).abs() <= ulp).all(), (v.name, (got - exact).abs().max())
+
+
 def _values(w) -> torch.Tensor:
     return unpack(w.packed, w.bits).float()
 
@@ -282,6 +299,26 @@ def test_every_gpu_candidate_passes_the_gate_on_qwen35_9b_shapes(bits):
                   and v.p.get("w", 4) == 4 and v.p.get("bn", 16) == 16]:
             assert gate.check(op, v, cases).ok, (s, v.name)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_every_tensor_core_candidate_passes_the_gate(dtype):
+    """The PTX unpacking (the interpreter runs Triton's integer ops instead) on real shapes: 2 and 4
+    bits (8 in f16), split and whole, a ragged last block of rows, K of 56 groups (3.5 chunks)."""
+    op, dev = kernels.OP, device_info(DEVICE)
+    for n, k, bits in ((4096, 12288, 4), (1000, 4096, 4), (24576, 4096, 2), (1024, 3584, 4), (512, 1024, 8)):
+        s = kernels.QGemvShape(1, n, k, bits, 64)
+        forms = kernels.mma_forms(s, kernels.GPU_MMA) if bits != 8 else [kernels.mma_variant(64, 4, 4, 1)]
+        if bits in kernels.MMA_BITS[dtype]:
+            assert forms, s
+        else:
+            continue
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+        cases = gate.trusted_cases(op, s, op.trusted(s, dev), dtype, DEVICE, gen)
+        for v in forms:
+            assert gate.check(op, v, cases).ok, (s, v.name)
 
 
 @pytest.mark.gpu

@@ -32,6 +32,8 @@ from ..moe.kernels import weighted
 from ..norm import kernels as norm_kernels
 from ..norm.kernels import style_scaled
 from ..norm.reference import NormReference
+from .mma import NC as MMA_GROUPS
+from .mma import qgemv_mma_kernel, unpack_asm, unpack_plain, weight_tile
 from .reference import dequantize, quantize
 
 
@@ -363,6 +365,16 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
     if p.get("trusted"):
         y.copy_(F.linear(prologue_reference(x, act, norm), dequantize(w)))
         return y
+    if p.get("mma"):
+        assert act is None and norm is None, f"{v.name} takes no prologue"
+        assert w.bits in MMA_BITS.get(x.dtype, ()), f"{v.name}: no {w.bits}-bit values in {x.dtype} products"
+        sk, blocks = p["sk"], cdiv(n, p["bn"])
+        ws = y if sk == 1 else torch.empty((sk, m, n), dtype=torch.float32, device=x.device)
+        counts = arrival_counters(x.device, blocks) if sk > 1 else y
+        built = launch(qgemv_mma_kernel, (blocks, sk), warm, x, w.packed, w.scales, w.biases, y, ws, counts, m, N=n,
+                       K=k, BITS=w.bits, G=w.group_size, BN=p["bn"], SUB=p["sub"], SPLIT_K=sk, RNE=rne_flag(x.dtype),
+                       ASM=not interpreting(), num_warps=p["w"], **pdl(x))
+        return built if warm else y
     if p.get("fma"):
         sk, blocks = p["sk"], cdiv(n, p["bn"])
         ws = y if sk == 1 else torch.empty((sk, m, n), dtype=torch.float32, device=x.device)
@@ -460,6 +472,32 @@ def fma_variant(bn: int, bw: int, w: int, sk: int, pf: bool = False, x3: bool = 
     return variant(name, fma=True, bn=bn, bw=bw, w=w, sk=sk, pf=pf, x3=x3)
 
 
+def mma_variant(bn: int, sub: int, w: int, sk: int) -> Variant:
+    """qgemv_mma_kernel: BN output features a program, SUB groups a tensor-core product, SK splits."""
+    return variant(f"mma_bn{bn}_s{sub}_w{w}_sk{sk}", mma=True, bn=bn, sub=sub, w=w, sk=sk)
+
+
+MMA_BITS = {torch.bfloat16: (2, 4), torch.float16: (2, 4, 8)}     # q fits under 1.0's exponent
+
+
+def mma_split(s: QGemvShape, sub: int) -> int:
+    """The split of the groups into whole products of `sub` nearest 4 ways (2 to 8; 0: none)."""
+    groups = s.k // s.group
+    ways = [d for d in range(2, 9) if groups % d == 0 and (groups // d) % sub == 0]
+    return min(ways, key=lambda d: (abs(d - 4), d)) if ways else 0
+
+
+def mma_forms(s: QGemvShape, forms: list[tuple]) -> list[Variant]:
+    """mma_variant of each form that fits (bits 2 and 4: the catalogue holds no dtype; 8 bits fit
+    f16 only), its split 0 made mma_split's; whole products of SUB groups a split."""
+    out = []
+    for bn, sub, w, sk in forms:
+        sk = sk or mma_split(s, sub)
+        if sk and fits(s, mma_variant(bn, sub, w, sk).p):
+            out.append(mma_variant(bn, sub, w, sk))
+    return list(dict.fromkeys(out))
+
+
 TRUSTED = variant("dequant_linear", trusted=True)
 GPU_FORMS = [(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (256, 512, 1024) for w in (2, 4, 8)]
 CPU_FORMS = [(8, 128, 4), (16, 256, 4)]    # the interpreter's cost is per program: few, each path taken
@@ -470,6 +508,10 @@ GPU_FMA = [(bn, bw, 4, sk, False, x3) for bn in (8, 16, 32) for bw in (64, 128, 
            for x3 in (False, True) if 4 <= bn * bw // 128 <= 32] + [(16, 128, 4, 1, True, False)]
 PROLOGUE_TILES = ((16, 128), (32, 128))     # (bn, bw) of the fused prologue forms measured on a GPU
 CPU_FMA = [(8, 16, 4, 2, True, False), (16, 32, 4, 1, False, True)]
+# (bn, sub, warps, splits; 0: split_for's) of the tensor-core form: 64 rows a warpgroup's product
+GPU_MMA = [(64, 4, 4, 1), (128, 4, 4, 1), (128, 4, 8, 1), (256, 2, 8, 1), (256, 4, 8, 1), (128, 4, 4, 0),
+           (256, 2, 8, 0)]
+CPU_MMA = [(16, 2, 4, 1), (32, 4, 4, 2)]
 # (gather, grouped, acc): words, grouped, acc, gather
 FORMS = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
 
@@ -497,6 +539,10 @@ def fma_forms(s: QGemvShape, forms: list[tuple]) -> list[Variant]:
 
 def fits(s: QGemvShape, p: dict) -> bool:
     """Whole groups a step, K a whole number of steps, words only where values do not cross words."""
+    if p.get("mma"):
+        groups = s.k // s.group
+        return (s.bits in (2, 4) and s.k % s.group == 0 and groups % p["sk"] == 0
+                and (groups // p["sk"]) % p["sub"] == 0 and MMA_GROUPS % p["sub"] == 0)
     if p.get("fma"):      # whole words, whole groups a step, whole steps a split
         return (32 % s.bits == 0 and s.k % (32 // s.bits) == 0 and (s.k * s.bits // 32) % (p["sk"] * p["bw"]) == 0
                 and p["bw"] % (s.group * s.bits // 32) == 0
@@ -535,7 +581,8 @@ class QGemvOp(Op):
         forms = CPU_FORMS if dev.capability is None else GPU_FORMS
         kinds = FORMS if dev.capability is None else [] if fma else [f for f in FORMS if f[0] or f[2]]
         old = [qgemv_variant(*f, *form) for f in forms for form in kinds]
-        return [TRUSTED] + [v for v in old if fits(s, v.p) and v.name.startswith(only)] + fma
+        mma = [v for v in mma_forms(s, CPU_MMA if dev.capability is None else GPU_MMA) if v.name.startswith(only)]
+        return [TRUSTED] + [v for v in old if fits(s, v.p) and v.name.startswith(only)] + fma + mma
 
     def trusted(self, s, dev) -> Variant:
         return TRUSTED
@@ -545,7 +592,7 @@ class QGemvOp(Op):
         else the widest gather form."""
         if s.prologue:
             return UNFUSED
-        forms = [v for v in self.catalogue(s, dev) if v is not TRUSTED]
+        forms = [v for v in self.catalogue(s, dev) if v is not TRUSTED and not v.p.get("mma")]     # any dtype
         fma = [v for v in forms if v.p.get("fma") and not v.p["pf"] and not v.p["x3"]]
         if fma:
             return min(fma, key=lambda v: (v.p["sk"], abs(v.p["bw"] - 128), abs(v.p["bn"] - 16)))
@@ -594,6 +641,9 @@ class QGemvOp(Op):
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("trusted"):
             return []
+        if v.p.get("mma"):
+            return [qgemv_mma_kernel, weight_tile, unpack_asm, unpack_plain, gemv_splitk_finish, last_arrival, pdl_wait,
+                    round_to]
         if v.p.get("fma"):
             return [qgemv_fma_kernel, fma_words, x_values, top_bits, gemv_splitk_finish, last_arrival, norm_rstd,
                     style_scaled, act_f32,
