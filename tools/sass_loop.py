@@ -2,6 +2,7 @@
 its innermost loop: how many instructions a weight a variant costs before any device time is spent.
 
     .venv/bin/python tools/sass_loop.py qgemv_fma BN BW WARPS SPLIT_K PF X3 [N K BITS G]
+    .venv/bin/python tools/sass_loop.py qgemv_mma BN SUB WARPS SPLIT_K [STAGES N K BITS G ASM]
 
 Triton compiles for a named target (sm_90) without a device, and its wheel carries ptxas and
 cuobjdump. Pointers are declared 16-byte aligned, as Triton specialises them at launch (without that
@@ -23,12 +24,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def build(fn, sig: dict, consts: dict, warps: int):
+def build(fn, sig: dict, consts: dict, warps: int, stages: int = 3):
     """Compile fn for sm_90 with the given signature (pointer arguments 16-byte aligned)."""
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
 def sass(kernel) -> str:
@@ -72,7 +73,7 @@ def qgemv_fma(bn, bw, warps, sk, pf, x3, n=12288, k=4096, bits=4, g=64):
     return build(kernels.qgemv_fma_kernel, sig, consts, warps), per_thread
 
 
-def qgemv_mma(bn, sub, warps, sk, n=12288, k=4096, bits=4, g=64, asm=1):
+def qgemv_mma(bn, sub, warps, sk, stages=3, n=12288, k=4096, bits=4, g=64, asm=1):
     from kiln.ops.quant import mma
 
     sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16",
@@ -80,8 +81,8 @@ def qgemv_mma(bn, sub, warps, sk, n=12288, k=4096, bits=4, g=64, asm=1):
     consts = {"N": n, "K": k, "BITS": bits, "G": g, "BN": bn, "SUB": sub, "SPLIT_K": sk, "RNE": False,
               "ASM": bool(asm), "PDL": False}
     sig.update({c: "constexpr" for c in consts})
-    per_thread = bn * sub * g // (32 * warps)       # values a thread a tensor-core product
-    return build(mma.qgemv_mma_kernel, sig, consts, warps), per_thread
+    per_thread = bn * 16 * g // (32 * warps)       # values a thread a chunk (16 groups)
+    return build(mma.qgemv_mma_kernel, sig, consts, warps, stages), per_thread
 
 
 KERNELS = {"qgemv_fma": qgemv_fma, "qgemv_mma": qgemv_mma}
@@ -94,7 +95,7 @@ def main() -> None:
     start, end, mix = innermost_loop(sass(kernel))
     total = sum(mix.values())
     print(f"loop {start:#x}-{end:#x}: {total} instructions, {values} values a thread a step, "
-          f"{total / max(values, 1):.2f} a value")
+          f"{total / max(values, 1):.2f} a value; {kernel.metadata.shared} B shared")
     print("  " + ", ".join(f"{op} {c}" for op, c in mix.most_common(16)))
 
 

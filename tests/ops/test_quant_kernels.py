@@ -310,7 +310,7 @@ def test_every_tensor_core_candidate_passes_the_gate(dtype):
     op, dev = kernels.OP, device_info(DEVICE)
     for n, k, bits in ((4096, 12288, 4), (1000, 4096, 4), (24576, 4096, 2), (1024, 3584, 4), (512, 1024, 8)):
         s = kernels.QGemvShape(1, n, k, bits, 64)
-        forms = kernels.mma_forms(s, kernels.GPU_MMA) if bits != 8 else [kernels.mma_variant(64, 4, 4, 1)]
+        forms = kernels.mma_forms(s, kernels.GPU_MMA) if bits != 8 else [kernels.mma_variant(64, 4, 4, 1, 2)]
         if bits in kernels.MMA_BITS[dtype]:
             assert forms, s
         else:

@@ -33,7 +33,7 @@ from ..norm import kernels as norm_kernels
 from ..norm.kernels import style_scaled
 from ..norm.reference import NormReference
 from .mma import NC as MMA_GROUPS
-from .mma import qgemv_mma_kernel, unpack_asm, unpack_plain, weight_tile
+from .mma import chunk_sums, qgemv_mma_kernel, unpack_asm, unpack_plain, weight_tile
 from .reference import dequantize, quantize
 
 
@@ -373,7 +373,7 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
         counts = arrival_counters(x.device, blocks) if sk > 1 else y
         built = launch(qgemv_mma_kernel, (blocks, sk), warm, x, w.packed, w.scales, w.biases, y, ws, counts, m, N=n,
                        K=k, BITS=w.bits, G=w.group_size, BN=p["bn"], SUB=p["sub"], SPLIT_K=sk, RNE=rne_flag(x.dtype),
-                       ASM=not interpreting(), num_warps=p["w"], **pdl(x))
+                       ASM=not interpreting(), num_warps=p["w"], num_stages=p["st"], **pdl(x))
         return built if warm else y
     if p.get("fma"):
         sk, blocks = p["sk"], cdiv(n, p["bn"])
@@ -472,9 +472,10 @@ def fma_variant(bn: int, bw: int, w: int, sk: int, pf: bool = False, x3: bool = 
     return variant(name, fma=True, bn=bn, bw=bw, w=w, sk=sk, pf=pf, x3=x3)
 
 
-def mma_variant(bn: int, sub: int, w: int, sk: int) -> Variant:
-    """qgemv_mma_kernel: BN output features a program, SUB groups a tensor-core product, SK splits."""
-    return variant(f"mma_bn{bn}_s{sub}_w{w}_sk{sk}", mma=True, bn=bn, sub=sub, w=w, sk=sk)
+def mma_variant(bn: int, sub: int, w: int, sk: int, st: int = 3) -> Variant:
+    """qgemv_mma_kernel: BN output features a program, SUB groups a tensor-core product, SK splits,
+    ST stages of Triton's pipeline (each a chunk of 16 groups of BN rows in shared memory)."""
+    return variant(f"mma_bn{bn}_s{sub}_w{w}_sk{sk}_st{st}", mma=True, bn=bn, sub=sub, w=w, sk=sk, st=st)
 
 
 MMA_BITS = {torch.bfloat16: (2, 4), torch.float16: (2, 4, 8)}     # q fits under 1.0's exponent
@@ -491,10 +492,10 @@ def mma_forms(s: QGemvShape, forms: list[tuple]) -> list[Variant]:
     """mma_variant of each form that fits (bits 2 and 4: the catalogue holds no dtype; 8 bits fit
     f16 only), its split 0 made mma_split's; whole products of SUB groups a split."""
     out = []
-    for bn, sub, w, sk in forms:
+    for bn, sub, w, sk, st in forms:
         sk = sk or mma_split(s, sub)
-        if sk and fits(s, mma_variant(bn, sub, w, sk).p):
-            out.append(mma_variant(bn, sub, w, sk))
+        if sk and fits(s, mma_variant(bn, sub, w, sk, st).p):
+            out.append(mma_variant(bn, sub, w, sk, st))
     return list(dict.fromkeys(out))
 
 
@@ -508,10 +509,12 @@ GPU_FMA = [(bn, bw, 4, sk, False, x3) for bn in (8, 16, 32) for bw in (64, 128, 
            for x3 in (False, True) if 4 <= bn * bw // 128 <= 32] + [(16, 128, 4, 1, True, False)]
 PROLOGUE_TILES = ((16, 128), (32, 128))     # (bn, bw) of the fused prologue forms measured on a GPU
 CPU_FMA = [(8, 16, 4, 2, True, False), (16, 32, 4, 1, False, True)]
-# (bn, sub, warps, splits; 0: split_for's) of the tensor-core form: 64 rows a warpgroup's product
-GPU_MMA = [(64, 4, 4, 1), (128, 4, 4, 1), (128, 4, 8, 1), (256, 2, 8, 1), (256, 4, 8, 1), (128, 4, 4, 0),
-           (256, 2, 8, 0)]
-CPU_MMA = [(16, 2, 4, 1), (32, 4, 4, 2)]
+# (bn, sub, warps, splits (0: mma_split's), stages) of the tensor-core form: 64 rows a warpgroup's
+# product; the stages' words within MMA_SMEM of the H200's 227 KiB of shared memory a block
+GPU_MMA = [(bn, sub, w, sk, st) for bn, sub, w in ((64, 4, 4), (128, 4, 4), (128, 2, 4), (128, 4, 8), (256, 4, 8))
+           for sk in (1, 0) for st in (2, 3, 4)]
+CPU_MMA = [(16, 2, 4, 1, 2), (32, 4, 4, 2, 2)]
+MMA_SMEM = 160 * 1024
 # (gather, grouped, acc): words, grouped, acc, gather
 FORMS = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
 
@@ -541,8 +544,10 @@ def fits(s: QGemvShape, p: dict) -> bool:
     """Whole groups a step, K a whole number of steps, words only where values do not cross words."""
     if p.get("mma"):
         groups = s.k // s.group
+        stage = p["bn"] * MMA_GROUPS * s.group * s.bits // 8         # a chunk's words in shared memory
         return (s.bits in (2, 4) and s.k % s.group == 0 and groups % p["sk"] == 0
-                and (groups // p["sk"]) % p["sub"] == 0 and MMA_GROUPS % p["sub"] == 0)
+                and (groups // p["sk"]) % p["sub"] == 0 and MMA_GROUPS % p["sub"] == 0
+                and (p["st"] - 1) * stage <= MMA_SMEM)       # Triton buffers stages - 1 chunks
     if p.get("fma"):      # whole words, whole groups a step, whole steps a split
         return (32 % s.bits == 0 and s.k % (32 // s.bits) == 0 and (s.k * s.bits // 32) % (p["sk"] * p["bw"]) == 0
                 and p["bw"] % (s.group * s.bits // 32) == 0
@@ -642,8 +647,8 @@ class QGemvOp(Op):
         if v.p.get("trusted"):
             return []
         if v.p.get("mma"):
-            return [qgemv_mma_kernel, weight_tile, unpack_asm, unpack_plain, gemv_splitk_finish, last_arrival, pdl_wait,
-                    round_to]
+            return [qgemv_mma_kernel, chunk_sums, weight_tile, unpack_asm, unpack_plain, gemv_splitk_finish,
+                    last_arrival, pdl_wait, round_to]
         if v.p.get("fma"):
             return [qgemv_fma_kernel, fma_words, x_values, top_bits, gemv_splitk_finish, last_arrival, norm_rstd,
                     style_scaled, act_f32,

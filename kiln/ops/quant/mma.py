@@ -95,54 +95,65 @@ def weight_tile(q16_ptr, rows, h0, H16: tl.constexpr, BN: tl.constexpr, SPAN: tl
     return tl.reshape(tl.permute(v, (0, 2, 1)), [BN, SPAN]).to(DT, bitcast=True)
 
 
+@triton.jit
+def chunk_sums(x_ptr, q16_ptr, s_ptr, b_ptr, rows, m, c0, K: tl.constexpr, GROUPS: tl.constexpr,
+               G: tl.constexpr, BN: tl.constexpr, SUB: tl.constexpr, TILES: tl.constexpr, BITS: tl.constexpr,
+               ASM: tl.constexpr):
+    """scale * dot(q, x) + bias * sum(x) of groups c0 .. c0 + TILES * SUB of `rows`, as [BN, NC] (a
+    column a group, zeros past the last): TILES products of SUB groups into one [BN, NC] tile, then
+    the scales and biases once a (row, group)."""
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    MAGIC: tl.constexpr = 0x3F80 if DT == tl.bfloat16 else 0x3C00      # 1.0
+    PER: tl.constexpr = 16 // BITS
+    SPAN: tl.constexpr = SUB * G
+    cols = tl.arange(0, NC)
+    kk = tl.arange(0, SPAN)
+    phys = PER * (kk % (SPAN // PER)) + kk // (SPAN // PER)       # weight_tile's column order
+    d = tl.zeros((BN, NC), dtype=tl.float32)
+    for t in tl.static_range(TILES):
+        g0 = c0 + t * SUB
+        xv = tl.load(x_ptr + m * K + g0 * G + phys).to(tl.float32)
+        xb = tl.trans(tl.where(cols[:, None] == (t * SUB + phys // G)[None, :], xv[None, :], 0.0).to(DT))
+        w = weight_tile(q16_ptr, rows, g0 * (G // PER), K // PER, BN, SPAN, BITS, MAGIC, DT, ASM)
+        if ASM:
+            d = tl.dot(w, xb, d)
+        else:       # the interpreter's dot multiplies bf16 as raw bits: exact in f32 too
+            d = tl.dot(w.to(tl.float32), xb.to(tl.float32), d)
+    live = cols < TILES * SUB
+    grp = c0 + cols
+    xs = tl.sum(tl.load(x_ptr + m * K + grp[:, None] * G + tl.arange(0, G)[None, :], mask=live[:, None],
+                        other=0.0).to(tl.float32), axis=1)
+    sb = rows[:, None] * GROUPS + grp[None, :]
+    scale = tl.load(s_ptr + sb, mask=live[None, :], other=0.0).to(tl.float32)
+    bias = tl.load(b_ptr + sb, mask=live[None, :], other=0.0).to(tl.float32)
+    return (scale * (1 << BITS)) * (d - xs[None, :]) + bias * xs[None, :]
+
+
 @triton.jit(do_not_specialize=["M"])
 def qgemv_mma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr,
                      BITS: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, SUB: tl.constexpr,
                      SPLIT_K: tl.constexpr, RNE: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (column block, split) takes BN rows over its share of the groups, NC groups a chunk,
-    SUB groups a tensor-core product (the chunk's columns accumulate in one [BN, NC] f32 tile), then
-    the chunk's scales and biases once a (row, group)."""
-    DT: tl.constexpr = x_ptr.dtype.element_ty
-    MAGIC: tl.constexpr = 0x3F80 if DT == tl.bfloat16 else 0x3C00      # 1.0
-    UP: tl.constexpr = float(1 << BITS)                                 # 1 + q / UP
-    PER: tl.constexpr = 16 // BITS
-    H16: tl.constexpr = K // PER                       # 16-bit lanes a row
+    """Program (column block, split) takes BN rows over its share of the groups: chunk_sums of NC
+    groups at a time, then a last chunk of the products left (no branch in the loop: Triton
+    pipelines its loads), reduced once a row."""
     GROUPS: tl.constexpr = K // G
-    GS: tl.constexpr = GROUPS // SPLIT_K              # groups a split (fits() makes it whole)
-    SPAN: tl.constexpr = SUB * G
+    GS: tl.constexpr = GROUPS // SPLIT_K              # groups a split (fits() makes it whole products)
+    FULL: tl.constexpr = GS // NC.value
+    TAIL: tl.constexpr = (GS % NC.value) // SUB
     pid_n, split = tl.program_id(0), tl.program_id(1)
     q16_ptr = q_ptr.to(tl.pointer_type(tl.int16))
     rn = pid_n * BN + tl.arange(0, BN)
     rows = tl.minimum(rn, N - 1).to(tl.int64)        # rows past N read row N-1, never stored
-    cols = tl.arange(0, NC)
-    kk = tl.arange(0, SPAN)
-    phys = PER * (kk % (SPAN // PER)) + kk // (SPAN // PER)       # weight_tile's column order
+    start = split * GS
     pdl_wait(PDL)
     for m32 in range(0, M):
         m = tl.cast(m32, tl.int64)
         tot = tl.zeros((BN, NC), dtype=tl.float32)
-        for c0 in range(split * GS, split * GS + GS, NC):
-            d = tl.zeros((BN, NC), dtype=tl.float32)
-            for t in tl.static_range(NC // SUB):
-                g0 = c0 + t * SUB
-                live = g0 + phys // G < split * GS + GS
-                xv = tl.load(x_ptr + m * K + g0 * G + phys, mask=live, other=0.0)
-                xb = tl.trans(tl.where(cols[:, None] == (t * SUB + phys // G)[None, :], xv.to(tl.float32)[None, :],
-                                       0.0).to(DT))
-                if g0 < split * GS + GS:
-                    w = weight_tile(q16_ptr, rows, g0 * (G // PER), H16, BN, SPAN, BITS, MAGIC, DT, ASM)
-                    if ASM:
-                        d = tl.dot(w, xb, d)
-                    else:       # the interpreter's dot multiplies bf16 as raw bits: exact in f32 too
-                        d = tl.dot(w.to(tl.float32), xb.to(tl.float32), d)
-            grp = c0 + cols
-            glive = grp < split * GS + GS
-            xs = tl.sum(tl.load(x_ptr + m * K + grp[:, None] * G + tl.arange(0, G)[None, :],
-                                mask=glive[:, None], other=0.0).to(tl.float32), axis=1)
-            sb = rows[:, None] * GROUPS + grp[None, :]
-            scale = tl.load(s_ptr + sb, mask=glive[None, :], other=0.0).to(tl.float32)
-            bias = tl.load(b_ptr + sb, mask=glive[None, :], other=0.0).to(tl.float32)
-            tot += (scale * UP) * (d - xs[None, :]) + bias * xs[None, :]
+        for c0 in range(start, start + FULL * NC, NC):
+            tot += chunk_sums(x_ptr, q16_ptr, s_ptr, b_ptr, rows, m, c0, K, GROUPS, G, BN, SUB, NC // SUB, BITS, ASM)
+        if TAIL > 0:
+            tot += chunk_sums(x_ptr, q16_ptr, s_ptr, b_ptr, rows, m, start + FULL * NC, K, GROUPS, G, BN, SUB, TAIL,
+                              BITS, ASM)
         total = tl.sum(tot, axis=1)
         if SPLIT_K == 1:
             tl.store(y_ptr + m * N + rn, round_to(total, y_ptr.dtype.element_ty, RNE), mask=rn < N)
