@@ -567,7 +567,10 @@ class DecodeAttentionOp(Op):
     def trusted(self, s: DecodeShape, dev) -> Variant:
         if dev.capability is None:
             return decode_trusted_variant(16)
-        return decode_trusted_variant(max(1, min(16, 16384 // (next_pow2(s.h // s.kv) * s.d))))
+        # 8 keys a step at least: on the H200 (Triton 3.6) the scalar form with 16 query rows and 1, 2
+        # or 4 keys a step computes wrong values (group 16, D 256: the 122B's and 397B's attention;
+        # tools/diag_attn_decode.py), the tiled forms and 8 keys and more are right
+        return decode_trusted_variant(max(8, min(16, 16384 // (next_pow2(s.h // s.kv) * s.d))))
 
     def default(self, s: DecodeShape, dev) -> Variant:
         if dev.capability is None:
