@@ -186,8 +186,10 @@ def test_tuner_gates_and_picks_every_attention_candidate(tmp_path):
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # (name, H, KV, D, window)
+# the 122B's and 397B's group of 16 query heads a KV head: the trusted decode form with 1-4 keys a
+# step computed wrong values there on the H200 (bench/NOTES.md, 2026-12-02)
 MODELS = [("qwen3.5-0.8b", 8, 2, 256, None), ("qwen3.5-9b", 16, 4, 256, None), ("gemma4-full", 16, 2, 512, None),
-          ("gemma4-sliding", 16, 8, 256, 1024), ("smollm2", 9, 3, 64, None)]
+          ("gemma4-sliding", 16, 8, 256, 1024), ("smollm2", 9, 3, 64, None), ("qwen3.5-122b-a10b", 32, 2, 256, None)]
 
 
 @pytest.mark.gpu
