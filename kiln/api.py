@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from .models.base import eos_ids
 from .sampling import SamplingParams, StopMatcher
 from .tokenizer import StreamDecoder, Tokenizer
 from .weights import open_checkpoint
+from .weights.experts import ExpertPlan
 from .weights.synth import parse_spec
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -216,16 +218,40 @@ class Generation:
         )
 
 
+def expert_plan(slots: int | None, policy: str | None, home: str, host_memory: float | None, io_threads: int,
+                profile: str | Path | None, verify: str) -> ExpertPlan | None:
+    """The ExpertPlan the expert_* arguments ask for (None: the experts load resident)."""
+    if slots is None and policy is None:
+        if profile is not None or home != "auto" or host_memory is not None:
+            raise KilnError("--expert-home, --host-memory and --expert-profile apply to expert streaming: "
+                            "give --expert-cache-slots N or --expert-policy P")
+        return None
+    counts = None
+    if profile is not None:
+        try:
+            counts = json.loads(Path(profile).read_text())
+        except (OSError, ValueError) as e:
+            raise KilnError(f"--expert-profile {profile}: not a readable JSON routing profile ({e})") from None
+    return ExpertPlan(policy or "lfu", 16 if slots is None else slots, home, host_memory, io_threads, counts, verify)
+
+
 def load(model: str | Path | None = None, device: str | None = "auto", dtype: str | None = None,
          backend: str = "auto", max_context: int | None = None, quiet: bool = True,
          retune: bool = False, tune: dict[str, str] | None = None, enforce_eager: bool = False,
-         check: Callable[[Tokenizer | None], None] | None = None, verify: str = "lazy") -> LLM:
+         check: Callable[[Tokenizer | None], None] | None = None, verify: str = "lazy",
+         expert_cache_slots: int | None = None, expert_policy: str | None = None, expert_home: str = "auto",
+         host_memory: float | None = None, io_threads: int = 8, expert_profile: str | Path | None = None) -> LLM:
     """Load a model: a path (HF folder or GGUF file), a bundled model's name, or None (the default).
     A compiling backend tunes its kernels for the model here (`retune` measures again; `tune` pins
     op -> variant). Backend "auto" is cuda on a CUDA device, reference elsewhere; on cuda the decode
     step runs as one CUDA graph unless `enforce_eager`. `check(tokenizer)` (None for a model without
     one) runs before the weights load: the caller's chance to refuse, cheaply, what the model cannot do.
-    `verify` (full, lazy, off): how a packed directory's files are checked against its manifest."""
+    `verify` (full, lazy, off): how a packed directory's files are checked against its manifest.
+    Expert streaming (docs/streaming.md), on when `expert_cache_slots` or `expert_policy` is given: a MoE
+    model's routed experts stay in their home (`expert_home` host or disk; auto: host unless they pass
+    `host_memory` GB) and `expert_cache_slots` of each layer's (default 16) are cached on the device under
+    `expert_policy` (lfu, lru, static with `expert_profile`'s routing counts, os), misses read by
+    `io_threads` threads. Decode then runs eagerly (the misses are found on the host)."""
     t0 = time.perf_counter()
     stages, mark = {}, [t0]
 
@@ -249,7 +275,9 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     if check is not None:
         check(tokenizer)
     stage("tokenizer")
-    net = build_model(ckpt, ops, dt, dev, progress=not quiet)
+    plan = expert_plan(expert_cache_slots, expert_policy, expert_home, host_memory, io_threads, expert_profile,
+                       verify)
+    net = build_model(ckpt, ops, dt, dev, progress=not quiet, experts=plan)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)     # the weights' copies are done: their time is theirs
     stage("weights")
@@ -262,7 +290,9 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     eos = eos_ids(ckpt.config, ckpt.generation)
     if tokenizer is not None:
         eos += [i for i in tokenizer.eos_ids if i not in eos]
-    engine = Engine(net, dt, dev, limit, prefill_chunk=ops.prefill_chunk, graphs=ops.graphs and not enforce_eager,
+    streamed = getattr(net, "expert_store", None) is not None
+    engine = Engine(net, dt, dev, limit, prefill_chunk=ops.prefill_chunk,
+                    graphs=ops.graphs and not enforce_eager and not streamed,
                     quiet=quiet)
     stage("engine")
     llm = LLM(path, net, tokenizer, engine, eos, time.perf_counter() - t0)

@@ -87,6 +87,24 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="a packed model's files against its manifest's SHA-256: all at load, each on first "
                         "use (default), or not at all")
     p.add_argument("--quiet", action="store_true", help="print nothing on stderr")
+    add_expert_flags(p)
+
+
+def add_expert_flags(p: argparse.ArgumentParser) -> None:
+    """Expert streaming (docs/streaming.md): on with --expert-cache-slots or --expert-policy."""
+    g = p.add_argument_group("expert streaming (MoE models)")
+    g.add_argument("--expert-cache-slots", type=positive_int, default=None, metavar="N",
+                   help="stream the routed experts, N of each layer's cached on the device (default 16)")
+    g.add_argument("--expert-policy", choices=["lfu", "lru", "static", "os"], default=None,
+                   help="which experts the slots keep (default lfu; static needs --expert-profile)")
+    g.add_argument("--expert-home", choices=["auto", "host", "disk"], default="auto",
+                   help="where streamed experts live: host memory, or disk (a packed directory); auto: host "
+                        "unless they pass --host-memory")
+    g.add_argument("--host-memory", type=finite, default=None, metavar="GB",
+                   help="host memory the streamed experts may take (auto home: disk beyond it)")
+    g.add_argument("--io-threads", type=positive_int, default=8, metavar="N", help="parallel expert reads (default 8)")
+    g.add_argument("--expert-profile", default=None, metavar="FILE",
+                   help="routing counts (JSON, as ExpertStore.profile() writes) for the static policy")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -128,7 +146,9 @@ def load_from_flags(a, check=None) -> LLM:
     """kiln.load with the runtime flags of `add_runtime_flags`; `check(tokenizer)` as kiln.load takes it."""
     return load(a.model, device=a.device, dtype=a.dtype, backend=a.backend, max_context=a.max_context,
                 quiet=a.quiet, retune=a.retune, tune=parse_pins(a.tune), enforce_eager=a.enforce_eager,
-                check=check, verify=getattr(a, "verify", "lazy"))
+                check=check, verify=getattr(a, "verify", "lazy"), expert_cache_slots=a.expert_cache_slots,
+                expert_policy=a.expert_policy, expert_home=a.expert_home, host_memory=a.host_memory,
+                io_threads=a.io_threads, expert_profile=a.expert_profile)
 
 
 def load_announced(a, check=None) -> LLM:

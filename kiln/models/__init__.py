@@ -49,13 +49,23 @@ def synthesis(name: str, layers: int | None = None, seed: int = 0) -> Synthesis:
     return Synthesis(config, cls.checkpoint_shapes(cfg), cls.norm_style == "offset", seed)
 
 
-def build_model(ckpt, ops, dtype, device, progress: bool = False):
+def build_model(ckpt, ops, dtype, device, progress: bool = False, experts=None):
     """Config from the checkpoint, weights loaded strictly, packed projections merged, forward bound
-    to `ops`."""
+    to `ops`. `experts` (an ExpertPlan): the routed experts streamed through an ExpertStore (the
+    model holds its handles; `model.expert_store` is the store) instead of loaded."""
     cls, cfg = model_config(ckpt.config)
     ckpt = ckpt.for_model(cls.checkpoint_shapes(cfg), cls.norm_style == "offset")
     if not ckpt.sanitized:
         ckpt = cls.sanitize(ckpt)
-    weights = load_strict(ckpt, cls.weight_shapes(cfg), dtype, device, tied=cls.tied_names(cfg), progress=progress)
+    shapes = cls.weight_shapes(cfg)
+    store, skip = None, frozenset()
+    if experts is not None:
+        store, handles = experts.store(ckpt, shapes, dtype, device)
+        skip = frozenset(handles)
+    weights = load_strict(ckpt, shapes, dtype, device, tied=cls.tied_names(cfg), progress=progress, skip=skip)
+    if store is not None:
+        weights.update(handles)
     merge_packed(weights, cls.packed_groups(cfg))
-    return cls(cfg, weights, ops)
+    model = cls(cfg, weights, ops)
+    model.expert_store = store
+    return model

@@ -13,8 +13,8 @@ from tqdm import tqdm
 
 from ..errors import KilnError
 from ..weights.checkpoint import FileSpan
-from ..weights.quantized import QuantizedWeight, cat_rows
-from ..weights.upload import Uploader, file_reads_on, pinned_upload_on
+from ..weights.quantized import cat_rows
+from ..weights.upload import Uploader, file_reads_on, pinned_upload_on, placed
 
 
 def config_from_dict(cls, d: dict[str, Any]):
@@ -28,9 +28,10 @@ def config_from_dict(cls, d: dict[str, Any]):
 
 
 def load_strict(ckpt, expected: dict[str, tuple[int, ...]], dtype, device, tied: tuple[str, ...] = (),
-                progress: bool = False):
+                progress: bool = False, skip: frozenset = frozenset()):
     """Tensors for exactly the `expected` names: anything missing, extra or mis-shaped is an error.
-    `tied` names may be absent (they alias another weight)."""
+    `tied` names may be absent (they alias another weight); `skip` names are checked, not loaded
+    (the expert store's)."""
     extra = sorted(set(ckpt.shapes) - set(expected))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
@@ -46,7 +47,8 @@ def load_strict(ckpt, expected: dict[str, tuple[int, ...]], dtype, device, tied:
                 raise KilnError(f"missing tensor in checkpoint: {name}")
             if tuple(ckpt.shapes[name]) != tuple(shape):
                 raise KilnError(f"tensor {name} has shape {tuple(ckpt.shapes[name])}, expected {tuple(shape)}")
-            weights[name] = _load_one(ckpt, name, dtype, device, uploader)
+            if name not in skip:
+                weights[name] = _load_one(ckpt, name, dtype, device, uploader)
     finally:
         if uploader is not None:
             uploader.finish()
@@ -58,24 +60,7 @@ def _load_one(ckpt, name: str, dtype, device, uploader):
     can say where its bytes lie, else through the reader (a view of the file's memory map)."""
     if uploader is not None and file_reads_on() and isinstance(span := ckpt.locate(name), FileSpan):
         return uploader.upload_span(span, dtype)
-    stored = ckpt.load(name)
-    if isinstance(stored, QuantizedWeight):   # the words as they are; scales and biases in `dtype`
-        place = lambda t, dt: _place(t, dt, device, uploader)  # noqa: E731
-        # f32 scales stay f32 (GGUF's: dequantising them in `dtype` would not be exact); computed in `dtype`
-        sdt = torch.float32 if stored.scales.dtype == torch.float32 and stored.out_dtype is None else dtype
-        return QuantizedWeight(place(stored.packed, stored.packed.dtype), place(stored.scales, sdt),
-                               place(stored.biases, sdt), stored.bits, stored.group_size,
-                               dtype if sdt != dtype else None)
-    return _place(stored, dtype, device, uploader)
-
-
-def _place(stored: torch.Tensor, dtype, device, uploader) -> torch.Tensor:
-    if uploader is not None and stored.device.type == "cpu":
-        return uploader.upload(stored, dtype)
-    w = stored.to(device=device, dtype=dtype)    # to the GPU straight from the file's pages
-    if w.data_ptr() == stored.data_ptr() and w.device.type == "cpu":
-        w = w.clone()        # a read-only view of the file (same device and dtype): own a copy
-    return w
+    return placed(ckpt.load(name), dtype, device, uploader)
 
 
 def merge_packed(weights: dict[str, torch.Tensor], groups: dict[str, list[str]]) -> None:

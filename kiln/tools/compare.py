@@ -235,7 +235,9 @@ def main(a) -> int:
 
     llm = load(path, device=str(dev), dtype=dtype, backend=a.backend, max_context=a.max_context, quiet=a.quiet,
                enforce_eager=getattr(a, "enforce_eager", False), retune=getattr(a, "retune", False),
-               tune=parse_pins(getattr(a, "tune", None) or []))
+               tune=parse_pins(getattr(a, "tune", None) or []), expert_cache_slots=a.expert_cache_slots,
+               expert_policy=a.expert_policy, expert_home=a.expert_home, host_memory=a.host_memory,
+               io_threads=a.io_threads, expert_profile=a.expert_profile, verify=a.verify)
     say(f"kiln {type(llm.model).__name__} loaded in {llm.load_s:.1f} s")
     results = []
     for (label, ids), r in zip(prompts, refs):

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..errors import KilnError
+from .quantized import QuantizedWeight
 
 CHUNK_BYTES = 256 << 20
 READ_THREADS = min(16, os.cpu_count() or 1)
@@ -133,3 +134,26 @@ class Uploader:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+def placed(stored, dtype, device, uploader=None):
+    """A stored tensor as the model holds it: on `device` in `dtype`; a quantised one's words as they
+    are, its scales and biases in `dtype` (f32 ones kept f32, the weight computing in `dtype`). The
+    expert store converts the experts it streams with this too (bit-exact copies of resident ones)."""
+    if isinstance(stored, QuantizedWeight):   # the words as they are; scales and biases in `dtype`
+        place = lambda t, dt: _place(t, dt, device, uploader)  # noqa: E731
+        # f32 scales stay f32 (GGUF's: dequantising them in `dtype` would not be exact); computed in `dtype`
+        sdt = torch.float32 if stored.scales.dtype == torch.float32 and stored.out_dtype is None else dtype
+        return QuantizedWeight(place(stored.packed, stored.packed.dtype), place(stored.scales, sdt),
+                               place(stored.biases, sdt), stored.bits, stored.group_size,
+                               dtype if sdt != dtype else None)
+    return _place(stored, dtype, device, uploader)
+
+
+def _place(stored: torch.Tensor, dtype, device, uploader) -> torch.Tensor:
+    if uploader is not None and stored.device.type == "cpu":
+        return uploader.upload(stored, dtype)
+    w = stored.to(device=device, dtype=dtype)    # to the GPU straight from the file's pages
+    if w.data_ptr() == stored.data_ptr() and w.device.type == "cpu":
+        w = w.clone()        # a read-only view of the file (same device and dtype): own a copy
+    return w

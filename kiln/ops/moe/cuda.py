@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import torch
 
+from ...weights.experts import ExpertStack
 from ..dispatch import TunedOps
 from ..gemm.reference import ACTIVATIONS
 from ..quant.cuda import dequantised_stacks, quant_moe
 from . import kernels
 from .reference import MoeReference
+
+
+def streamed(*ws) -> bool:
+    return any(isinstance(w, ExpertStack) for w in ws)
 
 
 def dense(*ws) -> bool:
@@ -34,7 +39,10 @@ class MoeCuda(TunedOps, MoeReference):
         return super().shared_gate_add(routed, x, gate_w, shared)
 
     def moe_experts_gated(self, x, idx, weights, gate_up, down, act, gate_w, shared):
-        """The routed experts' combine also adds sigmoid(x . gate_w) * shared (one launch fewer)."""
+        """The routed experts' combine also adds sigmoid(x . gate_w) * shared (one launch fewer).
+        Streamed experts: their store's per-expert path (not yet the fused kernels)."""
+        if streamed(gate_up, down):
+            return self.shared_gate_add(self.moe_experts(x, idx, weights, gate_up, down, act), x, gate_w, shared)
         if not dense(gate_up, down):
             if (dense(gate_w) and gate_w.shape[0] == 1 and shared.shape == x.shape
                     and (y := quant_moe(self, x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None):
@@ -48,6 +56,8 @@ class MoeCuda(TunedOps, MoeReference):
         return super().moe_experts_gated(x, idx, weights, gate_up, down, act, gate_w, shared)
 
     def moe_experts(self, x, idx, weights, gate_up, down, act):
+        if streamed(gate_up, down):
+            return super().moe_experts(x, idx, weights, gate_up, down, act)
         if not dense(gate_up, down):
             y = quant_moe(self, x, idx, weights, gate_up, down, act)
             if y is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ...weights.experts import ExpertStack
 from ..gemm.reference import ACTIVATIONS
 
 
@@ -14,14 +15,21 @@ class MoeReference:
     def moe_experts(self, x, idx, weights, gate_up, down, act: str) -> torch.Tensor:
         """Routed experts: x [T, H]; idx/weights [T, k]; gate_up [E, 2I, H] (gate rows first);
         down [E, H, I]. Each chosen expert's output, times its weight, is added into a zero buffer
-        in the activation dtype, experts in ascending id, as HF's experts module does."""
+        in the activation dtype, experts in ascending id, as HF's experts module does. Streamed stacks
+        (ExpertStack) go through their store, which adds the same way from its slots."""
+        if isinstance(gate_up, ExpertStack):
+            return gate_up.store.moe(self, x, idx, weights, gate_up, down, act)
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
             tok, slot = torch.where(idx == e)
-            gate, up = self.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-            y = self.linear(ACTIVATIONS[act](gate) * up, down[e]) * weights[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+            self.expert_add(out, x, tok, slot, weights, gate_up[e], down[e], act)
         return out
+
+    def expert_add(self, out, x, tok, slot, weights, gate_up_e, down_e, act: str) -> None:
+        """One expert's output on its rows `tok` (routing slot `slot`), times its weight, added into out."""
+        gate, up = self.linear(x[tok], gate_up_e).chunk(2, dim=-1)
+        y = self.linear(ACTIVATIONS[act](gate) * up, down_e) * weights[tok, slot, None]
+        out.index_add_(0, tok, y.to(out.dtype))
 
     def shared_gate_add(self, routed, x, gate_w, shared) -> torch.Tensor:
         """Qwen's shared expert, scaled by a sigmoid gate [1, H] and added to the routed experts."""

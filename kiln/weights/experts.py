@@ -1,0 +1,434 @@
+"""Expert streaming (docs/streaming.md): a MoE model's routed experts homed in host memory or on disk
+(a packed directory's experts/layer_XXX.bin), a per-layer cache of expert slots on the compute
+device, and the policy that picks what a slot holds.
+
+Only placement changes: each slot holds a bit-exact copy of the expert the resident model holds (the
+same dtype conversions as the load), and the MoE ops add the experts in ascending id as they do
+resident, so a streamed run gives the resident run's logits bit for bit on the same backend.
+
+Policies (per layer, `slots` experts):
+- lru: a miss evicts the expert used least recently.
+- lfu: a miss evicts the expert used in the fewest steps, the least recent among equals.
+- static: a hot set from a routing profile fills the slots once and stays; misses go through
+  `slots` scratch slots, reloaded every step.
+- os: no cache of kiln's own: every needed expert is copied every step (the page cache caches).
+A step needing more experts than the slots hold runs in batches of ascending ids.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import KilnError
+from .quantized import QuantizedWeight
+
+POLICIES = ("lfu", "lru", "static", "os")
+STACKS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+# -- which slot holds which expert: the policy, pure bookkeeping ------------------------------------
+
+class SlotCache:
+    """One layer's slots: expert -> slot, use counts and recency, and the policy's choice of victim.
+    `plan(batch)` (ascending ids, every one needed this step) returns the slot of each and the
+    (expert, slot) loads it takes."""
+
+    def __init__(self, slots: int, policy: str, hot: list[int] | None = None):
+        if policy not in POLICIES:
+            raise KilnError(f"expert policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+        if slots < 1:
+            raise KilnError(f"expert cache slots must be at least 1, got {slots}")
+        self.policy, self.slots = policy, slots
+        self.slot_of: dict[int, int] = {}           # cached experts (lru, lfu, static's hot set)
+        self.uses: Counter = Counter()
+        self.last: dict[int, int] = {}
+        self.clock = 0
+        self.hot = list(hot or [])[:slots] if policy == "static" else []
+
+    @property
+    def capacity(self) -> int:
+        """Slots a stack needs: the cache, plus static's scratch."""
+        return 2 * self.slots if self.policy == "static" else self.slots
+
+    def batches(self, needed: list[int]) -> list[list[int]]:
+        """needed (ascending) cut into runs whose loads fit: `slots` experts a run (lru, lfu, os), or
+        (static) any number of the hot set's and `slots` others (the scratch slots)."""
+        if self.policy != "static":
+            return [needed[i: i + self.slots] for i in range(0, len(needed), self.slots)]
+        out, cur, loads = [], [], 0
+        for e in needed:
+            miss = e not in self.slot_of
+            if miss and loads == self.slots:
+                out.append(cur)
+                cur, loads = [], 0
+            cur.append(e)
+            loads += miss
+        return out + ([cur] if cur else [])
+
+    def plan(self, batch: list[int]) -> tuple[dict[int, int], list[tuple[int, int]]]:
+        self.clock += 1
+        for e in batch:
+            self.uses[e] += 1
+            self.last[e] = self.clock
+        if self.policy == "os":
+            where = {e: i for i, e in enumerate(batch)}
+            return where, list(where.items())
+        if self.policy == "static":
+            where, loads, scratch = {}, [], self.slots
+            for e in batch:
+                if e in self.slot_of:
+                    where[e] = self.slot_of[e]
+                else:
+                    where[e] = scratch
+                    loads.append((e, scratch))
+                    scratch += 1
+            return where, loads
+        loads = []
+        free = [s for s in range(self.slots) if s not in set(self.slot_of.values())]
+        for e in batch:
+            if e in self.slot_of:
+                continue
+            if not free:
+                victim = min((x for x in self.slot_of if x not in batch), key=self._rank)
+                free.append(self.slot_of.pop(victim))
+            self.slot_of[e] = free.pop(0)
+            loads.append((e, self.slot_of[e]))
+        return {e: self.slot_of[e] for e in batch}, loads
+
+    def _rank(self, e: int) -> tuple:
+        """The victim is the lowest: lru the oldest use, lfu the fewest uses then the oldest; ties
+        (experts of one batch share a clock tick) to the lower id."""
+        return (self.last[e], e) if self.policy == "lru" else (self.uses[e], self.last[e], e)
+
+    def preload(self) -> list[tuple[int, int]]:
+        """static: the hot set's (expert, slot) loads, once."""
+        for s, e in enumerate(self.hot):
+            self.slot_of[e] = s
+        return [(e, s) for s, e in enumerate(self.hot)]
+
+
+# -- where an expert's bytes come from: host memory or a packed directory's layer file -------------
+
+@dataclass
+class HostHome:
+    """A layer's stacks in host memory, already in the run's dtypes (pinned where CUDA is)."""
+    stacks: dict[str, object]       # stack name -> [E, ...] tensor or QuantizedWeight
+
+    tier = "host"
+
+    def read(self, e: int) -> dict[str, object]:
+        return {n: _index(w, e) for n, w in self.stacks.items()}
+
+    def nbytes(self) -> int:
+        w = next(iter(self.stacks.values()))
+        return sum(_nbytes(x) for x in self.stacks.values()) // (w.shape[0] if w.shape else 1)
+
+
+@dataclass
+class DiskHome:
+    """A packed directory's layer file: expert e's blob of `stride` bytes at e * stride, its parts at
+    fixed offsets (docs/format.md), read with pread; the file must stay as it was when opened."""
+    path: Path
+    stride: int
+    count: int
+    records: dict[str, dict]        # stack name -> the manifest's tensor record
+    convert: object                 # the load's dtype rule: stored -> as the model holds it
+    sha256: str | None = None       # checked once, at the first read (the load's --verify lazy or full)
+    fd: int = -1
+    ident: tuple = ()
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    tier = "disk"
+
+    def open(self) -> None:
+        if self.fd < 0:
+            if self.sha256 is not None:
+                from .packed import check_file
+                check_file(self.path, self.sha256)
+            self.fd = os.open(self.path, os.O_RDONLY)
+            st = os.fstat(self.fd)
+            self.ident = (st.st_size, st.st_mtime_ns, st.st_ino)
+            if st.st_size < self.count * self.stride:
+                raise KilnError(f"{self.path}: {st.st_size} bytes, {self.count} experts of {self.stride} need "
+                                f"{self.count * self.stride} (the file is cut short: run kiln verify)")
+
+    def check(self) -> None:
+        st = os.fstat(self.fd)
+        if (st.st_size, st.st_mtime_ns, st.st_ino) != self.ident:
+            raise KilnError(f"{self.path}: the expert file changed during the run (size or time differs from "
+                            f"when it was opened): run kiln verify, then load again")
+
+    def read(self, e: int) -> dict[str, object]:
+        self.open()
+        raw = os.pread(self.fd, self.stride, e * self.stride)
+        if len(raw) != self.stride:
+            raise KilnError(f"{self.path}: expert {e} is cut short ({len(raw)} of {self.stride} bytes at "
+                            f"{e * self.stride}): the file was truncated (run kiln verify)")
+        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        out = {}
+        for name, rec in self.records.items():
+            parts = {k: _part(buf, p) for k, p in rec["parts"].items()}
+            if "quant" in rec:
+                q = rec["quant"]
+                stored = QuantizedWeight(parts["weight"], parts["scales"], parts["biases"], q["bits"],
+                                         q["group_size"], _dtype(q["out_dtype"]) if "out_dtype" in q else None)
+            else:
+                stored = parts["tensor"]
+            out[name] = self.convert(stored)
+        return out
+
+    def nbytes(self) -> int:
+        return self.stride
+
+
+def _dtype(name: str) -> torch.dtype:
+    from .packed import DTYPES
+    return DTYPES[name]
+
+
+def _part(buf: torch.Tensor, p: dict) -> torch.Tensor:
+    dtype = _dtype(p["dtype"])
+    return buf[p["offset"]: p["offset"] + p["nbytes"]].view(dtype).view(tuple(p["shape"]))
+
+
+def _index(w, e: int):
+    if isinstance(w, QuantizedWeight):
+        return QuantizedWeight(w.packed[e], w.scales[e], w.biases[e], w.bits, w.group_size, w.out_dtype)
+    return w[e]
+
+
+def _nbytes(w) -> int:
+    if isinstance(w, QuantizedWeight):
+        return sum(t.numel() * t.element_size() for t in (w.packed, w.scales, w.biases))
+    return w.numel() * w.element_size()
+
+
+def _empty_like_stack(w, count: int, device):
+    """Slots: `count` experts shaped and typed like one expert of `w`."""
+    if isinstance(w, QuantizedWeight):
+        new = lambda t: torch.empty((count, *t.shape), dtype=t.dtype, device=device)  # noqa: E731
+        return QuantizedWeight(new(w.packed), new(w.scales), new(w.biases), w.bits, w.group_size, w.out_dtype)
+    return torch.empty((count, *w.shape), dtype=w.dtype, device=device)
+
+
+def _copy_into(slot_stack, s: int, w) -> None:
+    if isinstance(slot_stack, QuantizedWeight):
+        slot_stack.packed[s].copy_(w.packed, non_blocking=True)
+        slot_stack.scales[s].copy_(w.scales, non_blocking=True)
+        slot_stack.biases[s].copy_(w.biases, non_blocking=True)
+    else:
+        slot_stack[s].copy_(w, non_blocking=True)
+
+
+# -- the store --------------------------------------------------------------------------------------
+
+@dataclass
+class Stats:
+    hits: int = 0
+    misses: int = 0
+    bytes: int = 0
+    io_s: float = 0.0
+
+
+class ExpertStack:
+    """What a streamed model holds in place of one routed-expert stack: the MoE ops hand it to its
+    store (`ExpertStore.moe`). `shape` is the resident stack's."""
+
+    def __init__(self, store: "ExpertStore", layer: str, name: str, shape: tuple):
+        self.store, self.layer, self.name, self.shape = store, layer, name, tuple(shape)
+
+    def __repr__(self) -> str:
+        return f"ExpertStack({self.layer}{self.name}, {self.store.home_tier})"
+
+
+class ExpertStore:
+    """Every streamed layer's home (host or disk), its slots on `device` and their SlotCache."""
+
+    def __init__(self, homes: dict[str, object], device, policy: str = "lfu", slots: int = 16,
+                 io_threads: int = 8, profile: dict | None = None):
+        self.homes, self.device, self.policy = homes, torch.device(device), policy
+        self.slots = slots
+        self.caches = {p: SlotCache(slots, policy, _hot(profile, p, slots)) for p in homes}
+        self.stacks: dict[str, dict[str, object]] = {}
+        self.stats = {p: Stats() for p in homes}
+        self.trace: list[tuple[str, list[int]]] = []       # (layer, needed ids) per MoE call
+        self.pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="kiln-experts")
+        if policy == "static" and not profile:
+            raise KilnError("expert policy static needs a routing profile (--expert-profile FILE)")
+
+    @property
+    def home_tier(self) -> str:
+        return next(iter(self.homes.values())).tier if self.homes else "none"
+
+    def handle(self, layer: str, name: str, shape: tuple) -> ExpertStack:
+        return ExpertStack(self, layer, name, shape)
+
+    def _slots(self, layer: str) -> dict[str, object]:
+        """The layer's slot stacks, made at its first use (shaped as one expert read from its home); the
+        static policy's hot set loaded into them then (not counted as misses)."""
+        if layer not in self.stacks:
+            cache = self.caches[layer]
+            sample = self.homes[layer].read(0)
+            self.stacks[layer] = {n: _empty_like_stack(w, cache.capacity, self.device) for n, w in sample.items()}
+            loads = cache.preload()
+            if loads:
+                self._load(layer, loads, count=False)
+        return self.stacks[layer]
+
+    def _load(self, layer: str, loads: list[tuple[int, int]], count: bool = True) -> None:
+        home, stats = self.homes[layer], self.stats[layer]
+        t0 = time.perf_counter()
+        if isinstance(home, DiskHome):
+            home.open()
+            home.check()
+        got = list(self.pool.map(lambda es: (es[1], home.read(es[0])), loads))
+        stacks = self.stacks[layer]
+        for s, parts in got:
+            for n, w in parts.items():
+                _copy_into(stacks[n], s, w)
+        if isinstance(home, DiskHome):
+            home.check()
+        if count:
+            stats.misses += len(loads)
+            stats.bytes += len(loads) * home.nbytes()
+            stats.io_s += time.perf_counter() - t0
+
+    def moe(self, ops, x, idx, weights, gate_up: ExpertStack, down: ExpertStack, act: str) -> torch.Tensor:
+        """The routed experts of x through the slots: needed experts in ascending id, in batches that
+        fit the slots, each expert's rows added as the reference adds them (ops.expert_add)."""
+        layer, cache, stats = gate_up.layer, self.caches[gate_up.layer], self.stats[gate_up.layer]
+        needed = torch.unique(idx).tolist()
+        self.trace.append((layer, needed))
+        self._slots(layer)
+        out = torch.zeros_like(x)
+        for batch in cache.batches(needed):
+            where, loads = cache.plan(batch)
+            if loads:
+                self._load(layer, loads)
+            stats.hits += len(batch) - len(loads)
+            stacks = self.stacks[layer]
+            for e in batch:
+                tok, slot = torch.where(idx == e)
+                ops.expert_add(out, x, tok, slot, weights, _index(stacks[gate_up.name], where[e]),
+                               _index(stacks[down.name], where[e]), act)
+        return out
+
+    def summary(self) -> dict:
+        """Hit rate, misses and bytes moved per tier, summed over the layers (the bench's expert_store)."""
+        tot = Stats()
+        for s in self.stats.values():
+            tot.hits, tot.misses, tot.bytes, tot.io_s = (tot.hits + s.hits, tot.misses + s.misses,
+                                                         tot.bytes + s.bytes, tot.io_s + s.io_s)
+        seen = tot.hits + tot.misses
+        return {"policy": self.policy, "slots": self.slots, "home": self.home_tier, "layers": len(self.homes),
+                "hits": tot.hits, "misses": tot.misses, "hit_rate": tot.hits / seen if seen else None,
+                "bytes": tot.bytes, "io_s": round(tot.io_s, 4)}
+
+    def profile(self) -> dict:
+        """Use counts per layer and expert: a routing profile for the static policy."""
+        return {p: {str(e): n for e, n in c.uses.items()} for p, c in self.caches.items()}
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+        for home in self.homes.values():
+            if isinstance(home, DiskHome) and home.fd >= 0:
+                os.close(home.fd)
+                home.fd = -1
+
+
+def _hot(profile: dict | None, layer: str, slots: int) -> list[int]:
+    counts = (profile or {}).get(layer, {})
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], int(kv[0])))
+    return [int(e) for e, _ in ranked[:slots]]
+
+
+# -- the plan: which layers stream, from where ------------------------------------------------------
+
+HOMES = ("auto", "host", "disk")
+
+
+@dataclass
+class ExpertPlan:
+    """How a model's routed experts stream (kiln.load's expert_* arguments, the CLI's flags): the
+    policy and slots a layer, their home (auto: host memory when every layer's experts fit in
+    `host_memory` GB, or when no budget is given; else disk, which needs a packed directory), I/O
+    threads, and a routing profile for the static policy."""
+    policy: str = "lfu"
+    slots: int = 16
+    home: str = "auto"
+    host_memory: float | None = None
+    io_threads: int = 8
+    profile: dict | None = None
+    verify: str = "lazy"            # a packed directory's expert files hashed at first use unless "off"
+
+    def store(self, ckpt, shapes: dict, dtype, device) -> tuple[ExpertStore, dict[str, ExpertStack]]:
+        """The store and one handle a routed-expert stack of the model (its weight names)."""
+        from .upload import placed
+
+        if self.home not in HOMES:
+            raise KilnError(f"expert home must be one of {', '.join(HOMES)}, not {self.home!r}")
+        names = sorted(n for n in shapes if n.endswith(STACKS))
+        if not names:
+            raise KilnError("this model has no routed experts to stream (--expert-cache-slots is for MoE models)")
+        prefix = {n: n[: -len(next(s for s in STACKS if n.endswith(s)))] for n in names}
+        home = self.home
+        if home == "auto":
+            need = sum(_stack_bytes(ckpt, n) for n in names)
+            home = "host" if self.host_memory is None or need <= self.host_memory * 1e9 else "disk"
+        convert = lambda stored: placed(stored, dtype, "cpu")  # noqa: E731
+        if home == "disk":
+            homes = _disk_homes(ckpt, names, prefix, convert, self.verify != "off")
+        else:
+            pin = torch.device(device).type == "cuda"
+            homes = {}
+            for n in names:
+                w = convert(ckpt.load(n))
+                homes.setdefault(prefix[n], HostHome({})).stacks[n] = _pinned(w) if pin else w
+        store = ExpertStore(homes, device, self.policy, self.slots, self.io_threads, self.profile)
+        return store, {n: store.handle(prefix[n], n, shapes[n]) for n in names}
+
+
+def _stack_bytes(ckpt, name: str) -> int:
+    shape = ckpt.shapes[name]
+    n = 1
+    for d in shape:
+        n *= d
+    return 2 * n        # an estimate (16-bit): the home's choice only needs the order of magnitude
+
+
+def _pinned(w):
+    if isinstance(w, QuantizedWeight):
+        return QuantizedWeight(w.packed.pin_memory(), w.scales.pin_memory(), w.biases.pin_memory(), w.bits,
+                               w.group_size, w.out_dtype)
+    return w.pin_memory()
+
+
+def _disk_homes(ckpt, names: list[str], prefix: dict, convert, check: bool) -> dict[str, DiskHome]:
+    from .packed import read_manifest
+
+    if ckpt.format != "packed":
+        raise KilnError(f"experts homed on disk are read from a packed directory (kiln pack {ckpt.path} DIR); "
+                        f"{ckpt.path} is a {ckpt.format} checkpoint")
+    layers = {}
+    manifest = read_manifest(Path(ckpt.path), check=False)
+    for layer in manifest.get("experts", {}).get("layers", []):
+        for n, rec in layer["tensors"].items():
+            layers[n] = (layer, rec)
+    homes: dict[str, DiskHome] = {}
+    for n in names:
+        if n not in layers:
+            raise KilnError(f"{ckpt.path}: the manifest has no expert file for {n}")
+        layer, rec = layers[n]
+        digest = manifest["files"].get(layer["file"], {}).get("sha256") if check else None
+        home = homes.setdefault(prefix[n], DiskHome(Path(ckpt.path) / layer["file"], layer["stride"],
+                                                    layer["count"], {}, convert, digest))
+        home.records[n] = rec
+    return homes

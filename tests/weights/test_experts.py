@@ -1,0 +1,180 @@
+"""Expert streaming (kiln/weights/experts.py, docs/streaming.md): a tiny quantised MoE model, packed,
+streamed from disk and from host memory under every policy with fewer slots than experts, gives the
+resident model's logits bit for bit and its greedy tokens (reference backend); the store's hits,
+misses and bytes equal an independent simulation of the policy over the routing it recorded; an
+expert file cut short or changed during a run is a one-line error."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import kiln
+from kiln.cli import main as cli_main
+from kiln.errors import KilnError
+from kiln.models import model_config
+from kiln.weights.synth import CONFIGS, Synthesis, write_checkpoint
+
+PROMPT = [5, 17, 200, 33, 91, 4, 250, 12, 7, 30, 66, 2, 140, 9, 77, 310]
+SLOTS = 3          # of 8 experts a layer, 2 a token: evictions at decode, batches at prefill
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("stream")
+    config = dict(CONFIGS["tiny-qwen3.5-moe-p2"])
+    cls, cfg = model_config(config)
+    drawn = Synthesis(config, cls.checkpoint_shapes(cfg), cls.norm_style == "offset", seed=7)
+    src = write_checkpoint(drawn, root / "hf", "tiny-qwen3.5-moe-p2", dtype="bf16", quiet=True)
+    out = root / "packed"
+    assert cli_main(["pack", str(src), str(out), "--quiet", "--bits", "4", "--group-size", "32"]) == 0
+    layers = json.loads((out / "manifest.json").read_text())["experts"]["layers"]
+    assert layers and all("quant" in r for layer in layers for r in layer["tensors"].values())
+    return out
+
+
+def load(path: Path, **streaming):
+    return kiln.load(str(path), device="cpu", backend="reference", dtype="f32", **streaming)
+
+
+def logits_and_tokens(llm, n: int = 8):
+    """The prompt's last logits and each decode step's, on a fresh state; the greedy tokens."""
+    eng = llm.engine
+    state = eng.new_state(len(PROMPT) + n)
+    out = [eng.prefill(PROMPT, state)]
+    tokens = []
+    for k in range(n):
+        tokens.append(int(torch.argmax(out[-1])))
+        out.append(eng.decode_step(tokens[-1], len(PROMPT) + k, state))
+    return torch.stack(out), tokens
+
+
+@pytest.fixture(scope="module")
+def resident(packed):
+    return logits_and_tokens(load(packed))
+
+
+@pytest.fixture(scope="module")
+def profile(packed, tmp_path_factory) -> Path:
+    """A routing profile recorded by a streamed run (the static policy's hot set)."""
+    llm = load(packed, expert_cache_slots=SLOTS, expert_policy="lru")
+    logits_and_tokens(llm, 4)
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    path.write_text(json.dumps(llm.model.expert_store.profile()))
+    return path
+
+
+@pytest.mark.parametrize("home", ("disk", "host"))
+@pytest.mark.parametrize("policy", ("lfu", "lru", "static", "os"))
+def test_streamed_logits_and_tokens_are_the_resident_ones(packed, resident, profile, home, policy):
+    extra = {"expert_profile": profile} if policy == "static" else {}
+    llm = load(packed, expert_cache_slots=SLOTS, expert_policy=policy, expert_home=home, **extra)
+    logits, tokens = logits_and_tokens(llm)
+    assert torch.equal(logits, resident[0]), (home, policy)
+    assert tokens == resident[1]
+    store = llm.model.expert_store
+    assert store.home_tier == home
+    check_accounting(store, policy, SLOTS)
+
+
+# -- accounting against an independent simulation --------------------------------------------------
+
+def simulate(policy: str, slots: int, steps: list[list[int]], hot: list[int]) -> tuple[int, int]:
+    """(hits, misses) of one layer over its steps (each the ascending ids it needed), by the rules
+    docs/streaming.md states: a step in batches of `slots` ids (static: of `slots` misses), the clock
+    ticking once a batch, lru evicting the oldest use, lfu the fewest uses then the oldest, ties to
+    the lower id; static's hot set never a miss, never evicted; os missing everything."""
+    cache, uses, last, clock, hits, misses = set(), Counter(), {}, 0, 0, 0
+    for needed in steps:
+        batches, cur, loads = [], [], 0
+        for e in needed:
+            miss = policy != "static" or e not in hot
+            if cur and ((policy != "static" and len(cur) == slots) or (miss and loads == slots)):
+                batches.append(cur)
+                cur, loads = [], 0
+            cur.append(e)
+            loads += miss
+        batches += [cur] if cur else []
+        for batch in batches:
+            clock += 1
+            for e in batch:
+                uses[e] += 1
+                last[e] = clock
+            for e in batch:
+                if policy == "os" or (policy == "static" and e not in hot):
+                    misses += 1
+                elif policy == "static" or e in cache:
+                    hits += 1
+                else:
+                    misses += 1
+                    if len(cache) == slots:
+                        rank = (lambda x: (last[x], x)) if policy == "lru" else (lambda x: (uses[x], last[x], x))
+                        cache.remove(min(cache - set(batch), key=rank))
+                    cache.add(e)
+    return hits, misses
+
+
+def check_accounting(store, policy: str, slots: int) -> None:
+    for layer, stats in store.stats.items():
+        steps = [needed for name, needed in store.trace if name == layer]
+        hot = store.caches[layer].hot
+        hits, misses = simulate(policy, slots, steps, hot)
+        assert (stats.hits, stats.misses) == (hits, misses), (layer, policy)
+        assert stats.bytes == misses * store.homes[layer].nbytes()
+        assert hits + misses == sum(len(s) for s in steps)
+    summary = store.summary()
+    assert summary["policy"] == policy and summary["slots"] == slots
+    assert summary["hits"] + summary["misses"] == sum(len(s) for _, s in store.trace)
+
+
+def test_the_simulation_itself_counts_a_known_sequence():
+    """lru over 2 slots: 1,2 miss; 1 hits; 3 evicts 2; 2 misses again (evicting 1, the older)."""
+    assert simulate("lru", 2, [[1, 2], [1], [3], [2]], []) == (1, 4)
+    assert simulate("lfu", 2, [[1, 2], [1], [3], [2]], []) == (1, 4)      # 3 evicts 2 (one use), 2 evicts 3
+    assert simulate("os", 2, [[1, 2], [1]], []) == (0, 3)
+    assert simulate("static", 1, [[1, 2, 3]], [2]) == (1, 2)
+
+
+# -- a damaged expert file during a run ------------------------------------------------------------
+
+def copy_packed(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for p in src.rglob("*"):
+        if p.is_file():
+            q = dst / p.relative_to(src)
+            q.parent.mkdir(parents=True, exist_ok=True)
+            q.write_bytes(p.read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("damage", ("truncate", "rewrite"))
+def test_an_expert_file_damaged_during_a_run_is_a_one_line_error(packed, tmp_path, damage):
+    d = copy_packed(packed, tmp_path / "m")
+    llm = load(d, expert_cache_slots=SLOTS, expert_policy="os", expert_home="disk")
+    llm.generate(PROMPT, max_new_tokens=2, temperature=0)
+    victim = d / "experts" / "layer_000.bin"
+    if damage == "truncate":
+        os.truncate(victim, victim.stat().st_size // 2)
+    else:
+        data = bytearray(victim.read_bytes())
+        data[100] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        st = victim.stat()
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(KilnError) as e:
+        llm.generate(PROMPT, max_new_tokens=2, temperature=0)
+    assert "layer_000.bin" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_streaming_flags_on_the_cli(packed, capsys):
+    assert cli_main(["run", str(packed), "--device", "cpu", "--backend", "reference", "--dtype", "f32",
+                     "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new", "3", "--temperature", "0",
+                     "--expert-cache-slots", "2", "--expert-policy", "lru", "--expert-home", "disk", "--quiet"]) == 0
+    assert cli_main(["run", str(packed), "--device", "cpu", "--expert-policy", "static", "--quiet",
+                     "--prompt-ids", "1,2"]) == 2
+    assert "static needs a routing profile" in capsys.readouterr().err
