@@ -41,12 +41,12 @@ def checkpoint_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return cls.checkpoint_shapes(cfg)
 
 
-def synthesis(name: str, layers: int | None = None, seed: int = 0) -> Synthesis:
+def synthesis(name: str, layers: int | None = None, seed: int = 0, skew: float = 0.0) -> Synthesis:
     """The named synthesized configuration (cut to its first `layers` layers) with the tensors its
-    model declares: what `kiln synth` writes."""
+    model declares: what `kiln synth` writes (`skew`: routing skew, weights/synth.router_scales)."""
     config = synth_config(name, layers)
     cls, cfg = model_config(config)
-    return Synthesis(config, cls.checkpoint_shapes(cfg), cls.norm_style == "offset", seed)
+    return Synthesis(config, cls.checkpoint_shapes(cfg), cls.norm_style == "offset", seed, skew)
 
 
 def build_model(ckpt, ops, dtype, device, progress: bool = False, experts=None):

@@ -10,7 +10,7 @@ import time
 from ..cli.flags import nonneg_int, positive_float, positive_int
 from ..errors import KilnError
 from ..models import checkpoint_shapes, synthesis
-from ..weights.synth import CONFIGS, DTYPES, write_checkpoint
+from ..weights.synth import CONFIGS, DTYPES, MAX_SKEW, write_checkpoint
 
 
 def add_parser(sub) -> None:
@@ -19,6 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("out", nargs="?", help="output folder (must not exist)")
     p.add_argument("--layers", type=positive_int, default=None, help="keep only the first N layers")
     p.add_argument("--seed", type=nonneg_int, default=0, help="weights seed (default 0)")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="MoE routing skew: router rows scaled by rank^-SKEW (0, default: near-uniform routing)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="stored dtype (default bf16)")
     p.add_argument("--shard-mb", type=positive_float, default=4096, help="max safetensors shard size (MiB)")
     p.add_argument("--list", action="store_true", help="list the configurations and exit")
@@ -46,7 +48,9 @@ def main(a) -> int:
     if not a.arch or not a.out:
         raise KilnError("usage: kiln synth ARCH OUT [--layers N] [--seed S] [--dtype bf16|f32] (--list for ARCH)")
     t0 = time.perf_counter()
-    drawn = synthesis(a.arch, a.layers, a.seed)
+    if not 0.0 <= a.skew <= MAX_SKEW:
+        raise KilnError(f"--skew takes 0 to {MAX_SKEW:g}, got {a.skew:g}")
+    drawn = synthesis(a.arch, a.layers, a.seed, a.skew)
     out = write_checkpoint(drawn, a.out, a.arch, a.dtype, int(a.shard_mb * (1 << 20)), a.quiet)
     if not a.quiet:
         print(f"kiln: wrote {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -276,6 +276,7 @@ class Synthesis:
     shapes: dict[str, tuple[int, ...]]
     norm_offset: bool
     seed: int = 0
+    skew: float = 0.0        # routing skew: router rows scaled by rank^-skew (router_scales)
 
     def rule(self, name: str) -> tuple[str, float, float]:
         return init_rule(self.config, name, self.shapes[name], self.norm_offset)
@@ -284,9 +285,13 @@ class Synthesis:
         """The tensor's values, flat, in f32 blocks of BLOCK elements (drawn on up to WORKERS threads)."""
         rule, n = self.rule(name), math.prod(self.shapes[name])
         count = max(1, -(-n // BLOCK))
+        scales = router_scales(name, self.shapes[name], self.seed, self.skew)
 
         def block(i: int) -> torch.Tensor:
-            return _draw(rule, min(BLOCK, n - i * BLOCK), _seed(self.seed, name, i))
+            b = _draw(rule, min(BLOCK, n - i * BLOCK), _seed(self.seed, name, i))
+            if scales is not None:      # each value times its row's scale (rows of the last dim's width)
+                b.mul_(scales[(i * BLOCK + torch.arange(b.numel())) // self.shapes[name][-1]])
+            return b
 
         if count == 1:
             yield block(0)
@@ -310,6 +315,21 @@ class Synthesis:
         return out.view(self.shapes[name])
 
 
+ROUTERS = ("mlp.gate.weight", "router.proj.weight")     # [experts, hidden]: Qwen's and Gemma 4's routers
+
+
+def router_scales(name: str, shape: tuple[int, ...], seed: int, skew: float) -> torch.Tensor | None:
+    """Routing skew for a router's rows: expert e's row scaled by (1 + rank_e)^-skew, the ranks a
+    seeded permutation per layer. Random routers route nearly uniformly; a row with a larger scale
+    gives its expert logits of a larger spread, so top-k picks it more often: popularity then falls
+    with rank, faster with a larger skew (0: uniform, the plain draw). Hit rates are measured, not
+    derived from this."""
+    if not skew or not name.endswith(ROUTERS) or len(shape) != 2:
+        return None
+    rank = torch.from_numpy(np.random.Generator(np.random.SFC64(_seed(seed, name, -1))).permutation(shape[0]))
+    return (1.0 + rank.to(torch.float32)) ** -skew
+
+
 # -- the model spec `synth:NAME[:layers=N][:seed=S]` ------------------------------------------------
 
 @dataclass(frozen=True)
@@ -321,10 +341,12 @@ class Spec:
     group: int = 64
     router: int | None = None    # MoE routers (mlp.gate, shared_expert_gate) at these bits
     experts: int | None = None   # routed experts at these bits
+    skew: float = 0.0            # routing skew (router_scales)
 
 
-SPEC_USAGE = "synth:NAME[:layers=N][:seed=S][:bits=B[:group=G][:router=B][:experts=B]]"
-_SPEC_KEYS = ("layers", "seed", "bits", "group", "router", "experts")
+SPEC_USAGE = "synth:NAME[:layers=N][:seed=S][:skew=X][:bits=B[:group=G][:router=B][:experts=B]]"
+_SPEC_KEYS = ("layers", "seed", "bits", "group", "router", "experts", "skew")
+MAX_SKEW = 8.0
 
 
 def parse_spec(spec: str) -> Spec:
@@ -333,12 +355,15 @@ def parse_spec(spec: str) -> Spec:
     if prefix != "synth" or not parts[0]:
         raise KilnError(f"not a synthesized model spec: {spec!r} (use {SPEC_USAGE})")
     synth_config(parts[0])  # unknown names are an error that lists the known ones
-    opts: dict[str, int] = {}
+    opts: dict = {}
     for opt in parts[1:]:
         key, eq, value = opt.partition("=")
-        if key not in _SPEC_KEYS or not eq or not value.isdigit() or key in opts:
+        number = value.replace(".", "", 1).isdigit() if key == "skew" else value.isdigit()
+        if key not in _SPEC_KEYS or not eq or not number or key in opts:
             raise KilnError(f"bad option {opt!r} in {spec!r} (use {SPEC_USAGE})")
-        opts[key] = int(value)
+        opts[key] = float(value) if key == "skew" else int(value)
+    if opts.get("skew", 0.0) > MAX_SKEW:
+        raise KilnError(f"{spec!r}: skew takes 0 to {MAX_SKEW:g}, got {opts['skew']:g}")
     if "bits" not in opts and opts.keys() & {"group", "router", "experts"}:
         raise KilnError(f"{spec!r}: group, router and experts need bits=B (the quantised draw)")
     for key in ("bits", "router", "experts"):
@@ -397,7 +422,7 @@ def open_synth(spec: str, dtype: torch.dtype = torch.bfloat16) -> Checkpoint:
     config = synth_config(s.name, s.layers)
 
     def drawn(shapes: dict, norm_offset: bool) -> Checkpoint:
-        synthesis = Synthesis(config, shapes, norm_offset, s.seed)
+        synthesis = Synthesis(config, shapes, norm_offset, s.seed, s.skew)
 
         def load(name: str):
             fmt = quant_format(s, name, shapes[name])

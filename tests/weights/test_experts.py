@@ -178,3 +178,29 @@ def test_streaming_flags_on_the_cli(packed, capsys):
     assert cli_main(["run", str(packed), "--device", "cpu", "--expert-policy", "static", "--quiet",
                      "--prompt-ids", "1,2"]) == 2
     assert "static needs a routing profile" in capsys.readouterr().err
+
+
+# -- routing skew in synthesized models --------------------------------------------------------------
+
+def test_a_skewed_synth_router_concentrates_routing_and_raises_the_hit_rate():
+    """skew=2 against the plain draw, same seed and sampling: the most used expert of a layer takes a
+    larger share and 3 lfu slots of 8 hit more often (measured 0.38 -> 0.53; 0.19 -> 0.30 share)."""
+    rate, top = {}, {}
+    for skew in (0, 2):
+        llm = kiln.load(f"synth:tiny-qwen3.5-moe-p2:seed=3:skew={skew}", device="cpu", backend="reference",
+                        dtype="f32", expert_cache_slots=3, expert_policy="lfu")
+        llm.generate([5, 17, 200, 33, 91, 4, 250, 12], max_new_tokens=120, temperature=1.0, seed=1)
+        store = llm.model.expert_store
+        uses = Counter(e for layer, needed in store.trace[1:] for e in needed if layer.startswith("model.layers.1."))
+        rate[skew], top[skew] = store.summary()["hit_rate"], max(uses.values()) / sum(uses.values())
+    assert rate[2] > rate[0] + 0.08 and top[2] > top[0] + 0.05, (rate, top)
+
+
+def test_skew_is_a_spec_option_within_bounds():
+    from kiln.weights.synth import parse_spec
+
+    assert parse_spec("synth:tiny-qwen3.5-moe-p2:skew=1.5").skew == 1.5
+    for bad in ("synth:tiny-qwen3.5-moe-p2:skew=9", "synth:tiny-qwen3.5-moe-p2:skew=-1",
+                "synth:tiny-qwen3.5-moe-p2:skew=x"):
+        with pytest.raises(KilnError):
+            parse_spec(bad)
