@@ -260,6 +260,7 @@ class ExpertStore:
         self.stacks: dict[str, dict[str, object]] = {}
         self.stats = {p: Stats() for p in homes}
         self.trace: list[tuple[str, list[int]]] = []       # (layer, needed ids) per MoE call
+        self.tokens: dict[str, int] = {}                    # rows through each layer
         self.pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="kiln-experts")
         if policy == "static" and not profile:
             raise KilnError("expert policy static needs a routing profile (--expert-profile FILE)")
@@ -301,25 +302,44 @@ class ExpertStore:
             stats.bytes += len(loads) * home.nbytes()
             stats.io_s += time.perf_counter() - t0
 
-    def moe(self, ops, x, idx, weights, gate_up: ExpertStack, down: ExpertStack, act: str) -> torch.Tensor:
-        """The routed experts of x through the slots: needed experts in ascending id, in batches that
-        fit the slots, each expert's rows added as the reference adds them (ops.expert_add)."""
-        layer, cache, stats = gate_up.layer, self.caches[gate_up.layer], self.stats[gate_up.layer]
+    def moe(self, ops, x, idx, weights, gate_up: ExpertStack, down: ExpertStack, act: str,
+            gate: tuple | None = None) -> torch.Tensor:
+        """The routed experts of x through the slots (plus Qwen's gated shared expert, gate = (gate_w,
+        shared)): the needed experts in ascending id, in batches that fit the slots. When one batch
+        holds them all, the backend's resident kernels run on the slots (`ops.moe_from_slots`, rows
+        mapping each pair to its slot); otherwise each expert's rows are added as the reference adds
+        them (`ops.expert_add`), batch after batch in id order."""
+        layer = gate_up.layer
         needed = torch.unique(idx).tolist()
         self.trace.append((layer, needed))
-        self._slots(layer)
+        self.tokens[layer] = self.tokens.get(layer, 0) + x.shape[0]
+        stacks = self._slots(layer)
+        batches = self.caches[layer].batches(needed)
+        first = self._place(layer, batches[0])
+        if len(batches) == 1 and hasattr(ops, "moe_from_slots"):
+            table = torch.zeros(gate_up.shape[0], dtype=idx.dtype)
+            for e, s in first.items():
+                table[e] = s
+            y = ops.moe_from_slots(x, idx, table.to(idx.device)[idx], weights, stacks[gate_up.name],
+                                   stacks[down.name], act, gate)
+            if y is not None:
+                return y
         out = torch.zeros_like(x)
-        for batch in cache.batches(needed):
-            where, loads = cache.plan(batch)
-            if loads:
-                self._load(layer, loads)
-            stats.hits += len(batch) - len(loads)
-            stacks = self.stacks[layer]
+        for n, batch in enumerate(batches):
+            where = first if n == 0 else self._place(layer, batch)
             for e in batch:
                 tok, slot = torch.where(idx == e)
                 ops.expert_add(out, x, tok, slot, weights, _index(stacks[gate_up.name], where[e]),
                                _index(stacks[down.name], where[e]), act)
-        return out
+        return out if gate is None else ops.shared_gate_add(out, x, *gate)
+
+    def _place(self, layer: str, batch: list[int]) -> dict[int, int]:
+        """The batch's experts in slots (the policy's plan, its misses loaded): expert -> slot."""
+        where, loads = self.caches[layer].plan(batch)
+        if loads:
+            self._load(layer, loads)
+        self.stats[layer].hits += len(batch) - len(loads)
+        return where
 
     def summary(self) -> dict:
         """Hit rate, misses and bytes moved per tier, summed over the layers (the bench's expert_store)."""

@@ -204,3 +204,35 @@ def test_skew_is_a_spec_option_within_bounds():
                 "synth:tiny-qwen3.5-moe-p2:skew=x"):
         with pytest.raises(KilnError):
             parse_spec(bad)
+
+
+def test_streamed_decode_on_the_cuda_backend_runs_the_resident_kernels_on_the_slots():
+    """One token a call, 2 of 8 quantised experts, 3 lru slots (evictions), the cuda backend's MoE op
+    (Triton's interpreter on CPU): the resident decode kernels read the slots through the row table,
+    so each output is the resident op's bit for bit, with and without the gated shared expert."""
+    pytest.importorskip("triton")
+    from kiln.backends.cuda import CudaOps
+    from kiln.ops.quant import kernels
+    from kiln.ops.quant.reference import quantize
+    from kiln.weights.experts import ExpertStore, HostHome
+
+    e, k, h, i, dt = 8, 2, 128, 64, torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    gate_up = quantize((torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(dt), 4, 64)
+    down = quantize((torch.randn(e, h, i, generator=g) * i ** -0.5).to(dt), 4, 64)
+    store = ExpertStore({"l.": HostHome({"l.gu": gate_up, "l.dn": down})}, "cpu", "lru", 3)
+    gu_h, dn_h = store.handle("l.", "l.gu", gate_up.shape), store.handle("l.", "l.dn", down.shape)
+    ops, calls, real = CudaOps(torch.device("cpu")), [], kernels.qgemv_pairs
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "qgemv_pairs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        for step in range(6):
+            x = torch.randn(1, h, generator=g).to(dt)
+            idx = torch.randperm(e, generator=g)[:k][None]
+            w = torch.rand(1, k, generator=g).to(dt)
+            gate_w, shared = torch.randn(1, h, generator=g).to(dt), torch.randn(1, h, generator=g).to(dt)
+            assert torch.equal(ops.moe_experts(x, idx, w, gu_h, dn_h, "silu"),
+                               ops.moe_experts(x, idx, w, gate_up, down, "silu")), step
+            assert torch.equal(ops.moe_experts_gated(x, idx, w, gu_h, dn_h, "silu", gate_w, shared),
+                               ops.moe_experts_gated(x, idx, w, gate_up, down, "silu", gate_w, shared)), step
+    assert len(calls) == 6 * 4 * 2      # 4 calls a step (streamed and resident, plain and gated), 2 launches each
+    assert store.summary()["misses"] > 3

@@ -42,7 +42,7 @@ class MoeCuda(TunedOps, MoeReference):
         """The routed experts' combine also adds sigmoid(x . gate_w) * shared (one launch fewer).
         Streamed experts: their store's per-expert path (not yet the fused kernels)."""
         if streamed(gate_up, down):
-            return self.shared_gate_add(self.moe_experts(x, idx, weights, gate_up, down, act), x, gate_w, shared)
+            return gate_up.store.moe(self, x, idx, weights, gate_up, down, act, gate=(gate_w, shared))
         if not dense(gate_up, down):
             if (dense(gate_w) and gate_w.shape[0] == 1 and shared.shape == x.shape
                     and (y := quant_moe(self, x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None):
@@ -71,6 +71,14 @@ class MoeCuda(TunedOps, MoeReference):
         if x.shape[0] == 1 and x.device.type == "cuda":
             return self._moe_one_token(x, idx, weights, gate_up, down, act)
         return super().moe_experts(x, idx, weights, gate_up, down, act)
+
+    def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act, gate=None):
+        """Streamed experts whose every needed one sits in a slot: the resident decode's kernels, the
+        weights read from slot rows[pair] (quant_moe), the combine in expert id order. None where
+        those kernels do not apply (the store then adds expert by expert)."""
+        if gate is not None and not (dense(gate[0]) and gate[0].shape[0] == 1 and gate[1].shape == x.shape):
+            return None
+        return quant_moe(self, x, idx, weights, gate_up, down, act, gate, rows=rows)
 
     def _dequantised(self, x, gate_up, down):
         """Quantised stacks past the routed GEMVs (a prefill chunk): both dequantised whole, one launch

@@ -37,6 +37,8 @@ class MoeReference:
 
     def moe_experts_gated(self, x, idx, weights, gate_up, down, act: str, gate_w, shared) -> torch.Tensor:
         """The routed experts plus the sigmoid-gated shared expert (Qwen's sparse MoE block output)."""
+        if isinstance(gate_up, ExpertStack):
+            return gate_up.store.moe(self, x, idx, weights, gate_up, down, act, gate=(gate_w, shared))
         return self.shared_gate_add(self.moe_experts(x, idx, weights, gate_up, down, act), x, gate_w, shared)
 
     def router_topk(self, logits: torch.Tensor, k: int, renormalize: bool = True):

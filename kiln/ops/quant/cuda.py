@@ -40,12 +40,15 @@ def quant_embed(ops, ids, table: QuantizedWeight):
     return embed.qembed(ids, table)
 
 
-def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWeight, act: str, gate=None):
+def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWeight, act: str, gate=None,
+              rows: torch.Tensor | None = None):
     """The routed experts on quantised [E, rows, cols] stacks in three launches: every (token, slot)
     pair's gate|up GEMV, the down GEMV computing act(g) * u as it loads and weighting its output, then
     the MoE family's combine (with Qwen's gated shared expert: gate = (gate_w, shared)). The same
     roundings as MoeReference. None where the family is off or the stacks do not fit (an activation
-    the prologue lacks, bits that cross words): the caller's reference then runs."""
+    the prologue lacks, bits that cross words): the caller's reference then runs. `rows` (idx's shape):
+    the stack row holding each pair's expert where it is not the expert's id (streamed experts' slots);
+    the combine still adds in expert id order."""
     if not (ops.on("quant", x) and isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
             and gate_up.packed.dim() == down.packed.dim() == 3 and x.dim() == 2 and act in kernels.ACTS
             and x.shape[0] <= GEMV_ROWS     # more tokens: the reference's per-expert GEMMs re-read less
@@ -59,7 +62,7 @@ def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWei
     if v_up is None or v_down is None:
         return None
     t, k = idx.shape
-    pairs, flat = t * k, idx.reshape(-1).contiguous()
+    pairs, flat = t * k, (idx if rows is None else rows).reshape(-1).contiguous()
     gu = x.new_empty((pairs, i2))
     kernels.qgemv_pairs(x.contiguous(), gate_up, flat, v_up, gu, xdiv=k)
     y = x.new_empty((pairs, h))
