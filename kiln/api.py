@@ -36,11 +36,12 @@ class Stats:
     load_s: float = 0.0
     finish_reason: str | None = None    # as Completion's
     max_context: int | None = None      # the limit a "context" finish hit
+    experts: str | None = None          # streamed experts: ExpertStore.line()
 
     def line(self) -> str:
         return (f"prompt {self.prompt_tokens} tok, generated {self.generated_tokens} tok | "
                 f"prefill {self.prefill_tok_s:.1f} tok/s | decode {self.decode_tok_s:.1f} tok/s | "
-                f"load {self.load_s:.2f} s{self._finish()}")
+                f"load {self.load_s:.2f} s{self._finish()}" + (f" | {self.experts}" if self.experts else ""))
 
     def _finish(self) -> str:
         if self.finish_reason is None:
@@ -215,6 +216,7 @@ class Generation:
             prefill_tok_s=t.prompt_tokens / t.prefill_s if t.prefill_s else 0.0,
             decode_tok_s=decode_n / t.decode_s if t.decode_s and decode_n else 0.0,
             load_s=self.llm.load_s, finish_reason=self.finish_reason, max_context=self.llm.engine.max_context,
+            experts=store.line() if (store := getattr(self.llm.model, "expert_store", None)) is not None else None,
         )
 
 

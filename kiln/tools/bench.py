@@ -52,7 +52,7 @@ from .hf_reference import load_hf_reference
 DEFAULT_LENGTHS = (512, 2048, 8192, 32768, 81920)
 FIELDS = ("engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
           "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "tune_s", "tune_cache", "peak_mem_gb",
-          "launches_per_token", "quant", "bytes_per_token", "results", "baseline")
+          "launches_per_token", "quant", "bytes_per_token", "expert_store", "results", "baseline")
 
 
 # -- flags -------------------------------------------------------------------------------------------
@@ -417,7 +417,7 @@ def main(a) -> int:
               "load_stages": llm.load_stages or None, "tune_s": _backend_fact(llm, "tune_s"),
               "tune_cache": _backend_fact(llm, "tune_cache"), "peak_mem_gb": None,
               "launches_per_token": _backend_fact(llm, "launches_per_token"), "quant": quant_summary(llm.model),
-              "bytes_per_token": token_bytes(llm.model)}
+              "bytes_per_token": token_bytes(llm.model), "expert_store": None}
     limit = llm.engine.max_context
     lengths = a.prompt_lengths or fitted_defaults(limit, gen, say)   # explicit lengths that do not fit are skipped
     prompts = random_prompts(llm.model.cfg.vocab_size, lengths, a.seed)
@@ -434,6 +434,8 @@ def main(a) -> int:
         measured = run_protocol(runners, prompts, gen, a.runs, skips, log)
         report["peak_mem_gb"] = round(peak_mem_gb(dev), 3)
         report["launches_per_token"] = _backend_fact(llm, "launches_per_token")   # known once decode ran
+        store = getattr(llm.model, "expert_store", None)
+        report["expert_store"] = None if store is None else store.summary()     # every run, warm-ups too
         if a.baseline is not None and not together:
             say("GPU memory cannot hold both engines: transformers runs after kiln, not alternating with it")
             kiln_runner.close()

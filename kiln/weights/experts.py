@@ -248,6 +248,14 @@ class ExpertStack:
     def __repr__(self) -> str:
         return f"ExpertStack({self.layer}{self.name}, {self.store.home_tier})"
 
+    @property
+    def nbytes(self) -> int:
+        """The resident stack's bytes (as its home holds it): what a decode token's share is taken of."""
+        home = self.store.homes[self.layer]
+        if isinstance(home, HostHome):
+            return _nbytes(home.stacks[self.name])
+        return home.count * sum(p["nbytes"] for p in home.records[self.name]["parts"].values())
+
 
 class ExpertStore:
     """Every streamed layer's home (host or disk), its slots on `device` and their SlotCache."""
@@ -348,9 +356,19 @@ class ExpertStore:
             tot.hits, tot.misses, tot.bytes, tot.io_s = (tot.hits + s.hits, tot.misses + s.misses,
                                                          tot.bytes + s.bytes, tot.io_s + s.io_s)
         seen = tot.hits + tot.misses
+        tokens = sum(self.tokens.values()) / max(1, len(self.homes))      # rows through a layer
         return {"policy": self.policy, "slots": self.slots, "home": self.home_tier, "layers": len(self.homes),
                 "hits": tot.hits, "misses": tot.misses, "hit_rate": tot.hits / seen if seen else None,
-                "bytes": tot.bytes, "io_s": round(tot.io_s, 4)}
+                "bytes": tot.bytes, "tokens": tokens, "bytes_per_token": tot.bytes / tokens if tokens else None,
+                "io_s": round(tot.io_s, 4)}
+
+    def line(self) -> str:
+        """The summary in the stats line (since the load)."""
+        s = self.summary()
+        rate = "n/a" if s["hit_rate"] is None else f"{s['hit_rate']:.0%}"
+        per = "n/a" if s["bytes_per_token"] is None else f"{s['bytes_per_token'] / 1e6:.2f} MB"
+        return (f"experts {s['policy']} {s['slots']} slots from {s['home']}: hit {rate}, {per} a token, "
+                f"I/O {s['io_s']:.2f} s since load")
 
     def profile(self) -> dict:
         """Use counts per layer and expert: a routing profile for the static policy."""

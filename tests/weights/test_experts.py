@@ -236,3 +236,14 @@ def test_streamed_decode_on_the_cuda_backend_runs_the_resident_kernels_on_the_sl
                                ops.moe_experts_gated(x, idx, w, gate_up, down, "silu", gate_w, shared)), step
     assert len(calls) == 6 * 4 * 2      # 4 calls a step (streamed and resident, plain and gated), 2 launches each
     assert store.summary()["misses"] > 3
+
+
+def test_the_bench_reports_the_expert_store(packed, tmp_path):
+    out = tmp_path / "b.json"
+    assert cli_main(["bench", str(packed), "--device", "cpu", "--backend", "reference", "--dtype", "f32",
+                     "--prompt-lengths", "16", "--gen", "4", "--runs", "1", "--expert-cache-slots", "3",
+                     "--expert-home", "disk", "--json", str(out), "--quiet"]) == 0
+    report = json.loads(out.read_text())
+    s = report["expert_store"]
+    assert s["policy"] == "lfu" and s["slots"] == 3 and s["home"] == "disk" and s["misses"] > 0
+    assert s["bytes_per_token"] == s["bytes"] / s["tokens"] and report["bytes_per_token"] > 0
