@@ -324,7 +324,7 @@ class ExpertStore:
         stacks = self._slots(layer)
         batches = self.caches[layer].batches(needed)
         first = self._place(layer, batches[0])
-        if len(batches) == 1 and hasattr(ops, "moe_from_slots"):
+        if len(batches) == 1:
             table = torch.zeros(gate_up.shape[0], dtype=idx.dtype)
             for e, s in first.items():
                 table[e] = s

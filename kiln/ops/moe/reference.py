@@ -25,6 +25,11 @@ class MoeReference:
             self.expert_add(out, x, tok, slot, weights, gate_up[e], down[e], act)
         return out
 
+    def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act: str, gate=None):
+        """Streamed experts all in slots (rows: each pair's slot): a backend's resident kernels on the
+        slots, or None, as here, for the store's expert-by-expert path (expert_add)."""
+        return None
+
     def expert_add(self, out, x, tok, slot, weights, gate_up_e, down_e, act: str) -> None:
         """One expert's output on its rows `tok` (routing slot `slot`), times its weight, added into out."""
         gate, up = self.linear(x[tok], gate_up_e).chunk(2, dim=-1)
