@@ -235,7 +235,8 @@ class Stats:
     hits: int = 0
     misses: int = 0
     bytes: int = 0
-    io_s: float = 0.0
+    io_s: float = 0.0       # from a layer's reads submitted to their copies done
+    wait_s: float = 0.0     # of which the step waited (the rest overlapped its hits' compute)
 
 
 class ExpertStack:
@@ -293,15 +294,23 @@ class ExpertStore:
         return self.stacks[layer]
 
     def _load(self, layer: str, loads: list[tuple[int, int]], count: bool = True) -> None:
-        home, stats = self.homes[layer], self.stats[layer]
-        t0 = time.perf_counter()
+        self._finish(layer, loads, self._start(layer, loads), count)
+
+    def _start(self, layer: str, loads: list[tuple[int, int]]) -> tuple:
+        """The loads' reads submitted to the I/O threads (the disk file checked first)."""
+        home = self.homes[layer]
         if isinstance(home, DiskHome):
             home.open()
             home.check()
-        got = list(self.pool.map(lambda es: (es[1], home.read(es[0])), loads))
-        stacks = self.stacks[layer]
-        for s, parts in got:
-            for n, w in parts.items():
+        return time.perf_counter(), [self.pool.submit(home.read, e) for e, _ in loads]
+
+    def _finish(self, layer: str, loads: list[tuple[int, int]], started: tuple, count: bool = True) -> None:
+        """Wait for the reads, copy each expert into its slot, check the file again, count."""
+        t0, futures = started
+        home, stats, stacks = self.homes[layer], self.stats[layer], self.stacks[layer]
+        wait = time.perf_counter()
+        for (_, s), f in zip(loads, futures):
+            for n, w in f.result().items():
                 _copy_into(stacks[n], s, w)
         if isinstance(home, DiskHome):
             home.check()
@@ -309,58 +318,64 @@ class ExpertStore:
             stats.misses += len(loads)
             stats.bytes += len(loads) * home.nbytes()
             stats.io_s += time.perf_counter() - t0
+            stats.wait_s += time.perf_counter() - wait
 
     def moe(self, ops, x, idx, weights, gate_up: ExpertStack, down: ExpertStack, act: str,
             gate: tuple | None = None) -> torch.Tensor:
         """The routed experts of x through the slots (plus Qwen's gated shared expert, gate = (gate_w,
         shared)): the needed experts in ascending id, in batches that fit the slots. When one batch
-        holds them all, the backend's resident kernels run on the slots (`ops.moe_from_slots`, rows
-        mapping each pair to its slot); otherwise each expert's rows are added as the reference adds
-        them (`ops.expert_add`), batch after batch in id order."""
+        holds them all and the backend has kernels for slots (`slot_kernels`), its resident kernels run
+        on them (`ops.moe_from_slots`, rows mapping each pair to its slot). Otherwise a batch's misses
+        are read while its hits compute (`ops.expert_out`), then the misses compute, and the outputs
+        are added in id order, as the reference adds them."""
         layer = gate_up.layer
         needed = torch.unique(idx).tolist()
         self.trace.append((layer, needed))
         self.tokens[layer] = self.tokens.get(layer, 0) + x.shape[0]
         stacks = self._slots(layer)
         batches = self.caches[layer].batches(needed)
-        first = self._place(layer, batches[0])
-        if len(batches) == 1:
-            table = torch.zeros(gate_up.shape[0], dtype=idx.dtype)
-            for e, s in first.items():
-                table[e] = s
-            y = ops.moe_from_slots(x, idx, table.to(idx.device)[idx], weights, stacks[gate_up.name],
-                                   stacks[down.name], act, gate)
-            if y is not None:
-                return y
         out = torch.zeros_like(x)
-        for n, batch in enumerate(batches):
-            where = first if n == 0 else self._place(layer, batch)
-            for e in batch:
+        for batch in batches:
+            where, loads = self.caches[layer].plan(batch)
+            self.stats[layer].hits += len(batch) - len(loads)
+            started = self._start(layer, loads)
+            if len(batches) == 1 and getattr(ops, "slot_kernels", False):
+                self._finish(layer, loads, started)
+                started = None
+                table = torch.zeros(gate_up.shape[0], dtype=idx.dtype)
+                for e, s in where.items():
+                    table[e] = s
+                y = ops.moe_from_slots(x, idx, table.to(idx.device)[idx], weights, stacks[gate_up.name],
+                                       stacks[down.name], act, gate)
+                if y is not None:
+                    return y
+            missing = {e for e, _ in loads}
+            ys = {}
+            for e in [e for e in batch if e not in missing] + [None] + sorted(missing):
+                if e is None:       # the hits computed while the misses were read: now wait for them
+                    if started is not None:
+                        self._finish(layer, loads, started)
+                    continue
                 tok, slot = torch.where(idx == e)
-                ops.expert_add(out, x, tok, slot, weights, _index(stacks[gate_up.name], where[e]),
-                               _index(stacks[down.name], where[e]), act)
+                ys[e] = (tok, ops.expert_out(x, tok, slot, weights, _index(stacks[gate_up.name], where[e]),
+                                             _index(stacks[down.name], where[e]), act))
+            for e in batch:         # added in id order, as resident
+                tok, y = ys[e]
+                out.index_add_(0, tok, y.to(out.dtype))
         return out if gate is None else ops.shared_gate_add(out, x, *gate)
-
-    def _place(self, layer: str, batch: list[int]) -> dict[int, int]:
-        """The batch's experts in slots (the policy's plan, its misses loaded): expert -> slot."""
-        where, loads = self.caches[layer].plan(batch)
-        if loads:
-            self._load(layer, loads)
-        self.stats[layer].hits += len(batch) - len(loads)
-        return where
 
     def summary(self) -> dict:
         """Hit rate, misses and bytes moved per tier, summed over the layers (the bench's expert_store)."""
         tot = Stats()
         for s in self.stats.values():
-            tot.hits, tot.misses, tot.bytes, tot.io_s = (tot.hits + s.hits, tot.misses + s.misses,
-                                                         tot.bytes + s.bytes, tot.io_s + s.io_s)
+            tot.hits, tot.misses, tot.bytes = tot.hits + s.hits, tot.misses + s.misses, tot.bytes + s.bytes
+            tot.io_s, tot.wait_s = tot.io_s + s.io_s, tot.wait_s + s.wait_s
         seen = tot.hits + tot.misses
         tokens = sum(self.tokens.values()) / max(1, len(self.homes))      # rows through a layer
         return {"policy": self.policy, "slots": self.slots, "home": self.home_tier, "layers": len(self.homes),
                 "hits": tot.hits, "misses": tot.misses, "hit_rate": tot.hits / seen if seen else None,
                 "bytes": tot.bytes, "tokens": tokens, "bytes_per_token": tot.bytes / tokens if tokens else None,
-                "io_s": round(tot.io_s, 4)}
+                "io_s": round(tot.io_s, 4), "wait_s": round(tot.wait_s, 4)}
 
     def line(self) -> str:
         """The summary in the stats line (since the load)."""

@@ -25,6 +25,7 @@ def dense(*ws) -> bool:
 
 
 class MoeCuda(TunedOps, MoeReference):
+    slot_kernels = True       # streamed experts: moe_from_slots runs the resident decode kernels
     def router_topk(self, logits, k, renormalize=True):
         if (self.on("moe", logits) and logits.dim() == 2 and logits.dtype in kernels.SUPPORTED
                 and logits.shape[1] <= kernels.ROUTER_MAX_EXPERTS and k <= logits.shape[1]):

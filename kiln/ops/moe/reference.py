@@ -32,9 +32,13 @@ class MoeReference:
 
     def expert_add(self, out, x, tok, slot, weights, gate_up_e, down_e, act: str) -> None:
         """One expert's output on its rows `tok` (routing slot `slot`), times its weight, added into out."""
+        out.index_add_(0, tok, self.expert_out(x, tok, slot, weights, gate_up_e, down_e, act).to(out.dtype))
+
+    def expert_out(self, x, tok, slot, weights, gate_up_e, down_e, act: str) -> torch.Tensor:
+        """One expert's weighted output on its rows (expert_add before the add: computed in any order,
+        added in id order)."""
         gate, up = self.linear(x[tok], gate_up_e).chunk(2, dim=-1)
-        y = self.linear(ACTIVATIONS[act](gate) * up, down_e) * weights[tok, slot, None]
-        out.index_add_(0, tok, y.to(out.dtype))
+        return self.linear(ACTIVATIONS[act](gate) * up, down_e) * weights[tok, slot, None]
 
     def shared_gate_add(self, routed, x, gate_w, shared) -> torch.Tensor:
         """Qwen's shared expert, scaled by a sigmoid gate [1, H] and added to the routed experts."""
