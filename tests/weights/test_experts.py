@@ -247,3 +247,18 @@ def test_the_bench_reports_the_expert_store(packed, tmp_path):
     s = report["expert_store"]
     assert s["policy"] == "lfu" and s["slots"] == 3 and s["home"] == "disk" and s["misses"] > 0
     assert s["bytes_per_token"] == s["bytes"] / s["tokens"] and report["bytes_per_token"] > 0
+
+
+def test_streaming_refusals_are_one_line_errors(packed, tmp_path):
+    hf = packed.parent / "hf"
+    with pytest.raises(KilnError, match="read from a packed directory"):
+        load(hf, expert_cache_slots=2, expert_home="disk")
+    with pytest.raises(KilnError, match="apply to expert streaming"):
+        load(packed, expert_home="disk")
+    with pytest.raises(KilnError, match="must be at least 1"):
+        load(packed, expert_cache_slots=0)
+    bad = tmp_path / "p.json"
+    bad.write_text("{not json")
+    with pytest.raises(KilnError, match="--expert-profile"):
+        load(packed, expert_policy="static", expert_profile=bad)
+    assert load(hf, expert_cache_slots=2).model.expert_store.home_tier == "host"     # an HF folder streams from host
