@@ -221,11 +221,11 @@ class Generation:
 
 
 def expert_plan(slots: int | None, policy: str | None, home: str, host_memory: float | None, io_threads: int,
-                profile: str | Path | None, verify: str) -> ExpertPlan | None:
+                profile: str | Path | None, verify: str, direct_io: bool = False) -> ExpertPlan | None:
     """The ExpertPlan the expert_* arguments ask for (None: the experts load resident)."""
     if slots is None and policy is None:
-        if profile is not None or home != "auto" or host_memory is not None:
-            raise KilnError("--expert-home, --host-memory and --expert-profile apply to expert streaming: "
+        if profile is not None or home != "auto" or host_memory is not None or direct_io:
+            raise KilnError("--expert-home, --host-memory, --expert-profile and --direct-io apply to expert streaming: "
                             "give --expert-cache-slots N or --expert-policy P")
         return None
     counts = None
@@ -234,7 +234,8 @@ def expert_plan(slots: int | None, policy: str | None, home: str, host_memory: f
             counts = json.loads(Path(profile).read_text())
         except (OSError, ValueError) as e:
             raise KilnError(f"--expert-profile {profile}: not a readable JSON routing profile ({e})") from None
-    return ExpertPlan(policy or "lfu", 16 if slots is None else slots, home, host_memory, io_threads, counts, verify)
+    return ExpertPlan(policy or "lfu", 16 if slots is None else slots, home, host_memory, io_threads, counts, verify,
+                      direct_io)
 
 
 def load(model: str | Path | None = None, device: str | None = "auto", dtype: str | None = None,
@@ -242,7 +243,8 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
          retune: bool = False, tune: dict[str, str] | None = None, enforce_eager: bool = False,
          check: Callable[[Tokenizer | None], None] | None = None, verify: str = "lazy",
          expert_cache_slots: int | None = None, expert_policy: str | None = None, expert_home: str = "auto",
-         host_memory: float | None = None, io_threads: int = 8, expert_profile: str | Path | None = None) -> LLM:
+         host_memory: float | None = None, io_threads: int = 8, expert_profile: str | Path | None = None,
+         direct_io: bool = False) -> LLM:
     """Load a model: a path (HF folder or GGUF file), a bundled model's name, or None (the default).
     A compiling backend tunes its kernels for the model here (`retune` measures again; `tune` pins
     op -> variant). Backend "auto" is cuda on a CUDA device, reference elsewhere; on cuda the decode
@@ -253,7 +255,8 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     model's routed experts stay in their home (`expert_home` host or disk; auto: host unless they pass
     `host_memory` GB) and `expert_cache_slots` of each layer's (default 16) are cached on the device under
     `expert_policy` (lfu, lru, static with `expert_profile`'s routing counts, os), misses read by
-    `io_threads` threads. Decode then runs eagerly (the misses are found on the host)."""
+    `io_threads` threads (`direct_io`: O_DIRECT reads past the page cache). Decode then runs eagerly
+    (the misses are found on the host)."""
     t0 = time.perf_counter()
     stages, mark = {}, [t0]
 
@@ -278,7 +281,7 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
         check(tokenizer)
     stage("tokenizer")
     plan = expert_plan(expert_cache_slots, expert_policy, expert_home, host_memory, io_threads, expert_profile,
-                       verify)
+                       verify, direct_io)
     net = build_model(ckpt, ops, dt, dev, progress=not quiet, experts=plan)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)     # the weights' copies are done: their time is theirs

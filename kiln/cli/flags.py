@@ -103,6 +103,8 @@ def add_expert_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-memory", type=finite, default=None, metavar="GB",
                    help="host memory the streamed experts may take (auto home: disk beyond it)")
     g.add_argument("--io-threads", type=positive_int, default=8, metavar="N", help="parallel expert reads (default 8)")
+    g.add_argument("--direct-io", action="store_true",
+                   help="read experts homed on disk with O_DIRECT, past the page cache (default: through it)")
     g.add_argument("--expert-profile", default=None, metavar="FILE",
                    help="routing counts (JSON, as ExpertStore.profile() writes) for the static policy")
 
@@ -148,7 +150,7 @@ def load_from_flags(a, check=None) -> LLM:
                 quiet=a.quiet, retune=a.retune, tune=parse_pins(a.tune), enforce_eager=a.enforce_eager,
                 check=check, verify=getattr(a, "verify", "lazy"), expert_cache_slots=a.expert_cache_slots,
                 expert_policy=a.expert_policy, expert_home=a.expert_home, host_memory=a.host_memory,
-                io_threads=a.io_threads, expert_profile=a.expert_profile)
+                io_threads=a.io_threads, expert_profile=a.expert_profile, direct_io=a.direct_io)
 
 
 def load_announced(a, check=None) -> LLM:

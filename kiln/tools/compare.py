@@ -237,7 +237,7 @@ def main(a) -> int:
                enforce_eager=getattr(a, "enforce_eager", False), retune=getattr(a, "retune", False),
                tune=parse_pins(getattr(a, "tune", None) or []), expert_cache_slots=a.expert_cache_slots,
                expert_policy=a.expert_policy, expert_home=a.expert_home, host_memory=a.host_memory,
-               io_threads=a.io_threads, expert_profile=a.expert_profile, verify=a.verify)
+               io_threads=a.io_threads, expert_profile=a.expert_profile, verify=a.verify, direct_io=a.direct_io)
     say(f"kiln {type(llm.model).__name__} loaded in {llm.load_s:.1f} s")
     results = []
     for (label, ids), r in zip(prompts, refs):

@@ -17,6 +17,8 @@ A step needing more experts than the slots hold runs in batches of ascending ids
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import threading
 import time
@@ -142,6 +144,7 @@ class DiskHome:
     records: dict[str, dict]        # stack name -> the manifest's tensor record
     convert: object                 # the load's dtype rule: stored -> as the model holds it
     sha256: str | None = None       # checked once, at the first read (the load's --verify lazy or full)
+    direct: bool = False            # O_DIRECT: past the page cache (the stride and offsets are 4 KiB-aligned)
     fd: int = -1
     ident: tuple = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -149,16 +152,26 @@ class DiskHome:
     tier = "disk"
 
     def open(self) -> None:
-        if self.fd < 0:
-            if self.sha256 is not None:
-                from .packed import check_file
-                check_file(self.path, self.sha256)
-            self.fd = os.open(self.path, os.O_RDONLY)
-            st = os.fstat(self.fd)
-            self.ident = (st.st_size, st.st_mtime_ns, st.st_ino)
-            if st.st_size < self.count * self.stride:
-                raise KilnError(f"{self.path}: {st.st_size} bytes, {self.count} experts of {self.stride} need "
-                                f"{self.count * self.stride} (the file is cut short: run kiln verify)")
+        with self.lock:
+            if self.fd < 0:
+                self._open()
+
+    def _open(self) -> None:
+        if self.sha256 is not None:
+            from .packed import check_file
+            check_file(self.path, self.sha256)
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+        except OSError as e:
+            if self.direct and e.errno == errno.EINVAL:
+                raise KilnError(f"{self.path}: this file system does not take direct I/O (O_DIRECT): "
+                                f"drop --direct-io") from None
+            raise KilnError(f"{self.path}: cannot open ({e.strerror})") from None
+        st = os.fstat(self.fd)
+        self.ident = (st.st_size, st.st_mtime_ns, st.st_ino)
+        if st.st_size < self.count * self.stride:
+            raise KilnError(f"{self.path}: {st.st_size} bytes, {self.count} experts of {self.stride} need "
+                            f"{self.count * self.stride} (the file is cut short: run kiln verify)")
 
     def check(self) -> None:
         st = os.fstat(self.fd)
@@ -167,12 +180,18 @@ class DiskHome:
                             f"when it was opened): run kiln verify, then load again")
 
     def read(self, e: int) -> dict[str, object]:
+        """Expert e's stacks as the model holds them: one read of its blob into this thread's buffer
+        (page-aligned, as direct I/O needs), then its parts converted (copies: the buffer is reused)."""
         self.open()
-        raw = os.pread(self.fd, self.stride, e * self.stride)
-        if len(raw) != self.stride:
-            raise KilnError(f"{self.path}: expert {e} is cut short ({len(raw)} of {self.stride} bytes at "
+        view = _buffer(self.stride)
+        try:
+            got = os.preadv(self.fd, [view], e * self.stride)
+        except OSError as err:
+            raise KilnError(f"{self.path}: reading expert {e} failed ({err.strerror})") from None
+        if got != self.stride:
+            raise KilnError(f"{self.path}: expert {e} is cut short ({got} of {self.stride} bytes at "
                             f"{e * self.stride}): the file was truncated (run kiln verify)")
-        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        buf = torch.frombuffer(view, dtype=torch.uint8)
         out = {}
         for name, rec in self.records.items():
             parts = {k: _part(buf, p) for k, p in rec["parts"].items()}
@@ -187,6 +206,22 @@ class DiskHome:
 
     def nbytes(self) -> int:
         return self.stride
+
+
+_BUFFERS = threading.local()
+
+
+def _buffer(size: int) -> memoryview:
+    """This thread's read buffer of `size` bytes: anonymous memory (page-aligned), kept for the next
+    read; one a thread whatever the layers."""
+    mm = getattr(_BUFFERS, "mm", None)
+    if mm is None or len(mm) < size:
+        _BUFFERS.mm = mm = mmap.mmap(-1, align(size, mmap.PAGESIZE))
+    return memoryview(mm)[:size]
+
+
+def align(n: int, to: int) -> int:
+    return -(-n // to) * to
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -421,6 +456,7 @@ class ExpertPlan:
     io_threads: int = 8
     profile: dict | None = None
     verify: str = "lazy"            # a packed directory's expert files hashed at first use unless "off"
+    direct_io: bool = False         # disk home: O_DIRECT reads, past the page cache
 
     def store(self, ckpt, shapes: dict, dtype, device) -> tuple[ExpertStore, dict[str, ExpertStack]]:
         """The store and one handle a routed-expert stack of the model (its weight names)."""
@@ -438,7 +474,9 @@ class ExpertPlan:
             home = "host" if self.host_memory is None or need <= self.host_memory * 1e9 else "disk"
         convert = lambda stored: placed(stored, dtype, "cpu")  # noqa: E731
         if home == "disk":
-            homes = _disk_homes(ckpt, names, prefix, convert, self.verify != "off")
+            homes = _disk_homes(ckpt, names, prefix, convert, self.verify != "off", self.direct_io)
+        elif self.direct_io:
+            raise KilnError("--direct-io reads experts homed on disk (--expert-home disk)")
         else:
             pin = torch.device(device).type == "cuda"
             homes = {}
@@ -464,7 +502,7 @@ def _pinned(w):
     return w.pin_memory()
 
 
-def _disk_homes(ckpt, names: list[str], prefix: dict, convert, check: bool) -> dict[str, DiskHome]:
+def _disk_homes(ckpt, names: list[str], prefix: dict, convert, check: bool, direct: bool) -> dict[str, DiskHome]:
     from .packed import read_manifest
 
     if ckpt.format != "packed":
@@ -482,6 +520,6 @@ def _disk_homes(ckpt, names: list[str], prefix: dict, convert, check: bool) -> d
         layer, rec = layers[n]
         digest = manifest["files"].get(layer["file"], {}).get("sha256") if check else None
         home = homes.setdefault(prefix[n], DiskHome(Path(ckpt.path) / layer["file"], layer["stride"],
-                                                    layer["count"], {}, convert, digest))
+                                                    layer["count"], {}, convert, digest, direct))
         home.records[n] = rec
     return homes

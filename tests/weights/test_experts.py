@@ -82,6 +82,19 @@ def test_streamed_logits_and_tokens_are_the_resident_ones(packed, resident, prof
     check_accounting(store, policy, SLOTS)
 
 
+def test_direct_io_reads_give_the_resident_logits(packed, resident):
+    """O_DIRECT reads (page-aligned buffers, 4 KiB-aligned blobs), every expert read every step."""
+    llm = load(packed, expert_cache_slots=SLOTS, expert_policy="os", expert_home="disk", direct_io=True)
+    try:
+        logits, tokens = logits_and_tokens(llm)
+    except KilnError as e:
+        if "does not take direct I/O" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert torch.equal(logits, resident[0]) and tokens == resident[1]
+    assert all(h.direct for h in llm.model.expert_store.homes.values())
+
+
 # -- accounting against an independent simulation --------------------------------------------------
 
 def simulate(policy: str, slots: int, steps: list[list[int]], hot: list[int]) -> tuple[int, int]:
