@@ -94,7 +94,8 @@ class SlotCache:
                     scratch += 1
             return where, loads
         loads = []
-        free = [s for s in range(self.slots) if s not in set(self.slot_of.values())]
+        taken = set(self.slot_of.values())
+        free = [s for s in range(self.slots) if s not in taken]
         for e in batch:
             if e in self.slot_of:
                 continue
