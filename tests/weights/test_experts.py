@@ -72,6 +72,8 @@ def profile(packed, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("home", ("disk", "host"))
 @pytest.mark.parametrize("policy", ("lfu", "lru", "static", "os"))
 def test_streamed_logits_and_tokens_are_the_resident_ones(packed, resident, profile, home, policy):
+    """Bitwise: the same ops on the same values in the same order (each expert's weight dequantised
+    into a fresh tensor from its stack or from its slot copy, its rows' output added in id order)."""
     extra = {"expert_profile": profile} if policy == "static" else {}
     llm = load(packed, expert_cache_slots=SLOTS, expert_policy=policy, expert_home=home, **extra)
     logits, tokens = logits_and_tokens(llm)
@@ -202,9 +204,10 @@ def test_a_skewed_synth_router_concentrates_routing_and_raises_the_hit_rate():
     for skew in (0, 2):
         llm = kiln.load(f"synth:tiny-qwen3.5-moe-p2:seed=3:skew={skew}", device="cpu", backend="reference",
                         dtype="f32", expert_cache_slots=3, expert_policy="lfu")
-        llm.generate([5, 17, 200, 33, 91, 4, 250, 12], max_new_tokens=120, temperature=1.0, seed=1)
+        for seed in (1, 2):     # two sampled sequences: the rates are statistics of the routing, not one path's
+            llm.generate([5, 17, 200, 33, 91, 4, 250, 12], max_new_tokens=120, temperature=1.0, seed=seed)
         store = llm.model.expert_store
-        uses = Counter(e for layer, needed in store.trace[1:] for e in needed if layer.startswith("model.layers.1."))
+        uses = Counter(e for layer, needed in store.trace for e in needed if layer.startswith("model.layers.1."))
         rate[skew], top[skew] = store.summary()["hit_rate"], max(uses.values()) / sum(uses.values())
     assert rate[2] > rate[0] + 0.08 and top[2] > top[0] + 0.05, (rate, top)
 
