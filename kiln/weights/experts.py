@@ -22,7 +22,7 @@ import mmap
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +30,11 @@ from pathlib import Path
 import torch
 
 from ..errors import KilnError
+from .packed import DTYPES, align, check_file, read_manifest
 from .quantized import QuantizedWeight
 
 POLICIES = ("lfu", "lru", "static", "os")
+TRACE = 1 << 16         # MoE calls the store remembers the routing of (tests replay it; a long run forgets)
 STACKS = ("experts.gate_up_proj", "experts.down_proj")
 
 
@@ -128,11 +130,11 @@ class HostHome:
     tier = "host"
 
     def read(self, e: int) -> dict[str, object]:
-        return {n: _index(w, e) for n, w in self.stacks.items()}
+        return {n: w[e] for n, w in self.stacks.items()}
 
     def nbytes(self) -> int:
         w = next(iter(self.stacks.values()))
-        return sum(_nbytes(x) for x in self.stacks.values()) // (w.shape[0] if w.shape else 1)
+        return sum(x.nbytes for x in self.stacks.values()) // (w.shape[0] if w.shape else 1)
 
 
 @dataclass
@@ -159,7 +161,6 @@ class DiskHome:
 
     def _open(self) -> None:
         if self.sha256 is not None:
-            from .packed import check_file
             check_file(self.path, self.sha256)
         try:
             self.fd = os.open(self.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
@@ -199,7 +200,7 @@ class DiskHome:
             if "quant" in rec:
                 q = rec["quant"]
                 stored = QuantizedWeight(parts["weight"], parts["scales"], parts["biases"], q["bits"],
-                                         q["group_size"], _dtype(q["out_dtype"]) if "out_dtype" in q else None)
+                                         q["group_size"], DTYPES[q["out_dtype"]] if "out_dtype" in q else None)
             else:
                 stored = parts["tensor"]
             out[name] = self.convert(stored)
@@ -221,30 +222,9 @@ def _buffer(size: int) -> memoryview:
     return memoryview(mm)[:size]
 
 
-def align(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-def _dtype(name: str) -> torch.dtype:
-    from .packed import DTYPES
-    return DTYPES[name]
-
-
 def _part(buf: torch.Tensor, p: dict) -> torch.Tensor:
-    dtype = _dtype(p["dtype"])
+    dtype = DTYPES[p["dtype"]]
     return buf[p["offset"]: p["offset"] + p["nbytes"]].view(dtype).view(tuple(p["shape"]))
-
-
-def _index(w, e: int):
-    if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(w.packed[e], w.scales[e], w.biases[e], w.bits, w.group_size, w.out_dtype)
-    return w[e]
-
-
-def _nbytes(w) -> int:
-    if isinstance(w, QuantizedWeight):
-        return sum(t.numel() * t.element_size() for t in (w.packed, w.scales, w.biases))
-    return w.numel() * w.element_size()
 
 
 def _empty_like_stack(w, count: int, device):
@@ -290,7 +270,7 @@ class ExpertStack:
         """The resident stack's bytes (as its home holds it): what a decode token's share is taken of."""
         home = self.store.homes[self.layer]
         if isinstance(home, HostHome):
-            return _nbytes(home.stacks[self.name])
+            return home.stacks[self.name].nbytes
         return home.count * sum(p["nbytes"] for p in home.records[self.name]["parts"].values())
 
 
@@ -304,7 +284,7 @@ class ExpertStore:
         self.caches = {p: SlotCache(slots, policy, _hot(profile, p, slots)) for p in homes}
         self.stacks: dict[str, dict[str, object]] = {}
         self.stats = {p: Stats() for p in homes}
-        self.trace: list[tuple[str, list[int]]] = []       # (layer, needed ids) per MoE call
+        self.trace: deque = deque(maxlen=TRACE)           # (layer, needed ids) of the last TRACE MoE calls
         self.tokens: dict[str, int] = {}                    # rows through each layer
         self.pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="kiln-experts")
         if policy == "static" and not profile:
@@ -393,8 +373,8 @@ class ExpertStore:
                         self._finish(layer, loads, started)
                     continue
                 tok, slot = torch.where(idx == e)
-                ys[e] = (tok, ops.expert_out(x, tok, slot, weights, _index(stacks[gate_up.name], where[e]),
-                                             _index(stacks[down.name], where[e]), act))
+                ys[e] = (tok, ops.expert_out(x, tok, slot, weights, stacks[gate_up.name][where[e]],
+                                             stacks[down.name][where[e]], act))
             for e in batch:         # added in id order, as resident
                 tok, y = ys[e]
                 out.index_add_(0, tok, y.to(out.dtype))
@@ -504,8 +484,6 @@ def _pinned(w):
 
 
 def _disk_homes(ckpt, names: list[str], prefix: dict, convert, check: bool, direct: bool) -> dict[str, DiskHome]:
-    from .packed import read_manifest
-
     if ckpt.format != "packed":
         raise KilnError(f"experts homed on disk are read from a packed directory (kiln pack {ckpt.path} DIR); "
                         f"{ckpt.path} is a {ckpt.format} checkpoint")
