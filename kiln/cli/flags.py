@@ -4,11 +4,13 @@ samples from it, and loading a model from those flags."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 
 from ..api import LLM, load
 from ..errors import KilnError
+from ..fsutil import write_atomic
 from ..sampling import SamplingParams
 
 
@@ -106,7 +108,9 @@ def add_expert_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--direct-io", action="store_true",
                    help="read experts homed on disk with O_DIRECT, past the page cache (default: through it)")
     g.add_argument("--expert-profile", default=None, metavar="FILE",
-                   help="routing counts (JSON, as ExpertStore.profile() writes) for the static policy")
+                   help="routing counts (JSON, as --save-expert-profile writes) for the static policy")
+    g.add_argument("--save-expert-profile", default=None, metavar="FILE",
+                   help="run, bench: write the run's routing counts (use per layer and expert) to FILE at the end")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -146,11 +150,20 @@ def parse_pins(items: list[str]) -> dict[str, str]:
 
 def load_from_flags(a, check=None) -> LLM:
     """kiln.load with the runtime flags of `add_runtime_flags`; `check(tokenizer)` as kiln.load takes it."""
+    if getattr(a, "save_expert_profile", None) and a.expert_cache_slots is None and a.expert_policy is None:
+        raise KilnError("--save-expert-profile records a streamed run: give --expert-cache-slots or --expert-policy")
     return load(a.model, device=a.device, dtype=a.dtype, backend=a.backend, max_context=a.max_context,
                 quiet=a.quiet, retune=a.retune, tune=parse_pins(a.tune), enforce_eager=a.enforce_eager,
                 check=check, verify=getattr(a, "verify", "lazy"), expert_cache_slots=a.expert_cache_slots,
                 expert_policy=a.expert_policy, expert_home=a.expert_home, host_memory=a.host_memory,
                 io_threads=a.io_threads, expert_profile=a.expert_profile, direct_io=a.direct_io)
+
+
+def save_expert_profile(llm: LLM, a) -> None:
+    """--save-expert-profile: the streamed run's routing counts, written whole or not at all."""
+    if getattr(a, "save_expert_profile", None):
+        data = json.dumps(llm.model.expert_store.profile(), indent=1).encode() + b"\n"
+        write_atomic(a.save_expert_profile, lambda f: f.write(data))
 
 
 def load_announced(a, check=None) -> LLM:

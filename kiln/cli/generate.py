@@ -13,7 +13,15 @@ from ..api import Generation, render_chat
 from ..errors import KilnError
 from ..messages import validate_messages
 from ..weights.synth import random_prompt
-from .flags import add_runtime_flags, add_sampling_flags, load_announced, positive_int, sampling_params, token_ids
+from .flags import (
+    add_runtime_flags,
+    add_sampling_flags,
+    load_announced,
+    positive_int,
+    sampling_params,
+    save_expert_profile,
+    token_ids,
+)
 
 
 def add_parser(sub) -> None:
@@ -60,6 +68,7 @@ def cmd_run(a) -> int:
     # Without a tokenizer the generated token ids are the output (comma-separated, as --prompt-ids takes them).
     pieces = run if llm.tokenizer is not None else (("," if i else "") + str(t) for i, t in enumerate(run.stream.ids))
     _emit(pieces, run.stats, a.quiet)
+    save_expert_profile(llm, a)
     return 0
 
 

@@ -28,7 +28,7 @@ import torch
 
 from .. import hub
 from ..api import pick_device, resolve_model
-from ..cli.flags import add_runtime_flags, at_least, load_from_flags
+from ..cli.flags import add_runtime_flags, at_least, load_from_flags, save_expert_profile
 from ..errors import KilnError
 from .benchutil import (
     DTYPE_NAMES,
@@ -436,6 +436,7 @@ def main(a) -> int:
         report["launches_per_token"] = _backend_fact(llm, "launches_per_token")   # known once decode ran
         store = getattr(llm.model, "expert_store", None)
         report["expert_store"] = None if store is None else store.summary()     # every run, warm-ups too
+        save_expert_profile(llm, a)
         if a.baseline is not None and not together:
             say("GPU memory cannot hold both engines: transformers runs after kiln, not alternating with it")
             kiln_runner.close()

@@ -278,3 +278,24 @@ def test_streaming_refusals_are_one_line_errors(packed, tmp_path):
     with pytest.raises(KilnError, match="--expert-profile"):
         load(packed, expert_policy="static", expert_profile=bad)
     assert load(hf, expert_cache_slots=2).model.expert_store.home_tier == "host"     # an HF folder streams from host
+
+
+def test_a_saved_profile_drives_the_static_policy(packed, resident, tmp_path):
+    """`kiln run --save-expert-profile` writes the routing counts; `--expert-policy static` reads them
+    back as its hot set (the `slots` most used experts of each layer) and gives the resident tokens."""
+    prof = tmp_path / "routing.json"
+    ids = ",".join(map(str, PROMPT))
+    assert cli_main(["run", str(packed), "--device", "cpu", "--backend", "reference", "--dtype", "f32",
+                     "--prompt-ids", ids, "--max-new", "6", "--temperature", "0", "--expert-cache-slots", "3",
+                     "--save-expert-profile", str(prof), "--quiet"]) == 0
+    counts = json.loads(prof.read_text())
+    assert sorted(counts) == sorted(json.loads((packed / "manifest.json").read_text())["experts"]["layers"][i]["prefix"]
+                                    for i in range(len(counts)))
+    llm = load(packed, expert_cache_slots=SLOTS, expert_policy="static", expert_profile=prof)
+    logits, tokens = logits_and_tokens(llm)
+    assert torch.equal(logits, resident[0]) and tokens == resident[1]
+    for layer, cache in llm.model.expert_store.caches.items():
+        top = sorted(counts[layer].items(), key=lambda kv: (-kv[1], int(kv[0])))[:SLOTS]
+        assert cache.hot == [int(e) for e, _ in top]
+    assert cli_main(["run", str(packed), "--device", "cpu", "--prompt-ids", ids, "--quiet",
+                     "--save-expert-profile", str(prof)]) == 2         # not streamed: refused before the load
