@@ -81,7 +81,7 @@ def test_tensor_core_form_within_the_rounding_of_the_dequantised_weight(bits, dt
     x = rand(2, k, dtype=dtype, seed=3)
     exact = F.linear(x.float(), w.scales.float().repeat_interleave(64, -1) * _values(w) +
                      w.biases.float().repeat_interleave(64, -1))
-    for v in kernels.mma_forms(kernels.QGemvShape(1, n, k, bits, 64), kernels.CPU_MMA):
+    for v in kernels.mma_forms(kernels.QGemvShape(1, n, k, bits, 64), kernels.TEST_MMA):
         got = kernels.qgemv(x, w, v).float()
         ulp = exact.abs().clamp_min(1e-2) * torch.finfo(dtype).eps
         assert ((got - exact).abs() <= ulp).all(), (v.name, (got - exact).abs().max())

@@ -21,7 +21,8 @@ from kiln.tools.profile import OpTimer
 
 BENCH_FIELDS = ["engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
                 "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "tune_s", "tune_cache",
-                "peak_mem_gb", "launches_per_token", "quant", "bytes_per_token", "results", "baseline"]
+                "peak_mem_gb", "launches_per_token", "quant", "bytes_per_token", "expert_store", "results",
+                "baseline"]     # expert_store: issue 21
 RESULT_TYPES = {"prompt_tokens": int, "prefill_tok_s": float, "decode_tok_s": float, "gen_tokens": int}
 
 
@@ -82,6 +83,7 @@ def test_bench_json_has_exactly_the_issue_fields_and_types(acceptance):
     assert list(base) == ["engine", "version", "results"] and base["engine"] == "transformers"
     assert base["version"] == importlib.metadata.version("transformers")
     assert rep["quant"] is None                           # the GGUF dequantised at load: a 16-bit (here f32) model
+    assert rep["expert_store"] is None                    # no experts streamed (tests/weights/test_experts.py)
     assert 0.5e9 < rep["bytes_per_token"] < 0.6e9          # 135M f32 weights, the tied embedding read whole
     for results, extra in ((rep["results"], ["decode_of_bound"]), (base["results"], [])):
         assert [e["prompt_tokens"] for e in results] == [32, 96]

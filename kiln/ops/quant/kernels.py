@@ -514,7 +514,8 @@ CPU_FMA = [(8, 16, 4, 2, True, False), (16, 32, 4, 1, False, True)]
 # stages won every shape of the 0.8b and 9B (bench/NOTES.md, 2026-12-02): three stay measured at bn64
 GPU_MMA = [(bn, sub, w, sk, st) for bn, sub, w, st in ((64, 4, 4, 2), (64, 4, 4, 3), (128, 2, 4, 2), (128, 4, 4, 2),
                                                       (256, 4, 8, 2)) for sk in (1, 0)]
-CPU_MMA = [(16, 2, 4, 1, 2), (32, 4, 4, 2, 2)]
+CPU_MMA = [(32, 4, 4, 2, 2)]      # the interpreter's tunes: one form (tests/ops take the paths one by one)
+TEST_MMA = [(16, 2, 4, 1, 2), (32, 4, 4, 2, 2)]     # whole and split, a tail chunk with dead products
 MMA_SMEM = 160 * 1024
 # (gather, grouped, acc): words, grouped, acc, gather
 FORMS = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
