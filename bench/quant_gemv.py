@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/quant_gemv.py OUT.json [--bits 4,8,2,3] [--group 64] [--models qwen3.5-9b]
 
-For Qwen3.5-0.8B's and -9B's decode projections (one row: gate|up, down, the attention and GDN input
+For Qwen3.5-0.8B's, -9B's and -27B's decode projections (one row: gate|up, down, the attention and GDN input
 projections, the LM head), tunes with kiln's own tuner (every candidate gated against the trusted
 form, then timed on rotating input sets larger than L2) the quantised GEMV (op qgemv) at each bits
 value and the bf16 GEMV (op gemm, one row), and reports each winner's time, the bytes it reads
@@ -24,7 +24,8 @@ from kiln.tune.tuner import Tuner, Workload
 HBM = 4.27e12      # bytes/s, measured on our H200 (docs: the floor is bytes / 4.27 TB/s)
 SHAPES = {          # (n, k) of each one-row projection
     "qwen3.5-0.8b": [(7168, 1024), (1024, 3584), (6144, 1024), (248320, 1024)],
-    "qwen3.5-9b": [(24576, 4096), (4096, 12288), (12288, 4096), (248320, 4096)],
+    "qwen3.5-9b": [(24576, 4096), (4096, 12288), (12352, 4096), (10240, 4096), (4096, 4096), (248320, 4096)],
+    "qwen3.5-27b": [(34816, 5120), (5120, 17408), (16480, 5120), (14336, 5120), (5120, 6144), (248320, 5120)],
 }
 
 
