@@ -115,6 +115,23 @@ def test_a_gguf_file_packs_with_its_tokenizer(tmp_path):
     assert a.encode("abc hello") == b.encode("abc hello")
 
 
+def test_a_qwen35_moe_gguf_packs_with_its_experts_and_gives_its_sources_tokens(tmp_path):
+    """llama.cpp's converter made tests/fixtures/tiny-qwen3.5-moe.gguf from a synth folder (its
+    README); that folder, drawn again, the GGUF file and its pack give the same greedy tokens."""
+    from tests.weights.test_gguf_qwen35 import FIXTURES, MOE, source
+
+    gguf_path = FIXTURES / MOE
+    out = pack(gguf_path, tmp_path / "packed")
+    manifest = json.loads((out / "manifest.json").read_text())
+    layers = manifest["experts"]["layers"]
+    assert manifest["source"]["kind"] == "gguf" and len(layers) == manifest["config"]["num_hidden_layers"] == 3
+    assert sorted(p.name for p in (out / "experts").iterdir()) == [f"layer_{i:03d}.bin" for i in range(3)]
+    assert all(layer["count"] == 8 and (out / layer["file"]).stat().st_size == 8 * layer["stride"] for layer in layers)
+    assert not any("experts" in n for n in manifest["tensors"])       # the core holds no routed expert
+    want = greedy(source(MOE, tmp_path / "hf"))
+    assert greedy(gguf_path) == want and greedy(out) == want
+
+
 def test_a_second_pack_into_the_same_out_refuses(tmp_path, capsys):
     src = hf_folder("tiny-llama", tmp_path / "hf")
     out = tmp_path / "packed"
