@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,14 +15,15 @@ import torch
 
 from . import hub
 from .backends import get_ops
+from .cache import KVCache, RingKVCache
 from .engine import Engine, TokenStream
 from .errors import KilnError
-from .models import build_model
+from .models import build_model, model_config
 from .models.base import eos_ids
 from .sampling import SamplingParams, StopMatcher
 from .tokenizer import StreamDecoder, Tokenizer
 from .weights import open_checkpoint
-from .weights.experts import ExpertPlan
+from .weights.experts import GB, STACKS, WORKSPACE_FIXED, ExpertPlan, MemoryPlan, auto_budget, fit, weight_bytes
 from .weights.synth import parse_spec
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -121,6 +123,7 @@ class LLM:
         self.path, self.model, self.tokenizer, self.engine = path, model, tokenizer, engine
         self.eos_ids, self.load_s = eos, load_s
         self.load_stages: dict[str, float] = {}     # seconds by stage (kiln.load fills it)
+        self.memory: MemoryPlan | None = None       # the device memory budget's plan (kiln.load's gpu_memory)
         self.config = model.cfg
 
     # -- prompts -------------------------------------------------------------------------
@@ -238,13 +241,113 @@ def expert_plan(slots: int | None, policy: str | None, home: str, host_memory: f
                       direct_io)
 
 
+# -- the device memory budget (docs/streaming.md): sized before any weight reaches the device ----------
+
+def memory_plan(ckpt, ops, dtype, limit: int, gpu_memory: float | None, slots: int | None = None,
+                policy: str | None = None, free: int | None = None) -> MemoryPlan | None:
+    """The plan a budget asks for: `gpu_memory` GB, or (automatic streaming) `free` device bytes when
+    a resident load (weights, cache, workspace) does not fit in auto_budget(free) and the model has
+    routed experts; None: load as asked. MemoryPlan.slots
+    is the expert slots a layer that fit (None: every expert resident); KilnError when the core,
+    cache and workspace do not fit, or not the `slots` asked for."""
+    if gpu_memory is not None and gpu_memory <= 0:
+        raise KilnError(f"--gpu-memory takes a positive number of GB, got {gpu_memory}")
+    cls, cfg = model_config(ckpt.config)
+    view = ckpt.for_model(cls.checkpoint_shapes(cfg), cls.norm_style == "offset")
+    if not view.sanitized:
+        view = cls.sanitize(view)
+    names = [n for n in cls.weight_shapes(cfg) if n in view.shapes]
+    stacks = [n for n in names if n.endswith(STACKS)]
+    auto = gpu_memory is None
+    if auto and (free is None or not stacks):
+        return None
+    chunk = min(ops.prefill_chunk, limit)
+    plan = MemoryPlan(auto_budget(free) if auto else int(gpu_memory * GB), core=0,
+                      cache=state_bytes(cls, cfg, ops, dtype, limit, chunk),
+                      workspace=workspace_bytes(cls, cfg, view.shapes, names, chunk),
+                      policy=policy or "lfu", auto=auto)
+    item = torch.empty((), dtype=dtype).element_size()
+    if auto and plan.need + sum(_numel(view.shapes[n]) for n in names) * item <= plan.budget:
+        return None         # fits with every weight at `dtype` (a quantised one takes less): no need to size them
+    held = weight_bytes(view, names, dtype)
+    plan.core = sum(b for n, b in held.items() if n not in stacks)
+    _expert_sizes(plan, view.shapes, held, stacks)
+    if auto and plan.need + plan.experts <= plan.budget:
+        return None         # a resident load fits: automatic streaming stays off
+    return fit(plan, slots)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _expert_sizes(plan: MemoryPlan, shapes: dict, held: dict, stacks: list[str]) -> None:
+    """The plan's expert figures: one expert of every layer (a slot a layer), all of them, the most a layer has."""
+    for n in stacks:
+        count = shapes[n][0]
+        plan.expert += held[n] // count
+        plan.experts += held[n]
+        plan.count = max(plan.count, count)
+
+
+def state_bytes(cls, cfg, ops, dtype, limit: int, chunk: int) -> int:
+    """The per-layer state's bytes at `limit` tokens, from the state the model makes (its own rule,
+    its backend's choice of ring or plain cache): a KV cache at the capacity its doubling from its
+    first reaches for `limit` positions (kiln/cache.py; a graph's reserved bucket is never more), a
+    ring its window and a prefill chunk, the recurrent state as made."""
+    stand_in = cls.__new__(cls)     # make_state reads the config and the backend, no weight
+    stand_in.cfg, stand_in.ops = cfg, ops
+    seen, total = set(), 0
+    for layer in stand_in.make_state(dtype, "cpu"):
+        own = getattr(layer, "cache", layer)        # a KV producer's cache (a KV-shared layer holds none)
+        if id(own) not in seen:
+            seen.add(id(own))
+            total += _layer_state_bytes(own, limit, chunk)
+    return total
+
+
+def _layer_state_bytes(state, limit: int, chunk: int) -> int:
+    if isinstance(state, (KVCache, RingKVCache)):
+        per = 2 * _numel(state.k.shape[1:]) * state.k.element_size()       # K and V of one position
+        if isinstance(state, RingKVCache):
+            return per * min(limit, state.window - 1 + chunk)
+        cap = state.capacity
+        while cap < limit:
+            cap *= 2
+        return per * cap
+    return sum(t.numel() * t.element_size() for t in vars(state).values() if isinstance(t, torch.Tensor))
+
+
+def workspace_bytes(cls, cfg, shapes: dict, names: list[str], chunk: int) -> int:
+    """WORKSPACE_FIXED plus a prefill chunk's activations: each row 6 hidden-wide vectors (the
+    residual, its normed copy, the attention output, the MoE sum, the shared expert's, a spare) and
+    2 of the widest output a layer computes for one token (a merged projection, or top_k experts'
+    gate|up rows), at 4 bytes (f32, the widest dtype an op keeps)."""
+    top_k = getattr(cfg, "num_experts_per_tok", 1) or 1
+    widths = [shapes[n][1] * top_k if n.endswith(STACKS) else shapes[n][0] for n in names
+              if len(shapes[n]) >= 2 and "embed" not in n and not n.startswith("lm_head")]
+    for parts in cls.packed_groups(cfg).values():
+        widths.append(sum(shapes[n][0] for n in parts if n in shapes))
+    return WORKSPACE_FIXED + chunk * 4 * (6 * cfg.hidden_size + 2 * max(widths, default=0))
+
+
+def free_memory(device: torch.device) -> int | None:
+    """The device's free bytes where automatic streaming may use them: CUDA's; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
+
+
 def load(model: str | Path | None = None, device: str | None = "auto", dtype: str | None = None,
          backend: str = "auto", max_context: int | None = None, quiet: bool = True,
          retune: bool = False, tune: dict[str, str] | None = None, enforce_eager: bool = False,
          check: Callable[[Tokenizer | None], None] | None = None, verify: str = "lazy",
          expert_cache_slots: int | None = None, expert_policy: str | None = None, expert_home: str = "auto",
          host_memory: float | None = None, io_threads: int = 8, expert_profile: str | Path | None = None,
-         direct_io: bool = False) -> LLM:
+         direct_io: bool = False, gpu_memory: float | None = None) -> LLM:
     """Load a model: a path (HF folder or GGUF file), a bundled model's name, or None (the default).
     A compiling backend tunes its kernels for the model here (`retune` measures again; `tune` pins
     op -> variant). Backend "auto" is cuda on a CUDA device, reference elsewhere; on cuda the decode
@@ -256,7 +359,12 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     `host_memory` GB) and `expert_cache_slots` of each layer's (default 16) are cached on the device under
     `expert_policy` (lfu, lru, static with `expert_profile`'s routing counts, os), misses read by
     `io_threads` threads (`direct_io`: O_DIRECT reads past the page cache). Decode then runs eagerly
-    (the misses are found on the host)."""
+    (the misses are found on the host).
+    `gpu_memory` GB: the core, the KV cache and state for the max context, a workspace and the expert
+    slots fit inside it (the slots a layer computed unless given; every expert resident if they all
+    fit); KilnError if the core, cache and workspace do not. On CUDA with no expert argument, a MoE
+    model whose weights pass the free memory (less a margin) streams with the slots that fit.
+    `llm.memory` is the plan (None when no budget applied)."""
     t0 = time.perf_counter()
     stages, mark = {}, [t0]
 
@@ -280,8 +388,21 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     if check is not None:
         check(tokenizer)
     stage("tokenizer")
-    plan = expert_plan(expert_cache_slots, expert_policy, expert_home, host_memory, io_threads, expert_profile,
-                       verify, direct_io)
+    limit = model_config(ckpt.config)[1].max_position_embeddings
+    if max_context is not None:
+        limit = min(limit, max_context)
+    flags = (expert_cache_slots, expert_policy, host_memory, expert_profile) != (None,) * 4
+    free = None if flags or direct_io or expert_home != "auto" or gpu_memory is not None else free_memory(dev)
+    memory = memory_plan(ckpt, ops, dt, limit, gpu_memory, expert_cache_slots, expert_policy, free)
+    if memory is not None and not quiet:
+        print(memory.line(), file=sys.stderr)
+    if memory is not None and memory.count and memory.slots is None:
+        plan = None         # the budget holds every expert: resident, whatever the streaming flags
+    else:
+        slots = expert_cache_slots if memory is None else memory.slots
+        plan = expert_plan(slots, expert_policy, expert_home, host_memory, io_threads, expert_profile, verify,
+                           direct_io)
+    stage("budget")
     net = build_model(ckpt, ops, dt, dev, progress=not quiet, experts=plan)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)     # the weights' copies are done: their time is theirs
@@ -289,9 +410,6 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     if hasattr(ops, "prepare"):
         ops.prepare(net, dt, retune=retune, pins=tune, quiet=quiet)
     stage("tune")
-    limit = net.cfg.max_position_embeddings
-    if max_context is not None:
-        limit = min(limit, max_context)
     eos = eos_ids(ckpt.config, ckpt.generation)
     if tokenizer is not None:
         eos += [i for i in tokenizer.eos_ids if i not in eos]
@@ -301,5 +419,5 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
                     quiet=quiet)
     stage("engine")
     llm = LLM(path, net, tokenizer, engine, eos, time.perf_counter() - t0)
-    llm.load_stages = stages
+    llm.load_stages, llm.memory = stages, memory
     return llm

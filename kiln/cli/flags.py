@@ -93,8 +93,12 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_expert_flags(p: argparse.ArgumentParser) -> None:
-    """Expert streaming (docs/streaming.md): on with --expert-cache-slots or --expert-policy."""
-    g = p.add_argument_group("expert streaming (MoE models)")
+    """Expert streaming (docs/streaming.md): on with --expert-cache-slots or --expert-policy, or when
+    --gpu-memory cannot hold every expert (on CUDA with none of these: when the weights pass the free memory)."""
+    g = p.add_argument_group("device memory and expert streaming (MoE models)")
+    g.add_argument("--gpu-memory", type=positive_float, default=None, metavar="GB",
+                   help="device memory kiln may use: core weights, KV cache for --max-context, workspace and "
+                        "as many expert slots as fit (every expert resident if they all do)")
     g.add_argument("--expert-cache-slots", type=positive_int, default=None, metavar="N",
                    help="stream the routed experts, N of each layer's cached on the device (default 16)")
     g.add_argument("--expert-policy", choices=["lfu", "lru", "static", "os"], default=None,
@@ -150,18 +154,23 @@ def parse_pins(items: list[str]) -> dict[str, str]:
 
 def load_from_flags(a, check=None) -> LLM:
     """kiln.load with the runtime flags of `add_runtime_flags`; `check(tokenizer)` as kiln.load takes it."""
-    if getattr(a, "save_expert_profile", None) and a.expert_cache_slots is None and a.expert_policy is None:
-        raise KilnError("--save-expert-profile records a streamed run: give --expert-cache-slots or --expert-policy")
+    if getattr(a, "save_expert_profile", None) and (a.expert_cache_slots, a.expert_policy, a.gpu_memory) == (None,) * 3:
+        raise KilnError("--save-expert-profile records a streamed run: give --expert-cache-slots, --expert-policy "
+                        "or --gpu-memory")
     return load(a.model, device=a.device, dtype=a.dtype, backend=a.backend, max_context=a.max_context,
                 quiet=a.quiet, retune=a.retune, tune=parse_pins(a.tune), enforce_eager=a.enforce_eager,
                 check=check, verify=getattr(a, "verify", "lazy"), expert_cache_slots=a.expert_cache_slots,
                 expert_policy=a.expert_policy, expert_home=a.expert_home, host_memory=a.host_memory,
-                io_threads=a.io_threads, expert_profile=a.expert_profile, direct_io=a.direct_io)
+                io_threads=a.io_threads, expert_profile=a.expert_profile, direct_io=a.direct_io,
+                gpu_memory=a.gpu_memory)
 
 
 def save_expert_profile(llm: LLM, a) -> None:
     """--save-expert-profile: the streamed run's routing counts, written whole or not at all."""
     if getattr(a, "save_expert_profile", None):
+        if getattr(llm.model, "expert_store", None) is None:
+            raise KilnError("--save-expert-profile: the experts loaded resident (--gpu-memory holds them all), "
+                            "so no routing was recorded")
         data = json.dumps(llm.model.expert_store.profile(), indent=1).encode() + b"\n"
         write_atomic(a.save_expert_profile, lambda f: f.write(data))
 

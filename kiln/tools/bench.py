@@ -434,8 +434,7 @@ def main(a) -> int:
         measured = run_protocol(runners, prompts, gen, a.runs, skips, log)
         report["peak_mem_gb"] = round(peak_mem_gb(dev), 3)
         report["launches_per_token"] = _backend_fact(llm, "launches_per_token")   # known once decode ran
-        store = getattr(llm.model, "expert_store", None)
-        report["expert_store"] = None if store is None else store.summary()     # every run, warm-ups too
+        report["expert_store"] = _expert_store(llm)
         save_expert_profile(llm, a)
         if a.baseline is not None and not together:
             say("GPU memory cannot hold both engines: transformers runs after kiln, not alternating with it")
@@ -452,6 +451,16 @@ def main(a) -> int:
         "engine": "transformers", "version": base.version,
         "results": [summarise(n, measured["transformers"][n]) for n in prompts]}
     return _finish(a, report, measured, say)
+
+
+def _expert_store(llm) -> dict | None:
+    """The streamed experts' summary (every run, warm-ups too), with the --gpu-memory plan when one
+    was given or chosen (`home` "resident" when the budget held every expert); None otherwise."""
+    store, memory = getattr(llm.model, "expert_store", None), getattr(llm, "memory", None)
+    out = None if store is None else store.summary()
+    if memory is not None:
+        out = {**(out or {"home": "resident"}), "gpu_memory": memory.summary()}
+    return out
 
 
 def _finish(a, report: dict, measured: dict, say) -> int:

@@ -32,6 +32,7 @@ import torch
 from ..errors import KilnError
 from .packed import DTYPES, align, check_file, read_manifest
 from .quantized import QuantizedWeight
+from .synth import parse_spec, quant_format
 
 POLICIES = ("lfu", "lru", "static", "os")
 TRACE = 1 << 16         # MoE calls the store remembers the routing of (tests replay it; a long run forgets)
@@ -502,3 +503,170 @@ def _disk_homes(ckpt, names: list[str], prefix: dict, convert, check: bool, dire
                                                     layer["count"], {}, convert, digest, direct))
         home.records[n] = rec
     return homes
+
+
+# -- the device memory budget: what stays resident, how many slots fit beside it ----------------------
+
+GB = 1e9                    # --gpu-memory and --host-memory count in 10^9 bytes
+WORKSPACE_FIXED = 256 << 20  # cuBLAS and Triton workspaces, the sampler, the allocator's rounding
+AUTO_MARGIN_FIXED = 1 << 30  # automatic streaming: the free memory less this and AUTO_MARGIN_SHARE of it
+AUTO_MARGIN_SHARE = 0.05
+
+
+def weight_bytes(ckpt, names, dtype) -> dict[str, int]:
+    """Bytes each tensor takes on the device as the model holds it (upload.placed's rule: a plain
+    tensor in `dtype`; a quantised one's words as stored, its scales and biases in `dtype` unless
+    kept f32), known before it loads: from a packed directory's manifest, from the span of a plain
+    tensor (safetensors, a synthesized draw), from a synthesized quantised draw's format; any other
+    (GGUF, mlx-lm's quantised safetensors) read as its reader presents it and measured on the host."""
+    records = _manifest_records(ckpt)
+    spec = parse_spec(str(ckpt.path)) if ckpt.format == "synth" else None
+    item = torch.empty((), dtype=dtype).element_size()
+    out = {}
+    for n in names:
+        shape = ckpt.shapes[n]
+        if n in records:
+            out[n] = _record_bytes(*records[n], item)
+        elif ckpt.locate(n) is not None:
+            out[n] = _numel(shape) * item
+        elif spec is not None:
+            out[n] = _drawn_bytes(quant_format(spec, n, shape), shape, item)
+        else:
+            out[n] = _held(ckpt.load(n), item)
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _manifest_records(ckpt) -> dict[str, tuple[dict, int]]:
+    """A packed directory's records by name, with how many experts a part's bytes count for."""
+    if ckpt.format != "packed":
+        return {}
+    m = read_manifest(Path(ckpt.path), check=False)
+    out = {n: (r, 1) for n, r in m["tensors"].items()}
+    for layer in m.get("experts", {}).get("layers", []):
+        out.update({n: (r, layer["count"]) for n, r in layer["tensors"].items()})
+    return out
+
+
+def _record_bytes(rec: dict, count: int, item: int) -> int:
+    if "quant" not in rec:
+        return _numel(rec["shape"]) * item
+    parts = rec["parts"]
+    side = parts["scales"]
+    kept = side["dtype"] == "f32" and "out_dtype" not in rec["quant"]     # f32 scales stay f32
+    per = parts["weight"]["nbytes"] + 2 * side["nbytes"] // DTYPES[side["dtype"]].itemsize * (4 if kept else item)
+    return count * per
+
+
+def _drawn_bytes(fmt: tuple[int, int] | None, shape, item: int) -> int:
+    """A synthesized tensor: plain, or drawn quantised (scales and biases in the draw's 16-bit dtype,
+    so held in the run's)."""
+    if fmt is None:
+        return _numel(shape) * item
+    bits, group = fmt
+    return _numel(shape) * bits // 8 + 2 * (_numel(shape) // group) * item
+
+
+def _held(stored, item: int) -> int:
+    if not isinstance(stored, QuantizedWeight):
+        return stored.numel() * item
+    kept = stored.scales.dtype == torch.float32 and stored.out_dtype is None
+    side = stored.scales.numel() + stored.biases.numel()
+    return stored.packed.numel() * stored.packed.element_size() + side * (4 if kept else item)
+
+
+@dataclass
+class MemoryPlan:
+    """What a device memory budget holds: the core (every weight but the routed experts), the KV
+    cache and recurrent state, the workspace, and `slots` expert slots a layer (None: every expert
+    resident). Bytes throughout; `expert` is one slot in every streamed layer, `experts` them all."""
+    budget: int
+    core: int
+    cache: int
+    workspace: int
+    expert: int = 0
+    experts: int = 0
+    count: int = 0                  # experts a layer
+    slots: int | None = None
+    policy: str = "lfu"
+    auto: bool = False              # chosen because the weights did not fit in the free memory
+
+    @property
+    def need(self) -> int:
+        return self.core + self.cache + self.workspace
+
+    @property
+    def per_slot(self) -> int:
+        """A slot a layer: the static policy keeps as many scratch slots again (SlotCache.capacity)."""
+        return self.expert * (2 if self.policy == "static" else 1)
+
+    @property
+    def slot_bytes(self) -> int:
+        return 0 if self.slots is None else self.slots * self.per_slot
+
+    def summary(self) -> dict:
+        return {"gb": round(self.budget / GB, 6), "auto": self.auto, "slots": self.slots,
+                "experts_per_layer": self.count or None, "core_bytes": self.core, "cache_bytes": self.cache,
+                "workspace_bytes": self.workspace, "expert_slot_bytes": self.slot_bytes,
+                "resident_expert_bytes": self.experts if self.slots is None else 0}
+
+    def line(self) -> str:
+        """The plan on one line (stderr at load)."""
+        if not self.count:
+            experts = "a dense model: every weight resident"
+        elif self.slots is None:
+            experts = f"every expert resident ({_gb(self.experts)})"
+        else:
+            experts = (f"streaming the routed experts, {self.slots} slots a layer of {self.count} "
+                       f"({_gb(self.slot_bytes)}, {self.policy})")
+        head = (f"the model ({_gb(self.need + self.experts)} resident) passes the free device memory less a "
+                f"margin ({_gb(self.budget)})" if self.auto else f"--gpu-memory {_gb(self.budget)}")
+        return (f"[kiln] {head}: {experts}; core {_gb(self.core)}, cache {_gb(self.cache)}, "
+                f"workspace {_gb(self.workspace)}")
+
+
+def _gb(n: int) -> str:
+    """Bytes for a message: GB (10^9), or MB below 10 MB (a tiny test model's)."""
+    return f"{n / GB:.2f} GB" if abs(n) >= 1e7 else f"{n / 1e6:.2f} MB"
+
+
+def auto_budget(free: int) -> int:
+    """The budget automatic streaming plans in: the free device memory less a margin (docs/streaming.md)."""
+    return int(free - AUTO_MARGIN_FIXED - AUTO_MARGIN_SHARE * free)
+
+
+def fit(plan: MemoryPlan, slots: int | None = None) -> MemoryPlan:
+    """`plan` (its budget and sizes) with its slots chosen: every expert resident if they all fit,
+    else as many slots a layer as the rest of the budget holds (at most a layer's experts); `slots`
+    given: those, if they fit. One-line KilnError when the core, cache and workspace do not fit, or
+    not one slot a layer, or not the slots asked for."""
+    left = plan.budget - plan.need
+    what = "the free device memory less a margin" if plan.auto else "--gpu-memory"
+    if left < 0:
+        raise KilnError(f"{what} {_gb(plan.budget)} is too small: the core ({_gb(plan.core)}), "
+                        f"cache ({_gb(plan.cache)}) and workspace ({_gb(plan.workspace)}) need "
+                        f"{_gb(plan.need)} (a lower --max-context shrinks the cache)")
+    if not plan.count:
+        return plan
+    most = min(left // plan.per_slot, plan.count)
+    if slots is not None:
+        if slots * plan.per_slot > left:
+            raise KilnError(f"--expert-cache-slots {slots} needs {_gb(slots * plan.per_slot)} of expert slots; "
+                            f"{what} {_gb(plan.budget)} leaves {_gb(left)} after the core, cache "
+                            f"and workspace: {most} slots a layer fit")
+        plan.slots = slots
+    elif plan.experts <= left:
+        plan.slots = None
+    elif most < 1:
+        raise KilnError(f"{what} {_gb(plan.budget)} is too small: after the core, cache and workspace "
+                        f"({_gb(plan.need)}) it leaves {_gb(left)}, less than one expert slot a "
+                        f"layer ({_gb(plan.per_slot)})")
+    else:
+        plan.slots = most
+    return plan

@@ -1,0 +1,178 @@
+"""The device memory budget (kiln.load's gpu_memory, `--gpu-memory`; docs/streaming.md): on the CPU
+the budget is the device's memory, so the arithmetic runs here. Each expected figure is computed
+from what a resident load of the same tiny packed MoE actually holds (its weights' bytes, a state
+grown to the max context), not by kiln's own sizing: the plan's slots equal what those figures
+leave room for, the streamed tokens equal the resident ones, a budget below the core is a one-line
+error, a budget above the model loads it resident, and automatic streaming decides from the free
+memory it is given."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import kiln
+from kiln.api import free_memory, memory_plan, pick_dtype
+from kiln.backends import get_ops
+from kiln.cli import main as cli_main
+from kiln.errors import KilnError
+from kiln.models import model_config
+from kiln.weights import open_checkpoint
+from kiln.weights.experts import auto_budget
+from kiln.weights.synth import CONFIGS, Synthesis, write_checkpoint
+
+PROMPT = [5, 17, 200, 33, 91, 4, 250, 12, 7, 30, 66, 2, 140, 9, 77, 310]
+CONTEXT = 48            # the max context every load here runs with (the KV cache is sized for it)
+STACKS = ("experts.gate_up_proj", "experts.down_proj")
+GB = 1e9
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    """tiny-qwen3.5-moe-p2 (8 experts a layer, top-2), packed with 4-bit weights."""
+    root = tmp_path_factory.mktemp("budget")
+    config = dict(CONFIGS["tiny-qwen3.5-moe-p2"])
+    cls, cfg = model_config(config)
+    drawn = Synthesis(config, cls.checkpoint_shapes(cfg), cls.norm_style == "offset", seed=7)
+    src = write_checkpoint(drawn, root / "hf", "tiny-qwen3.5-moe-p2", dtype="bf16", quiet=True)
+    out = root / "packed"
+    assert cli_main(["pack", str(src), str(out), "--quiet", "--bits", "4", "--group-size", "32"]) == 0
+    return out
+
+
+def load(path, **kw):
+    return kiln.load(str(path), device="cpu", backend="reference", dtype="f32", max_context=CONTEXT, **kw)
+
+
+def run(llm, n: int = 6):
+    """The prompt's last logits and each greedy decode step's, on a fresh state; the tokens."""
+    eng = llm.engine
+    state = eng.new_state(len(PROMPT) + n)
+    out = [eng.prefill(PROMPT, state)]
+    tokens = []
+    for k in range(n):
+        tokens.append(int(torch.argmax(out[-1])))
+        out.append(eng.decode_step(tokens[-1], len(PROMPT) + k, state))
+    return torch.stack(out), tokens
+
+
+@pytest.fixture(scope="module")
+def measured(packed) -> dict:
+    """What the resident model holds: the core's bytes, one expert's of each layer, the state's at the
+    max context; the workspace by the documented rule from its (merged) weights; its logits, tokens."""
+    llm = load(packed)
+    w, cfg = llm.model.w, llm.model.cfg
+    experts = {n: x for n, x in w.items() if n.endswith(STACKS)}
+    state = llm.engine.new_state(CONTEXT)
+    llm.engine.prefill([i % 300 + 1 for i in range(CONTEXT - 1)], state)
+    llm.engine.decode_step(1, CONTEXT - 1, state)       # the last position: the cache as large as it grows
+    cache = sum(t.nbytes for layer in state for t in vars(layer).values() if isinstance(t, torch.Tensor))
+    widest = max(x.shape[1] * cfg.num_experts_per_tok if n in experts else x.shape[0]
+                 for n, x in w.items() if len(x.shape) >= 2 and "embed" not in n and n != "lm_head.weight")
+    chunk = min(llm.model.ops.prefill_chunk, CONTEXT)
+    return {"core": sum(x.nbytes for n, x in w.items() if n not in experts),
+            "expert": sum(x.nbytes // x.shape[0] for x in experts.values()),
+            "experts": sum(x.nbytes for x in experts.values()), "count": cfg.num_experts,
+            "cache": cache, "workspace": (256 << 20) + chunk * 4 * (6 * cfg.hidden_size + 2 * widest),
+            "run": run(llm)}
+
+
+def need(m: dict) -> int:
+    return m["core"] + m["cache"] + m["workspace"]
+
+
+def test_the_budget_holds_the_slots_its_arithmetic_gives_and_the_tokens_are_the_resident_ones(packed, measured):
+    gb = (need(measured) + 3.5 * measured["expert"]) / GB        # room for 3 slots a layer, not 4
+    llm = load(packed, gpu_memory=gb)
+    plan = llm.memory
+    assert (plan.core, plan.cache, plan.workspace) == (measured["core"], measured["cache"], measured["workspace"])
+    assert plan.expert == measured["expert"] and plan.slots == 3
+    assert llm.model.expert_store.slots == 3 and llm.model.expert_store.policy == "lfu"
+    logits, tokens = run(llm)
+    assert torch.equal(logits, measured["run"][0]) and tokens == measured["run"][1]
+    # the static policy keeps as many scratch slots again: the same budget holds 1 a layer
+    assert memory_plan_for(packed, gb, policy="static").slots == 1
+
+
+@pytest.mark.parametrize("source", ("hf", "synth:tiny-qwen3.5-moe-p2:bits=4"))
+def test_the_weights_are_sized_as_a_resident_load_holds_them(packed, source):
+    """Other readers than the manifest: safetensors' spans (bf16 stored, f32 held), a quantised draw."""
+    path = packed.parent / "hf" if source == "hf" else source
+    w = load(path).model.w
+    plan = memory_plan_for(path, 100.0)
+    assert plan.core == sum(x.nbytes for n, x in w.items() if not n.endswith(STACKS))
+    assert plan.experts == sum(x.nbytes for n, x in w.items() if n.endswith(STACKS))
+
+
+def memory_plan_for(path, gb, slots=None, policy=None, free=None):
+    """memory_plan as kiln.load calls it (reference backend, f32, CONTEXT), without loading weights."""
+    ckpt = open_checkpoint(path)
+    ops = get_ops("reference", torch.device("cpu"))
+    return memory_plan(ckpt, ops, pick_dtype("f32", torch.device("cpu")), CONTEXT, gb, slots, policy, free)
+
+
+def test_a_budget_that_holds_every_expert_loads_them_resident(packed, measured, capsys):
+    gb = (need(measured) + measured["experts"]) / GB
+    llm = kiln.load(str(packed), device="cpu", backend="reference", dtype="f32", max_context=CONTEXT,
+                    gpu_memory=gb, quiet=False)
+    assert llm.memory.slots is None and llm.model.expert_store is None
+    assert "every expert resident" in capsys.readouterr().err
+    assert memory_plan_for(packed, gb - 1e-9).slots == measured["count"] - 1       # a byte less: streamed
+
+
+def test_explicit_slots_win_if_they_fit(packed, measured):
+    gb = (need(measured) + 3.5 * measured["expert"]) / GB
+    assert memory_plan_for(packed, gb, slots=2).slots == 2
+    with pytest.raises(KilnError, match="--expert-cache-slots 4 needs .* 3 slots a layer fit") as e:
+        memory_plan_for(packed, gb, slots=4)
+    assert "\n" not in str(e.value)
+
+
+def test_a_budget_below_the_core_is_a_one_line_error(packed, measured, capsys):
+    gb = (measured["core"] + measured["cache"]) / GB
+    with pytest.raises(KilnError, match="too small: the core .* need") as e:
+        memory_plan_for(packed, gb)
+    assert "\n" not in str(e.value)
+    ids = ",".join(map(str, PROMPT))
+    assert cli_main(["run", str(packed), "--device", "cpu", "--backend", "reference", "--dtype", "f32",
+                     "--max-context", str(CONTEXT), "--prompt-ids", ids, "--gpu-memory", f"{gb:.6f}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "too small" in err and "Traceback" not in err
+    with pytest.raises(KilnError, match="less than one expert slot"):      # the core fits, no slot does
+        memory_plan_for(packed, (need(measured) + measured["expert"] // 2) / GB)
+
+
+def test_a_dense_model_fits_or_is_the_same_error():
+    spec = "synth:tiny-llama"
+    with pytest.raises(KilnError, match="too small: the core"):
+        kiln.load(spec, device="cpu", backend="reference", dtype="f32", max_context=CONTEXT, gpu_memory=0.01)
+    llm = kiln.load(spec, device="cpu", backend="reference", dtype="f32", max_context=CONTEXT, gpu_memory=1)
+    assert llm.memory.count == 0 and "dense model" in llm.memory.line()
+
+
+def test_automatic_streaming_decides_from_the_free_memory_it_is_given(packed, measured):
+    whole = need(measured) + measured["experts"]
+    margin = lambda budget: (budget + (1 << 30)) / 0.95      # noqa: E731  the free memory auto_budget leaves `budget` of
+    assert free_memory(torch.device("cpu")) is None          # never automatic on the CPU
+    assert memory_plan_for(packed, None, free=None) is None
+    assert memory_plan_for(packed, None, free=int(margin(whole)) + 64) is None           # a resident load fits
+    plan = memory_plan_for(packed, None, free=int(margin(need(measured) + 3.5 * measured["expert"])))
+    assert plan.auto and plan.slots == 3 and "streaming the routed experts, 3 slots a layer of 8" in plan.line()
+    assert abs(auto_budget(10 ** 11) - (10 ** 11 - (1 << 30) - 5 * 10 ** 9)) <= 1
+    with pytest.raises(KilnError, match="free device memory less a margin"):
+        memory_plan_for(packed, None, free=int(margin(need(measured) - 1)))
+
+
+def test_the_cli_prints_the_plan_and_the_bench_json_carries_the_budget(packed, measured, tmp_path, capsys):
+    gb = f"{(need(measured) + 3.5 * measured['expert']) / GB:.9f}"
+    out = tmp_path / "b.json"
+    assert cli_main(["bench", str(packed), "--device", "cpu", "--backend", "reference", "--dtype", "f32",
+                     "--max-context", str(CONTEXT), "--prompt-lengths", "16", "--gen", "2", "--runs", "1",
+                     "--gpu-memory", gb, "--json", str(out)]) == 0
+    assert "[kiln] --gpu-memory" in capsys.readouterr().err
+    s = json.loads(out.read_text())["expert_store"]
+    assert s["slots"] == 3 and s["gpu_memory"]["slots"] == 3 and s["gpu_memory"]["gb"] == round(float(gb), 6)
+    assert s["gpu_memory"]["core_bytes"] == measured["core"]
