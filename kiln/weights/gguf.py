@@ -1,10 +1,10 @@
 """GGUF file -> HF-style config + tensors under HF names, dequantised at load.
 
 llama.cpp's converter renames tensors, permutes llama's Q/K rows for its interleaved RoPE and
-stores Gemma's zero-centred norms as `w + 1`; for Qwen3.5 (`qwen35`, `qwen35moe`) it also stores
-A_log as -exp(A_log), squeezes the conv1d weights, stores the (1 + w) norms as `w + 1`, reorders the
-Gated DeltaNet's value heads and splits the fused expert stacks. Each is undone here so models see
-HF layout and names.
+stores Gemma's zero-centred norms as `w + 1`. For Qwen3.5 (`qwen35`, `qwen35moe`) it also stores
+A_log as -exp(A_log), squeezes the conv1d weights, adds 1 to the norms HF applies as (1 + w), tiles
+the Gated DeltaNet's value heads and splits the fused expert stacks into gate and up. Each is undone
+here so models see HF layout and names.
 """
 
 from __future__ import annotations
@@ -204,6 +204,8 @@ def _qwen35_config(meta: dict, tensor_names, arch: str) -> dict:
     inner, rotary = _get(meta, arch, "ssm.inner_size"), _get(meta, arch, "rope.dimension_count", d)
     if hv < 1 or inner < 1 or inner % hv:
         raise _Invalid(f"{arch}.ssm.inner_size {inner} is not a whole number of {hv} value heads")
+    if hv % max(_get(meta, arch, "ssm.group_count"), 1):
+        raise _Invalid(f"{arch}.ssm.time_step_rank {hv} is not a multiple of ssm.group_count")
     if not 0 < rotary <= d:
         raise _Invalid(f"{arch}.rope.dimension_count is {rotary} with heads of {d}")
     recurrent = meta.get(f"{arch}.attention.recurrent_layers")
@@ -254,10 +256,11 @@ def _grouped(w: torch.Tensor, dim: int, cfg: dict, head_dim: int) -> torch.Tenso
 
 
 def _qwen35_fixup(cfg: dict, name: str, w: torch.Tensor) -> torch.Tensor:
+    """One Qwen3.5 tensor from the converter's form to HF's: the value change first, then the heads."""
     leaf, dv = name.rsplit(".", 2)[-2:], cfg["linear_value_head_dim"]
     qk = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]   # in_proj_qkv's and conv1d's q and k rows
     if name.endswith("linear_attn.A_log"):
-        w = torch.log(-w.double()).float()          # stored as -exp(A_log): f64 so the log adds no rounding
+        w = torch.log(-w.double()).float()          # stored as -exp(A_log); in f64, so within one ulp of it
     elif name.endswith("linear_attn.conv1d.weight"):
         w = w.unsqueeze(1)                          # squeezed from HF's [C, 1, K]
     elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
@@ -296,15 +299,20 @@ def _hf_shape(arch: str, name: str, shapes: list[tuple]) -> tuple:
     return shapes[0]
 
 
+# Qwen3.5 tensors whose fixup is more than an order of rows: a kept quantised tensor cannot take it
+_QWEN35_NOT_ROWS = ("norm.weight", "linear_attn.out_proj.weight", "linear_attn.conv1d.weight")
+
+
+def _keepable(arch: str, canon: str) -> bool:
+    return arch not in _QWEN35_ARCHS or not canon.endswith(_QWEN35_NOT_ROWS)
+
+
 def _row_order(arch: str, cfg: dict, canon: str, rows: int) -> torch.Tensor | None:
-    """The fixup of a 2-D tensor as the order its rows are taken in, or None where it does more than
-    reorder rows (then it is not kept quantised)."""
-    order = torch.arange(rows)[:, None]
-    if arch in _QWEN35_ARCHS:
-        if canon.endswith(("norm.weight", "linear_attn.out_proj.weight", "linear_attn.conv1d.weight")):
-            return None
-        return _qwen35_fixup(cfg, canon, order)[:, 0]
-    return _fixup(arch, cfg, canon, order)[:, 0] if arch == "llama" else order[:, 0]
+    """The fixup of a keepable 2-D tensor as the order its rows are taken in (None: as stored)."""
+    if (arch == "llama" and canon.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
+            or arch in _QWEN35_ARCHS and ".linear_attn.in_proj_" in canon):
+        return _fixup(arch, cfg, canon, torch.arange(rows)[:, None])[:, 0]
+    return None
 
 
 def keep_quantized() -> bool:
@@ -314,10 +322,11 @@ def keep_quantized() -> bool:
     return os.environ.get("KILN_KEEP_QUANTIZED", "0") not in ("", "0")
 
 
-def _kept(info, order: torch.Tensor, f: GGUFFile) -> QuantizedWeight:
+def _kept(info, order: torch.Tensor | None, f: GGUFFile) -> QuantizedWeight:
     """A 32-block tensor as affine groups of 32, its rows in HF's order."""
     q, scales, biases = affine_parts(f.raw(info.name), info.ggml_type, info.shape)
-    q, scales, biases = q[order], scales[order], biases[order]
+    if order is not None:
+        q, scales, biases = q[order], scales[order], biases[order]
     return QuantizedWeight(pack(q, AFFINE[info.ggml_type][0]), scales, biases, AFFINE[info.ggml_type][0], 32)
 
 
@@ -325,10 +334,10 @@ def _parts(path, arch: str, cfg: dict, f: GGUFFile) -> dict[str, list[str]]:
     """HF name -> the GGUF tensors it is made of, in order (one, or an expert stack's gate and up
     halves). An MTP head's blocks are left out."""
     parts: dict[str, list[str]] = {}
-    layers = cfg["num_hidden_layers"]
+    layers, mtp = cfg["num_hidden_layers"], cfg.get("mtp_num_hidden_layers", 0)
     for gname in f.tensors:
         block = _BLOCK.match(gname)
-        if block and int(block[1]) >= layers:
+        if block and layers <= int(block[1]) < layers + mtp:
             continue
         canon = hf_name(arch, gname)
         if canon is None:
@@ -362,10 +371,9 @@ def open_gguf(path, keep: bool | None = None) -> Checkpoint:
     shapes = {canon: _hf_shape(arch, canon, [f.tensors[g].shape for g in names]) for canon, names in parts.items()}
 
     def part(canon: str, info) -> torch.Tensor:
-        if keep and info.ggml_type in AFFINE and len(info.shape) == 2 and len(parts[canon]) == 1:
-            order = _row_order(arch, cfg, canon, info.shape[0])
-            if order is not None:
-                return _kept(info, order, f)
+        if (keep and info.ggml_type in AFFINE and len(info.shape) == 2 and len(parts[canon]) == 1
+                and _keepable(arch, canon)):
+            return _kept(info, _row_order(arch, cfg, canon, info.shape[0]), f)
         return dequantize(f.raw(info.name), info.ggml_type, info.shape)
 
     def load(canon: str) -> torch.Tensor:

@@ -121,9 +121,10 @@ _VALUE_TYPES = {"u8": "UINT8", "i8": "INT8", "u16": "UINT16", "i16": "INT16", "u
                 "f32": "FLOAT32", "bool": "BOOL", "u64": "UINT64", "i64": "INT64", "f64": "FLOAT64", "str": "STRING"}
 
 
-def rewrite(src: Path, out: Path, meta: dict | None = None, tensors: dict | None = None, drop=()) -> Path:
-    """A copy of a GGUF file with metadata changed (key -> (value, type name)), tensors added and
-    some dropped."""
+def rewrite(src: Path, out: Path, meta: dict | None = None, tensors: dict | None = None, drop=(),
+            q8_0=()) -> Path:
+    """A copy of a GGUF file with metadata changed (key -> (value, type name)), tensors added, some
+    dropped and some quantised to Q8_0."""
     gguf = pytest.importorskip("gguf")
     f, meta = GGUFFile(src), meta or {}
     w = gguf.GGUFWriter(str(out), meta.get("general.architecture", (f.metadata["general.architecture"],))[0])
@@ -141,7 +142,10 @@ def rewrite(src: Path, out: Path, meta: dict | None = None, tensors: dict | None
         if key not in f.metadata:
             w.add_key_value(key, value, gguf.GGUFValueType[_VALUE_TYPES[vtype]])
     for name in f.tensors:
-        if name not in drop:
+        if name in q8_0:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(raw(src, name).numpy(), q8), raw_dtype=q8)
+        elif name not in drop:
             w.add_tensor(name, raw(src, name).numpy())
     for name, t in (tensors or {}).items():
         w.add_tensor(name, t)
@@ -170,6 +174,23 @@ def test_an_mtp_heads_blocks_are_left_out(tmp_path):
     assert with_head.config["layer_types"] == plain.config["layer_types"]
     assert torch.equal(with_head.load("model.layers.2.mlp.experts.down_proj"),
                        plain.load("model.layers.2.mlp.experts.down_proj"))
+
+
+def test_kept_quantised_projections_take_hf_row_order(tmp_path):
+    """KILN_KEEP_QUANTIZED: a Q8_0 GDN input projection (value heads tiled) kept quantised has its rows
+    in HF's order: it dequantises to the tensor the dequantise-at-load path gives."""
+    from kiln.ops.quant.reference import dequantize
+    from kiln.weights.quantized import QuantizedWeight
+
+    f = GGUFFile(FIXTURES / DENSE)
+    names = {n for n, info in f.tensors.items() if len(info.shape) == 2 and info.shape[1] % 32 == 0}
+    assert {"blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_beta.weight"} <= names
+    path = rewrite(FIXTURES / DENSE, tmp_path / "q8.gguf", q8_0=names)
+    loaded, kept = open_gguf(path, keep=False), open_gguf(path, keep=True)
+    for leaf in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"):
+        name = f"model.layers.0.linear_attn.{leaf}.weight"
+        w = kept.load(name)
+        assert isinstance(w, QuantizedWeight) and torch.equal(dequantize(w), loaded.load(name)), name
 
 
 def test_half_an_expert_stack_is_a_clear_error(tmp_path):
