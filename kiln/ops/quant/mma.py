@@ -112,20 +112,28 @@ def chunk_sums(x_ptr, q16_ptr, s_ptr, b_ptr, rows, m, c0, K: tl.constexpr, GROUP
     d = tl.zeros((BN, NC), dtype=tl.float32)
     for t in tl.static_range(TILES):
         g0 = c0 + t * SUB
-        xv = tl.load(x_ptr + m * K + g0 * G + phys).to(tl.float32)
+        # x in its own order ([lanes, PER] is contiguous: Triton pipelines it with the words), then
+        # in weight_tile's column order
+        xn = tl.load(x_ptr + m * K + g0 * G + tl.arange(0, SPAN // PER)[:, None] * PER + tl.arange(0, PER)[None, :])
+        xv = tl.reshape(tl.permute(xn, (1, 0)), [SPAN]).to(tl.float32)
         xb = tl.trans(tl.where(cols[:, None] == (t * SUB + phys // G)[None, :], xv[None, :], 0.0).to(DT))
         w = weight_tile(q16_ptr, rows, g0 * (G // PER), K // PER, BN, SPAN, BITS, MAGIC, DT, ASM)
         if ASM:
             d = tl.dot(w, xb, d)
         else:       # the interpreter's dot multiplies bf16 as raw bits: exact in f32 too
             d = tl.dot(w.to(tl.float32), xb.to(tl.float32), d)
-    live = cols < TILES * SUB
     grp = c0 + cols
-    xs = tl.sum(tl.load(x_ptr + m * K + grp[:, None] * G + tl.arange(0, G)[None, :], mask=live[:, None],
-                        other=0.0).to(tl.float32), axis=1)
     sb = rows[:, None] * GROUPS + grp[None, :]
-    scale = tl.load(s_ptr + sb, mask=live[None, :], other=0.0).to(tl.float32)
-    bias = tl.load(b_ptr + sb, mask=live[None, :], other=0.0).to(tl.float32)
+    if TILES * SUB == NC:       # unmasked, so the loads are vectors Triton pipelines
+        xs = tl.sum(tl.load(x_ptr + m * K + grp[:, None] * G + tl.arange(0, G)[None, :]).to(tl.float32), axis=1)
+        scale = tl.load(s_ptr + sb).to(tl.float32)
+        bias = tl.load(b_ptr + sb).to(tl.float32)
+    else:
+        live = cols < TILES * SUB
+        xs = tl.sum(tl.load(x_ptr + m * K + grp[:, None] * G + tl.arange(0, G)[None, :], mask=live[:, None],
+                            other=0.0).to(tl.float32), axis=1)
+        scale = tl.load(s_ptr + sb, mask=live[None, :], other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + sb, mask=live[None, :], other=0.0).to(tl.float32)
     return (scale * (1 << BITS)) * (d - xs[None, :]) + bias * xs[None, :]
 
 
