@@ -161,8 +161,8 @@ def _common_config(meta: dict, arch: str, tensor_names, mtp: int = 0) -> dict:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
-    if f"{arch}.expert_count" not in meta or f"{arch}.feed_forward_length" in meta:
-        # an MoE model whose every layer is sparse has no dense FFN to size
+    # an MoE model whose every layer is sparse has no dense FFN to size (the key absent, or 0)
+    if f"{arch}.expert_count" not in meta or meta.get(f"{arch}.feed_forward_length"):
         cfg["intermediate_size"] = _get(meta, arch, "feed_forward_length")
     _check_config(cfg, arch, tensor_names, mtp)     # before an architecture builds anything per layer
     return cfg
