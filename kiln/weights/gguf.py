@@ -349,6 +349,8 @@ def _parts(path, arch: str, cfg: dict, f: GGUFFile) -> dict[str, list[str]]:
             if sorted(leaves) != sorted(_JOINED):
                 raise KilnError(f"{path}: {canon} is made of {' and '.join(_JOINED)}, found {', '.join(names)}")
             names.sort(key=lambda n: _JOINED.index(n.split(".")[2]))
+            if len({f.tensors[n].shape for n in names}) > 1:    # halves of one stack: a sum could still fit
+                raise KilnError(f"{path}: {' and '.join(names)} differ in shape")
     return parts
 
 
