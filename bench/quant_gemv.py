@@ -40,20 +40,24 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--models", default=",".join(SHAPES), help="whose shapes (default: all)")
     ap.add_argument("--forms", default="", help="only the qgemv variants whose names start so (comma-separated)")
+    ap.add_argument("--shapes", default="", help="NxK,... instead of the models' shapes")
+    ap.add_argument("--no-bf16", action="store_true", help="skip the 16-bit GEMV beside each shape (quicker)")
     a = ap.parse_args()
     if a.forms:     # fewer candidates to compile and time
         kernels.OP.only = tuple(a.forms.split(","))
     bits = [int(b) for b in a.bits.split(",")]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = sorted({s for m in a.models.split(",") for s in SHAPES[m]}) if dev.type == "cuda" else [(64, 256)]
-    work = [Workload(gemm.OP, gemm.GemmShape(1, n, k)) for n, k in shapes]
+    if a.shapes:
+        shapes = [tuple(int(d) for d in s.split("x")) for s in a.shapes.split(",")]
+    work = [] if a.no_bf16 else [Workload(gemm.OP, gemm.GemmShape(1, n, k)) for n, k in shapes]
     work += [Workload(kernels.OP, kernels.QGemvShape(1, n, k, b, a.group)) for n, k in shapes for b in bits]
     _, report = Tuner(dev, torch.bfloat16, retune=True, budget_s=3600).tune(work)
     best = {label: (name, ms) for label, name, ms, _ in report.rows}
     rows = []
     for n, k in shapes:
-        name16, ms16 = best[Workload(gemm.OP, gemm.GemmShape(1, n, k)).label]
-        for b in [16] + bits:
+        name16, ms16 = best.get(Workload(gemm.OP, gemm.GemmShape(1, n, k)).label, (None, None))
+        for b in ([] if a.no_bf16 else [16]) + bits:
             label = (Workload(gemm.OP, gemm.GemmShape(1, n, k)) if b == 16 else
                      Workload(kernels.OP, kernels.QGemvShape(1, n, k, b, a.group))).label
             name, ms = best[label]
