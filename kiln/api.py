@@ -250,6 +250,8 @@ def memory_plan(ckpt, ops, dtype, limit: int, gpu_memory: float | None, slots: i
     routed experts; None: load as asked. MemoryPlan.slots
     is the expert slots a layer that fit (None: every expert resident); KilnError when the core,
     cache and workspace do not fit, or not the `slots` asked for."""
+    if gpu_memory is None and free is None:
+        return None
     if gpu_memory is not None and gpu_memory <= 0:
         raise KilnError(f"--gpu-memory takes a positive number of GB, got {gpu_memory}")
     cls, cfg = model_config(ckpt.config)
