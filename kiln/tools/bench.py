@@ -1,12 +1,13 @@
-"""`kiln bench`: prefill and decode tok/s per prompt length, optionally beside transformers.
+"""`kiln bench`: prefill and decode tok/s per prompt length, optionally beside transformers or llama.cpp.
 
 Protocol: the prompts are seeded random token ids (the prompt of n tokens is the first n of one
 sequence), the same for every engine. Per prompt length each engine runs once unmeasured (warm-up),
 then `--runs` measured times, the engines alternating which goes first; the median is reported.
 Prefill is timed from the ids going in to the first generated token read on the host; decode from
 there to the last of `--gen` tokens (greedy, never stopping at EOS), as a user waits for them.
-transformers runs in its own process (`python -m kiln.tools.bench --worker`), driven one JSON line at a
-time over stdin/stdout, so each engine has the machine to itself while it is measured.
+The baseline (transformers, or llama.cpp through llama-cpp-python) runs in its own process
+(`python -m kiln.tools.bench --worker`), driven one JSON line at a time over stdin/stdout, so each
+engine has the machine to itself while it is measured and kiln's peak memory is kiln's alone.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .. import hub
 from ..api import pick_device, resolve_model
 from ..cli.flags import add_runtime_flags, at_least, load_from_flags, save_expert_profile
 from ..errors import KilnError
+from . import llamacpp_baseline
 from .benchutil import (
     DTYPE_NAMES,
     check_writable,
@@ -67,7 +69,8 @@ def _lengths(s: str) -> list[int]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="prefill and decode tok/s per prompt length, optionally beside transformers")
+    p = sub.add_parser("bench", help="prefill and decode tok/s per prompt length, optionally beside transformers "
+                                     "or llama.cpp")
     add_runtime_flags(p)
     p.add_argument("--prompt-lengths", type=_lengths, default=None, metavar="N,N,...",
                    help="prompt lengths in tokens (default 512,2048,8192,32768,81920: those that fit the "
@@ -76,8 +79,9 @@ def add_parser(sub) -> None:
                    help="tokens generated after each prompt (default 128)")
     p.add_argument("--runs", type=at_least(1), default=2,
                    help="measured runs per length; the median is reported (default 2)")
-    p.add_argument("--baseline", choices=["transformers"], default=None,
-                   help="also run transformers, in its own process")
+    p.add_argument("--baseline", choices=["transformers", "llama.cpp"], default=None,
+                   help="also run transformers, or llama.cpp on the same GGUF file (needs llama-cpp-python), "
+                        "in its own process")
     p.add_argument("--baseline-attn", choices=["sdpa", "eager"], default="sdpa",
                    help="transformers attention implementation (default sdpa, its own default)")
     p.add_argument("--seed", type=at_least(0), default=0, help="seed of the random-token prompts (default 0)")
@@ -96,6 +100,10 @@ def _check_outputs(a) -> None:
         if importlib.util.find_spec("matplotlib") is None:
             raise KilnError("--plot needs matplotlib (pip install 'kiln[bench]')")
         check_writable(a.plot, "--plot")
+    if a.baseline == "transformers" and importlib.util.find_spec("transformers") is None:
+        raise KilnError("--baseline transformers needs transformers (pip install 'kiln[test]')")
+    if a.baseline == "llama.cpp":
+        llamacpp_baseline.check_installed()
 
 
 def fitted_defaults(limit: int, gen: int, say) -> list[int]:
@@ -165,23 +173,25 @@ class KilnRunner:
 
 
 class Baseline:
-    """transformers on the same weights in a worker process; `measure` is one request to it."""
+    """transformers or llama.cpp on the same weights in a worker process; `measure` is one request to it.
+    `n_threads` and `n_ctx` are llama.cpp's (kiln's torch thread count, the longest prompt + gen)."""
 
-    name = "transformers"
-
-    def __init__(self, model: str, dtype: str, device: str, attn: str):
+    def __init__(self, model: str, dtype: str, device: str, attn: str, engine: str = "transformers",
+                 n_threads: int = 1, n_ctx: int = 512):
+        self.name = engine
         self.err = tempfile.TemporaryFile(mode="w+")
         root = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen([sys.executable, "-m", "kiln.tools.bench", "--worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.err, text=True, env=env)
-        self.version, self.failed = None, None
-        ready = self._ask({"model": model, "dtype": dtype, "device": device, "attn": attn})
+        self.version, self.n_threads, self.failed = None, None, None
+        ready = self._ask({"engine": engine, "model": model, "dtype": dtype, "device": device, "attn": attn,
+                           "n_threads": n_threads, "n_ctx": n_ctx})
         if "error" in ready:
-            self.failed = f"transformers could not run the model: {ready['error']}"
+            self.failed = f"{engine} could not run the model: {ready['error']}"
         else:
-            self.version, self.load_s = ready["version"], ready["load_s"]
+            self.version, self.load_s, self.n_threads = ready["version"], ready["load_s"], ready.get("n_threads")
 
     def _stderr_tail(self) -> str:
         self.err.seek(0)
@@ -208,7 +218,7 @@ class Baseline:
             return {"skipped": self.failed}
         r = self._ask({"op": "measure", "ids": ids, "gen": gen})
         if "error" in r:
-            self.failed = f"transformers failed: {r['error']}"
+            self.failed = f"{self.name} failed: {r['error']}"
             return {"skipped": self.failed}
         return r
 
@@ -308,12 +318,12 @@ def _note(rows: dict[str, dict]) -> str:
 
 
 def table(report: dict) -> str:
-    """The Markdown table: per prompt length kiln's tok/s, and transformers' with the ratios."""
+    """The Markdown table: per prompt length kiln's tok/s, and the baseline's with the ratios."""
     base = report["baseline"]
+    other = base["engine"] if base else None
     heads = ["prompt tokens", "gen tokens", "kiln prefill tok/s", "kiln decode tok/s"]
     if base:
-        heads += ["transformers prefill tok/s", "transformers decode tok/s",
-                  "prefill kiln/transformers", "decode kiln/transformers"]
+        heads += [f"{other} prefill tok/s", f"{other} decode tok/s", f"prefill kiln/{other}", f"decode kiln/{other}"]
     by_len = {r["prompt_tokens"]: r for r in base["results"]} if base else {}
     rows = []
     for k in report["results"]:
@@ -324,7 +334,7 @@ def table(report: dict) -> str:
         if base:
             row += [_rate(b["prefill_tok_s"]), _rate(b["decode_tok_s"]),
                     _ratio(k["prefill_tok_s"], b["prefill_tok_s"]), _ratio(k["decode_tok_s"], b["decode_tok_s"])]
-        rows.append((row, _note({"kiln": k, "transformers": b} if base else {"kiln": k})))
+        rows.append((row, _note({"kiln": k, other: b} if base else {"kiln": k})))
     if any(note for _, note in rows):
         heads.append("note")
         rows = [(row + [note], note) for row, note in rows]
@@ -338,7 +348,7 @@ def plot(path: str, report: dict, gen: int) -> None:
 
     engines = [("kiln", report["results"])]
     if report["baseline"]:
-        engines.append(("transformers", report["baseline"]["results"]))
+        engines.append((report["baseline"]["engine"], report["baseline"]["results"]))
     lengths = [r["prompt_tokens"] for r in report["results"]]
     fig = Figure(figsize=(10, 4), dpi=120, layout="constrained")
     for ax, key, title in zip(fig.subplots(1, 2), ("prefill_tok_s", "decode_tok_s"),
@@ -358,14 +368,14 @@ def plot(path: str, report: dict, gen: int) -> None:
     write_atomic(path, lambda f: fig.savefig(f, format="png"))
 
 
-def _agreement(measured: dict, say) -> None:
-    """Greedy tokens of kiln and transformers from the same weights and prompt: a sanity check."""
+def _agreement(measured: dict, engine: str, say) -> None:
+    """Greedy tokens of kiln and the baseline from the same weights and prompt: a sanity check."""
     for n, runs in measured["kiln"].items():
-        other = measured["transformers"].get(n) or [{}]
+        other = measured[engine].get(n) or [{}]
         a, b = (runs or [{}])[-1].get("tokens"), other[-1].get("tokens")
         if a and b:
             same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-            say(f"greedy tokens at {n}: kiln and transformers agree on the first {same} of {len(a)}")
+            say(f"greedy tokens at {n}: kiln and {engine} agree on the first {same} of {len(a)}")
 
 
 # -- the command ---------------------------------------------------------------------------------------
@@ -396,7 +406,10 @@ def _gpu_fits_both(llm) -> bool:
 def _load(a, say):
     synth = (a.model or "").startswith("synth:")
     # Resolving first pulls a missing bundled model, so load_s never includes a download.
-    cache = None if synth else resident_fraction(resolve_model(a.model, quiet=a.quiet))
+    path = None if synth else resolve_model(a.model, quiet=a.quiet)
+    if a.baseline == "llama.cpp":   # before kiln's load: a model llama.cpp cannot read ends the run at once
+        llamacpp_baseline.check_gguf(a.model, path)
+    cache = None if synth else resident_fraction(path)
     llm = load_from_flags(a)
     note = "weights synthesized, no checkpoint read" if synth else page_cache_note(cache)
     say(f"loaded {a.model or model_label(None, None)} ({DTYPE_NAMES[llm.engine.dtype]}, {llm.engine.device}, "
@@ -423,12 +436,11 @@ def main(a) -> int:
     prompts = random_prompts(llm.model.cfg.vocab_size, lengths, a.seed)
     skips = {n: f"prompt {n} + {gen} generated tokens exceed the max context of {limit} tokens"
              for n in prompts if n + gen > limit}
-    base_model = a.model if (a.model or "").startswith("synth:") else str(llm.path)
+    start = _baseline_starter(a, llm, report, [n for n in prompts if n not in skips], say)
     kiln_runner, base = KilnRunner(llm), None
     together = a.baseline is not None and _gpu_fits_both(llm)
     if together:
-        say(f"starting transformers ({a.baseline_attn}) in a worker process")
-        base = Baseline(base_model, report["dtype"], str(dev), a.baseline_attn)
+        base = start()
     runners = [kiln_runner] + ([base] if together else [])
     try:
         measured = run_protocol(runners, prompts, gen, a.runs, skips, log)
@@ -437,20 +449,41 @@ def main(a) -> int:
         report["expert_store"] = _expert_store(llm)
         save_expert_profile(llm, a)
         if a.baseline is not None and not together:
-            say("GPU memory cannot hold both engines: transformers runs after kiln, not alternating with it")
+            say(f"GPU memory cannot hold both engines: {a.baseline} runs after kiln, not alternating with it")
             kiln_runner.close()
             llm = None
             _free_cuda(dev)
-            base = Baseline(base_model, report["dtype"], str(dev), a.baseline_attn)
+            base = start()
             measured |= run_protocol([base], prompts, gen, a.runs, skips, log)
     finally:
         if base is not None:
             base.close()
     report["results"] = [with_bound(summarise(n, measured["kiln"][n]), report) for n in prompts]
-    report["baseline"] = None if base is None else {
-        "engine": "transformers", "version": base.version,
-        "results": [summarise(n, measured["transformers"][n]) for n in prompts]}
+    report["baseline"] = None if base is None else baseline_section(base, measured, prompts)
     return _finish(a, report, measured, say)
+
+
+def _baseline_starter(a, llm, report: dict, lengths: list[int], say):
+    """A function that starts the baseline's worker (called when it can run: beside kiln, or after it).
+    llama.cpp gets kiln's torch thread count and a context for the longest measured prompt + --gen."""
+    model = a.model if (a.model or "").startswith("synth:") else str(llm.path)
+    threads, n_ctx = torch.get_num_threads(), max(lengths, default=1) + a.gen
+
+    def start() -> Baseline:
+        if a.baseline == "llama.cpp":
+            say(f"starting llama.cpp (llama-cpp-python, {threads} threads) in a worker process")
+        else:
+            say(f"starting transformers ({a.baseline_attn}) in a worker process")
+        return Baseline(model, report["dtype"], report["device"], a.baseline_attn, a.baseline, threads, n_ctx)
+    return start
+
+
+def baseline_section(base, measured: dict, prompts) -> dict:
+    """The JSON's `baseline`: engine, version, llama.cpp's thread count, and results shaped as kiln's."""
+    out = {"engine": base.name, "version": base.version}
+    if base.name == llamacpp_baseline.NAME:
+        out["n_threads"] = base.n_threads
+    return out | {"results": [summarise(n, measured[base.name][n]) for n in prompts]}
 
 
 def _expert_store(llm) -> dict | None:
@@ -466,7 +499,7 @@ def _expert_store(llm) -> dict | None:
 def _finish(a, report: dict, measured: dict, say) -> int:
     print(table(report), flush=True)
     if report["baseline"]:
-        _agreement(measured, say)
+        _agreement(measured, report["baseline"]["engine"], say)
     fmt = lambda x, unit: "null" if x is None else f"{x}{unit}"  # noqa: E731
     mem = "peak GPU memory" if report["device"].startswith("cuda") else "peak RSS"
     stages = report.get("load_stages") or {}
@@ -504,13 +537,38 @@ def _hf_measure(model, req: dict, device: torch.device, keep_kw: dict) -> dict:
         return _hf_run(model, req["ids"], req["gen"], device, keep_kw)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if (reason := _oom(e)) is None:
-            return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+            return {"error": _one_line(e)}
         _free_cuda(device)
         return {"skipped": reason}
 
 
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def _load_transformers(cfg: dict):
+    """(ready facts, measure function) of transformers' model on the config's checkpoint."""
+    import transformers
+
+    device = torch.device(cfg["device"])
+    model = load_hf_reference(cfg["model"], dtype=cfg["dtype"], device=cfg["device"], attn=cfg["attn"])
+    keep_kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    return {"version": transformers.__version__}, lambda req: _hf_measure(model, req, device, keep_kw)
+
+
+def _load_llamacpp(cfg: dict):
+    ready, measure = llamacpp_baseline.load(cfg)
+
+    def guarded(req: dict) -> dict:
+        try:
+            return measure(req)
+        except Exception as e:  # a failed decode call: the parent skips the baseline with the reason
+            return {"error": _one_line(e)}
+    return ready, guarded
+
+
 def worker_main() -> int:
-    """Reads one config line, loads transformers' model, then answers measure requests until quit."""
+    """Reads one config line, loads the baseline's model, then answers measure requests until quit."""
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # whatever a library prints goes to stderr, never into the protocol
     sys.stdout = sys.stderr
@@ -519,24 +577,20 @@ def worker_main() -> int:
         proto.write(json.dumps(obj) + "\n")
 
     cfg = json.loads(sys.stdin.readline())
-    device = torch.device(cfg["device"])
+    loader = _load_llamacpp if cfg.get("engine") == llamacpp_baseline.NAME else _load_transformers
     try:
-        import transformers
-
-
         t0 = time.perf_counter()
-        model = load_hf_reference(cfg["model"], dtype=cfg["dtype"], device=cfg["device"], attn=cfg["attn"])
+        ready, measure = loader(cfg)
         load_s = time.perf_counter() - t0
     except Exception as e:  # reported to the parent as the reason the baseline is skipped
-        reply({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
+        reply({"error": _one_line(e)})
         return 1
-    keep_kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    reply({"ready": True, "version": transformers.__version__, "load_s": load_s})
+    reply({"ready": True, **ready, "load_s": load_s})
     for line in sys.stdin:
         req = json.loads(line)
         if req.get("op") != "measure":
             break
-        reply(_hf_measure(model, req, device, keep_kw))
+        reply(measure(req))
     return 0
 
 

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,7 +179,7 @@ def test_profile_prints_per_op_shares_that_sum_to_100(tmp_path):
     (["bench", "--prompt-lengths", "0,32"], "positive integers"),
     (["bench", "--gen", "1"], "--gen"),
     (["bench", "--runs", "0"], "--runs"),
-    (["bench", "--baseline", "llama.cpp"], "invalid choice"),
+    (["bench", "--baseline", "llamacpp"], "invalid choice"),
     (["bench", "--dtype", "f64"], "invalid choice"),
     (["bench", "--plot", "out.jpg"], ".png"),
     (["bench", "--json", "/no/such/folder/out.json"], "does not exist"),
@@ -303,3 +304,156 @@ def test_token_bytes_and_quant_summary_count_what_a_token_reads():
     assert quant_summary(model) == {"bits": 4, "group_size": 64, "bytes_per_token": want, "quantised": 2,
                                     "formats": ["4-bit g64", "8-bit g64"]}
     assert quant_summary(SimpleNamespace(w={"a": torch.zeros(2)})) is None
+
+
+# -- the llama.cpp baseline ------------------------------------------------------------------------------
+# A stand-in llama_cpp package: it records how it was built and every token list it evaluated (in the
+# file $FAKE_LLAMA_LOG, since the worker is another process), and its greedy next token is the last
+# token fed + 1, so the tokens a run reports show whether the argmax was read from its logits.
+FAKE_LLAMA_CPP = '''
+import ctypes, json, os
+
+__version__ = "0.0-fake"
+VOCAB = 64
+_logits = (ctypes.c_float * VOCAB)()
+
+def _log(event):
+    with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
+        f.write(json.dumps(event) + "\\n")
+
+def llama_supports_gpu_offload():
+    return False
+
+def llama_get_logits_ith(ctx, i):
+    assert ctx == "ctx" and i == -1
+    return ctypes.cast(_logits, ctypes.POINTER(ctypes.c_float))
+
+class Llama:
+    def __init__(self, model_path, **kw):
+        _log({"init": dict(kw, model_path=model_path)})
+        self.ctx, self.n_tokens = "ctx", 0
+
+    def n_vocab(self):
+        return VOCAB
+
+    def reset(self):
+        self.n_tokens = 0
+
+    def eval(self, tokens):
+        _log({"eval": list(tokens), "n_past": self.n_tokens})
+        self.n_tokens += len(tokens)
+        for i in range(VOCAB):
+            _logits[i] = 0.0
+        _logits[(tokens[-1] + 1) % VOCAB] = 1.0
+'''
+
+
+TINY_GGUF = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-qwen3.5.gguf"
+
+
+@pytest.fixture
+def fake_llama_cpp(tmp_path, monkeypatch):
+    """The stand-in importable here and in bench's worker process; returns the events it logged."""
+    pkg = tmp_path / "fake" / "llama_cpp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    log = tmp_path / "llama.log"
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
+    monkeypatch.setenv("PYTHONPATH", str(pkg.parent))
+    monkeypatch.syspath_prepend(str(pkg.parent))
+    real = sys.modules.pop("llama_cpp", None)
+    yield lambda: [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    sys.modules.pop("llama_cpp", None)      # the stand-in must not outlive the test
+    if real is not None:
+        sys.modules["llama_cpp"] = real
+
+
+def test_llamacpp_baseline_feeds_the_ids_with_kilns_threads_and_reads_the_argmax(fake_llama_cpp):
+    from kiln.tools import llamacpp_baseline
+
+    ready, measure = llamacpp_baseline.load({"model": "m.gguf", "device": "cpu", "n_threads": 3, "n_ctx": 40})
+    assert ready == {"version": "0.0-fake", "n_threads": 3}
+    m = measure({"ids": [5, 9, 20], "gen": 4})
+    assert m["tokens"] == [21, 22, 23, 24] and m["prefill_s"] > 0 and m["decode_s"] > 0
+    init, *evals = fake_llama_cpp()
+    assert init["init"] == {"model_path": "m.gguf", "n_ctx": 40, "n_batch": 512, "n_threads": 3,
+                            "n_threads_batch": 3, "n_gpu_layers": 0, "logits_all": False, "verbose": False}
+    assert evals == [{"eval": [5, 9, 20], "n_past": 0}, {"eval": [21], "n_past": 3},
+                     {"eval": [22], "n_past": 4}, {"eval": [23], "n_past": 5}]
+    measure({"ids": [7], "gen": 2})         # a new run starts from an empty cache
+    assert fake_llama_cpp()[-2] == {"eval": [7], "n_past": 0}
+
+
+def test_bench_with_the_llamacpp_baseline_reports_its_numbers(fake_llama_cpp, tmp_path, capsys):
+    """The whole command in this process (on the 1 MB fixture GGUF, for speed), the fake library in the
+    worker: the table's columns, the JSON's baseline section (with n_threads = kiln's torch threads),
+    and the very ids kiln measured, from the very file kiln loaded."""
+    from kiln.tools.bench import random_prompts
+
+    out = tmp_path / "out.json"
+    assert kiln_main(["bench", str(TINY_GGUF), "--device", "cpu", "--baseline", "llama.cpp", "--prompt-lengths",
+                      "8,12", "--gen", "3", "--runs", "1", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    head, *rows = table_rows(captured.out)
+    assert head[4:8] == ["llama.cpp prefill tok/s", "llama.cpp decode tok/s", "prefill kiln/llama.cpp",
+                         "decode kiln/llama.cpp"]
+    assert [row[0] for row in rows] == ["8", "12"] and all(min(map(num, row[2:6])) > 0 for row in rows)
+    assert all(row[6] != "-" and row[7] != "-" for row in rows)     # the fake is fast: ratios may print 0.00
+    rep = json.loads(out.read_text())
+    assert list(rep) == BENCH_FIELDS
+    base = rep["baseline"]
+    assert list(base) == ["engine", "version", "n_threads", "results"]
+    assert (base["engine"], base["version"], base["n_threads"]) == ("llama.cpp", "0.0-fake", torch.get_num_threads())
+    assert [(e["prompt_tokens"], e["gen_tokens"]) for e in base["results"]] == [(8, 3), (12, 3)]
+    assert all(e["prefill_tok_s"] > 0 and e["decode_tok_s"] > 0 for e in base["results"])
+    events = fake_llama_cpp()
+    assert events[0]["init"]["model_path"] == str(TINY_GGUF)
+    assert events[0]["init"]["n_ctx"] == 12 + 3 and events[0]["init"]["n_threads"] == torch.get_num_threads()
+    prompts = [e["eval"] for e in events if e.get("n_past") == 0]
+    want = random_prompts(384, [8, 12], 0)            # the fixture's vocabulary
+    assert prompts == [want[8]] * 2 + [want[12]] * 2            # warm-up and one run per length
+    assert "greedy tokens at 8: kiln and llama.cpp agree on the first" in captured.err
+
+
+@pytest.mark.parametrize("model, says", [
+    ("synth:tiny-llama", "needs a GGUF model file; synth:tiny-llama is not one"),
+    ("not-gguf.bin", "needs a GGUF model file"),
+])
+def test_llamacpp_baseline_refuses_a_model_that_is_not_gguf(model, says, fake_llama_cpp, tmp_path, monkeypatch,
+                                                             capsys):
+    import kiln.cli.flags
+
+    monkeypatch.setattr(kiln.cli.flags, "load", lambda *a, **k: pytest.fail("refused before the model loads"))
+    (tmp_path / "not-gguf.bin").write_bytes(b"PK\3\4" + b"\0" * 60)
+    monkeypatch.chdir(tmp_path)
+    assert kiln_main(["bench", model, "--baseline", "llama.cpp"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
+@pytest.mark.parametrize("baseline, module, says", [
+    ("llama.cpp", "llama_cpp", "--baseline llama.cpp needs llama-cpp-python (pip install 'kiln[llamacpp]')"),
+    ("transformers", "transformers", "--baseline transformers needs transformers"),
+])
+def test_a_missing_baseline_library_is_one_line_before_loading(baseline, module, says, monkeypatch, capsys):
+    import kiln.cli.flags
+
+    monkeypatch.setattr(kiln.cli.flags, "load", lambda *a, **k: pytest.fail("refused before the model loads"))
+    monkeypatch.setitem(sys.modules, module, None)       # what find_spec reports for a library not installed
+    assert kiln_main(["bench", "--baseline", baseline]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
+def test_llamacpp_baseline_on_the_real_library():
+    """llama-cpp-python itself (skipped where it is not installed, as in CI) on the bundled GGUF."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from kiln.tools import llamacpp_baseline
+
+    path = str(hub.ensure("smollm2-135m"))
+    ready, measure = llamacpp_baseline.load({"model": path, "device": "cpu", "n_threads": 2, "n_ctx": 32})
+    assert ready == {"version": llama_cpp.__version__, "n_threads": 2}
+    ids = list(range(100, 116))
+    first, again = measure({"ids": ids, "gen": 4}), measure({"ids": ids, "gen": 4})
+    assert len(first["tokens"]) == 4 and first["tokens"] == again["tokens"]   # greedy: the same every run
+    assert all(0 <= t < 49152 for t in first["tokens"]) and first["prefill_s"] > 0 and first["decode_s"] > 0
