@@ -378,9 +378,10 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     path = resolve_model(model, quiet=quiet)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    ckpt = open_checkpoint(path, verify=verify)
     if backend == "auto":
         backend = "cuda" if dev.type == "cuda" else "reference"
+    # the cpu backend runs a GGUF file's quantised tensors as they are stored
+    ckpt = open_checkpoint(path, verify=verify, keep=True if backend == "cpu" else None)
     ops = get_ops(backend, dev)
     if (retune or tune) and not hasattr(ops, "prepare"):
         raise KilnError(f"--retune and --tune apply to the cuda backend, not {backend!r}")

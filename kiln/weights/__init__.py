@@ -19,8 +19,9 @@ from .synth import open_synth
 __all__ = ["Checkpoint", "FileSpan", "open_checkpoint"]
 
 
-def open_checkpoint(path: str | Path, verify: str = "lazy") -> Checkpoint:
-    """`verify` (full, lazy, off): how a packed directory's files are checked against its manifest."""
+def open_checkpoint(path: str | Path, verify: str = "lazy", keep: bool | None = None) -> Checkpoint:
+    """`verify` (full, lazy, off): how a packed directory's files are checked against its manifest;
+    `keep`: a GGUF file's 32-block tensors kept quantised (None: KILN_KEEP_QUANTIZED decides)."""
     if str(path).startswith("synth:"):  # seeded random weights, drawn as they are loaded
         return open_synth(str(path))
     p = Path(path).expanduser()
@@ -33,5 +34,5 @@ def open_checkpoint(path: str | Path, verify: str = "lazy") -> Checkpoint:
     with open(p, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
-        return open_gguf(p)
+        return open_gguf(p, keep)
     raise KilnError(f"{p} is neither a GGUF file nor an HF folder (config.json + *.safetensors)")

@@ -1,0 +1,72 @@
+"""The cpu backend: quantised projections kept quantised (torch's int4 kernel, a 16-bit copy), each
+form gated against the reference at load; the model's output within bf16 rounding of the reference's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln
+from kiln.backends.cpu import CpuOps
+from kiln.ops.quant import cpu as qcpu
+from kiln.weights.quantized import dequantize, quantize
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
+                                reason="this torch has no CPU int4 kernel")
+
+
+@pytest.mark.parametrize("n,k,group", [(48, 96, 32), (32, 256, 64), (80, 256, 128), (16, 512, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 37])
+def test_int4_form_within_bf16_rounding_of_the_dequantised_product(n, k, group, rows):
+    g = torch.Generator().manual_seed(n * k + rows)
+    w = quantize(torch.randn(n, k, generator=g) * 0.1, 4, group)
+    x = torch.randn(rows, k, generator=g)
+    want = x @ dequantize(w).float().t()
+    got = qcpu.int4_linear(x, qcpu.to_int4(w))
+    assert got.dtype == x.dtype and got.shape == want.shape
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 2e-2, err         # bf16 rounding of x, the scales and zeros; a wrong nibble order lands near 1
+
+
+def test_int4_form_takes_whole_blocks_of_16_rows_only():
+    assert qcpu.int4_fits(quantize(torch.randn(32, 64), 4, 32))
+    assert not qcpu.int4_fits(quantize(torch.randn(40, 64), 4, 32))
+    assert not qcpu.int4_fits(quantize(torch.randn(32, 64), 8, 32))
+
+
+def test_dense16_form_is_the_dequantised_weight_in_f16():
+    w = quantize(torch.randn(32, 64, generator=torch.Generator().manual_seed(1)), 8, 32)
+    x = torch.randn(1, 64)
+    assert torch.equal(qcpu.dense16(w), dequantize(w).to(torch.float16))
+    assert torch.allclose(qcpu.dense16_linear(x, qcpu.dense16(w)), x @ dequantize(w).t(), rtol=1e-2, atol=1e-2)
+
+
+def _load(backend):
+    return kiln.load("synth:tiny-qwen3.5:bits=4:group=32", device="cpu", backend=backend, dtype="f32")
+
+
+def test_cpu_backend_keeps_quantised_forms_and_matches_the_reference():
+    cpu, ref = _load("cpu"), _load("reference")
+    assert isinstance(cpu.model.ops, CpuOps) and cpu.model.ops.choice
+    assert set(cpu.model.ops.choice.values()) <= {"reference", "int4", "dense16"}
+    assert any(form == "int4" for (_, form) in cpu.model.ops.copies) or "int4" not in cpu.model.ops.choice.values()
+    ids = torch.randint(0, 509, (23,), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(len(ids))
+    a = cpu.model.forward(ids, pos, cpu.model.make_state(torch.float32, "cpu"), last_only=False)
+    b = ref.model.forward(ids, pos, ref.model.make_state(torch.float32, "cpu"), last_only=False)
+    assert ((a - b).abs().max() / b.abs().max()).item() < 3e-2
+
+
+def test_a_wrong_form_fails_the_gate_and_the_reference_runs(monkeypatch):
+    monkeypatch.setattr(qcpu, "int4_linear", lambda x, w: torch.zeros(*x.shape[:-1], w.shape[0], dtype=x.dtype) + 1)
+    monkeypatch.setattr(qcpu, "dense16_linear", lambda x, w: torch.ones(*x.shape[:-1], w.shape[0], dtype=x.dtype))
+    llm = _load("cpu")
+    assert set(llm.model.ops.choice.values()) == {"reference"}
+    assert not llm.model.ops.copies
+
+
+def test_cpu_backend_refuses_a_gpu_device():
+    from kiln.backends import get_ops
+    from kiln.errors import KilnError
+    with pytest.raises(KilnError, match="runs on the CPU"):
+        get_ops("cpu", torch.device("cuda"))
