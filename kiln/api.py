@@ -297,9 +297,9 @@ def _expert_sizes(plan: MemoryPlan, shapes: dict, held: dict, stacks: list[str])
 
 def state_bytes(cls, cfg, ops, dtype, limit: int, chunk: int) -> int:
     """The per-layer state's bytes at `limit` tokens, from the state the model makes (its own rule,
-    its backend's choice of ring or plain cache): a KV cache at the capacity its doubling from its
-    first reaches for `limit` positions (kiln/cache.py; a graph's reserved bucket is never more), a
-    ring its window and a prefill chunk, the recurrent state as made."""
+    its backend's choice of ring or plain cache): a KV cache at `limit` positions (the engine caps its
+    doubling there; a graph's reserved bucket is never more), a ring its window and a prefill chunk,
+    the recurrent state as made."""
     stand_in = cls.__new__(cls)     # make_state reads the config and the backend, no weight
     stand_in.cfg, stand_in.ops = cfg, ops
     seen, total = set(), 0
@@ -316,10 +316,7 @@ def _layer_state_bytes(state, limit: int, chunk: int) -> int:
         per = 2 * _numel(state.k.shape[1:]) * state.k.element_size()       # K and V of one position
         if isinstance(state, RingKVCache):
             return per * min(limit, state.window - 1 + chunk)
-        cap = state.capacity
-        while cap < limit:
-            cap *= 2
-        return per * cap
+        return per * max(limit, state.capacity)      # the engine caps its growth at the max context
     return sum(t.numel() * t.element_size() for t in vars(state).values() if isinstance(t, torch.Tensor))
 
 

@@ -17,6 +17,7 @@ class KVCache:
         self.k = torch.empty(capacity, n_kv, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
         self.length = 0
+        self.limit: int | None = None       # the most positions it will hold (the engine's max context)
 
     @property
     def capacity(self) -> int:
@@ -33,7 +34,7 @@ class KVCache:
     def _reserve(self, n: int) -> None:
         if n <= self.k.shape[0]:
             return
-        cap = max(n, 2 * self.k.shape[0])
+        cap = max(n, 2 * self.k.shape[0] if self.limit is None else min(2 * self.k.shape[0], self.limit))
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_empty(cap, *old.shape[1:])

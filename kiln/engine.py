@@ -76,19 +76,27 @@ class Engine:
         persistent GraphState, reset, its KV reserved for the context bucket holding `tokens`."""
         if self.graph is not None and self._state is None:
             # (not probed on the meta device at construction: meta tensors import torch._refs, ~2 s)
-            state = self.model.make_state(self.dtype, self.device)
+            state = self.capped(self.model.make_state(self.dtype, self.device))
             if graphable(state):
                 self._state = GraphState(state)
             else:
                 self.graph = None
         if self.graph is None:
-            return self.model.make_state(self.dtype, self.device)
+            return self.capped(self.model.make_state(self.dtype, self.device))
         if self._kept is not None and self._kept.state is self._state:
             self._kept = None       # its prefix is about to be overwritten: nothing is left to reuse
         for layer in self._state:
             layer.reset()
         self.reserve(self._state, tokens)
         return self._state
+
+    def capped(self, state: list) -> list:
+        """A KV cache never grows past the max context (its doubling would, up to twice over, and
+        --gpu-memory sizes the cache at the max context)."""
+        for layer in state:
+            if hasattr(layer, "limit"):
+                layer.limit = self.max_context
+        return state
 
     def reserve(self, state: list, tokens: int) -> None:
         bucket = min(max(MIN_BUCKET, 1 << max(tokens - 1, 0).bit_length()), self.max_context)

@@ -115,3 +115,18 @@ def test_a_request_that_does_not_reuse_ends_what_a_later_one_could_reuse(graph, 
     stream = eng.generate(follow, params, [], reuse=True)
     assert list(stream.ids) == _host_loop(eng, follow, params, set())[0]
     assert stream.times.cached_tokens == (0 if graph else len(PROMPT) + len(first) - 1)
+
+
+def test_a_kv_cache_grows_by_doubling_up_to_the_max_context_only():
+    from kiln.cache import KVCache
+    cache = KVCache(2, 8, torch.float32, "cpu")
+    kv = torch.randn(257, 2, 8)
+    cache.update(kv, kv, torch.arange(257))
+    assert cache.capacity == 512              # doubling, with no limit set
+    capped = KVCache(2, 8, torch.float32, "cpu")
+    capped.limit = 300
+    capped.update(kv, kv, torch.arange(257))
+    assert capped.capacity == 300
+    llm = kiln.load("synth:tiny-llama", device="cpu", max_context=300)
+    state = llm.engine.new_state(10)
+    assert [layer.limit for layer in state if hasattr(layer, "limit")] == [300] * 3
