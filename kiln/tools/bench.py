@@ -91,7 +91,8 @@ def add_parser(sub) -> None:
     p.set_defaults(main=main)
 
 
-def _check_outputs(a) -> None:
+def _check_before_load(a) -> None:
+    """Mistakes that would otherwise surface only after a long run: output folders, missing libraries."""
     if a.json_path:
         check_writable(a.json_path, "--json")
     if a.plot:
@@ -418,7 +419,7 @@ def _load(a, say):
 
 
 def main(a) -> int:
-    _check_outputs(a)
+    _check_before_load(a)
     say = (lambda m: None) if a.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr))
     log = _log_line(a.quiet)
     reset_peak(pick_device(a.device))
