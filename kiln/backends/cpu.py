@@ -86,6 +86,14 @@ class CpuOps(ReferenceOps):
                 return qcpu.dense16_linear(x, copy)
         return super().linear(x, w, b)
 
+    def linear_split(self, x: torch.Tensor, w, sizes: list[int]) -> list:
+        """A packed weight's projections: one product on its kept form, its output split (the
+        reference runs each part, which would dequantise each part's slice on every call)."""
+        if isinstance(w, QuantizedWeight) and self.choice.get((_bucket(x.numel() // x.shape[-1]), _shape_key(w))) \
+                in ("int4", "dense16"):
+            return list(self.linear(x, w).split(sizes, dim=-1))
+        return super().linear_split(x, w, sizes)
+
 
 def _bucket(rows: int) -> str:
     return "decode" if rows <= 4 else "prefill"
