@@ -41,8 +41,8 @@ def test_dense16_form_is_the_dequantised_weight_in_f16():
     assert torch.allclose(qcpu.dense16_linear(x, qcpu.dense16(w)), x @ dequantize(w).t(), rtol=1e-2, atol=1e-2)
 
 
-def _load(backend):
-    return kiln.load("synth:tiny-qwen3.5:bits=4:group=32", device="cpu", backend=backend, dtype="f32")
+def _load(backend, dtype="f32"):
+    return kiln.load("synth:tiny-qwen3.5:bits=4:group=32", device="cpu", backend=backend, dtype=dtype)
 
 
 def test_cpu_backend_keeps_quantised_forms_and_matches_the_reference():
@@ -70,3 +70,8 @@ def test_cpu_backend_refuses_a_gpu_device():
     from kiln.errors import KilnError
     with pytest.raises(KilnError, match="runs on the CPU"):
         get_ops("cpu", torch.device("cuda"))
+
+
+def test_cpu_backend_measures_its_forms_in_bf16_too():
+    llm = _load("cpu", "bf16")      # the gate's f32 product must not mix the weight's bf16 with x's f32
+    assert llm.model.ops.choice and llm.generate([1, 2, 3], max_new_tokens=2).text is not None
