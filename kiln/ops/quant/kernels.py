@@ -510,11 +510,11 @@ GPU_FMA = [(bn, bw, 4, sk, False, x3) for bn in (8, 16, 32) for bw in (64, 128, 
 PROLOGUE_TILES = ((16, 128), (32, 128))     # (bn, bw) of the fused prologue forms measured on a GPU
 CPU_FMA = [(8, 16, 4, 2, True, False), (16, 32, 4, 1, False, True)]
 # (bn, sub, warps, splits (0: mma_split's), stages) of the tensor-core form: 64 rows a warpgroup's
-# product; the stages' words within MMA_SMEM of the H200's 227 KiB of shared memory a block. Two
-# stages won every shape of the 0.8b and 9B (bench/NOTES.md, 2026-12-02): three stay measured at bn64
-GPU_MMA = [(bn, sub, w, sk, st) for bn, sub, w, st in ((64, 4, 4, 2), (64, 2, 4, 2), (64, 1, 4, 2), (64, 2, 4, 3),
-                                                      (64, 1, 4, 3), (128, 2, 4, 2), (128, 1, 8, 2), (128, 2, 8, 2),
-                                                      (32, 1, 4, 2), (32, 2, 4, 2)) for sk in (1, 2, 0)]
+# product; the stages' words within MMA_SMEM of the H200's 227 KiB of shared memory a block. Measured
+# on the 9B's and 27B's shapes (bench/NOTES.md, 2026-12-02, 30 forms a shape): every winner was 64 rows,
+# 2 or 4 groups a product, 4 warps, 2 stages; 1 group a product, 32 rows, 8 warps and 3 stages never won
+GPU_MMA = [(bn, sub, w, sk, st) for bn, sub, w, st in ((64, 4, 4, 2), (64, 2, 4, 2), (128, 2, 4, 2))
+           for sk in (1, 2, 0)]
 CPU_MMA = [(32, 4, 4, 2, 2)]      # the interpreter's tunes: one form (tests/ops take the paths one by one)
 TEST_MMA = [(16, 2, 4, 1, 2), (32, 4, 4, 2, 2)]     # whole and split, a tail chunk with dead products
 MMA_SMEM = 160 * 1024
