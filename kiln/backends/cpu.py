@@ -1,4 +1,5 @@
-"""The cpu backend: the reference backend with quantised projections kept quantised.
+"""The cpu backend: the reference backend with quantised projections kept quantised, and attention
+without the reference's GQA copies (kiln/ops/attention/cpu.py).
 
 At load (`prepare`) each quantised projection shape is run through its forms on fresh random inputs:
 the reference (dequantise, then F.linear: the trusted form), torch's int4 kernel (kiln/ops/quant/cpu.py)
@@ -14,6 +15,7 @@ import time
 
 import torch
 
+from ..ops.attention.cpu import AttentionCpu
 from ..ops.quant import cpu as qcpu
 from ..weights.quantized import QuantizedWeight, dequantize
 from .reference import ReferenceOps
@@ -24,7 +26,7 @@ PREFILL_ROWS = 64    # a prefill chunk's forms measured on 64 rows: 512 rows of 
 REPEATS = 5
 
 
-class CpuOps(ReferenceOps):
+class CpuOps(AttentionCpu, ReferenceOps):
     name = "cpu"
 
     def __init__(self, device: torch.device | str = "cpu"):

@@ -75,3 +75,23 @@ def test_cpu_backend_refuses_a_gpu_device():
 def test_cpu_backend_measures_its_forms_in_bf16_too():
     llm = _load("cpu", "bf16")      # the gate's f32 product must not mix the weight's bf16 with x's f32
     assert llm.model.ops.choice and llm.generate([1, 2, 3], max_new_tokens=2).text is not None
+
+
+@pytest.mark.parametrize("prefix,t,window,softcap", [(0, 7, None, None), (9, 1, None, None), (12, 3, 5, None),
+                                                     (4, 1, None, 30.0)])
+def test_cpu_attention_equals_the_reference(prefix, t, window, softcap):
+    from kiln.cache import KVCache
+    from kiln.ops.attention.cpu import AttentionCpu
+    from kiln.ops.attention.reference import AttentionReference
+    g = torch.Generator().manual_seed(prefix * 10 + t)
+    h, kv, d = 6, 2, 16
+    caches = [KVCache(kv, d, torch.float32, "cpu") for _ in range(2)]
+    if prefix:
+        k0, v0 = torch.randn(prefix, kv, d, generator=g), torch.randn(prefix, kv, d, generator=g)
+        for c in caches:
+            c.update(k0, v0, torch.arange(prefix))
+    q, k, v = (torch.randn(t, n, d, generator=g) for n in (h, kv, kv))
+    pos = torch.arange(prefix, prefix + t)
+    want = AttentionReference().attention(q, k, v, caches[0], pos, 0.25, window, softcap)
+    got = AttentionCpu().attention(q, k, v, caches[1], pos, 0.25, window, softcap)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
