@@ -23,8 +23,9 @@ from kiln.models import model_config
 from kiln.weights import open_checkpoint
 from kiln.weights.experts import auto_budget
 from kiln.weights.synth import CONFIGS, Synthesis, write_checkpoint
+from tests.weights import test_experts as streaming  # its helpers (a module: its tests are not collected twice)
 
-PROMPT = [5, 17, 200, 33, 91, 4, 250, 12, 7, 30, 66, 2, 140, 9, 77, 310]
+PROMPT = streaming.PROMPT
 CONTEXT = 48            # the max context every load here runs with (the KV cache is sized for it)
 STACKS = ("experts.gate_up_proj", "experts.down_proj")
 GB = 1e9
@@ -47,16 +48,9 @@ def load(path, **kw):
     return kiln.load(str(path), device="cpu", backend="reference", dtype="f32", max_context=CONTEXT, **kw)
 
 
-def run(llm, n: int = 6):
-    """The prompt's last logits and each greedy decode step's, on a fresh state; the tokens."""
-    eng = llm.engine
-    state = eng.new_state(len(PROMPT) + n)
-    out = [eng.prefill(PROMPT, state)]
-    tokens = []
-    for k in range(n):
-        tokens.append(int(torch.argmax(out[-1])))
-        out.append(eng.decode_step(tokens[-1], len(PROMPT) + k, state))
-    return torch.stack(out), tokens
+def run(llm):
+    """The prompt's last logits and six greedy decode steps' (the streaming tests' helper); the tokens."""
+    return streaming.logits_and_tokens(llm, 6)
 
 
 @pytest.fixture(scope="module")
