@@ -24,15 +24,20 @@ PROMPT = [5, 17, 200, 33, 91, 4, 250, 12, 7, 30, 66, 2, 140, 9, 77, 310]
 SLOTS = 3          # of 8 experts a layer, 2 a token: evictions at decode, batches at prefill
 
 
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("stream")
+def pack_tiny_moe(root: Path) -> Path:
+    """tiny-qwen3.5-moe-p2 (8 experts a layer, top-2) drawn with seed 7, packed with 4-bit weights."""
     config = dict(CONFIGS["tiny-qwen3.5-moe-p2"])
     cls, cfg = model_config(config)
     drawn = Synthesis(config, cls.checkpoint_shapes(cfg), cls.norm_style == "offset", seed=7)
     src = write_checkpoint(drawn, root / "hf", "tiny-qwen3.5-moe-p2", dtype="bf16", quiet=True)
     out = root / "packed"
     assert cli_main(["pack", str(src), str(out), "--quiet", "--bits", "4", "--group-size", "32"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    out = pack_tiny_moe(tmp_path_factory.mktemp("stream"))
     layers = json.loads((out / "manifest.json").read_text())["experts"]["layers"]
     assert layers and all("quant" in r for layer in layers for r in layer["tensors"].values())
     return out

@@ -19,10 +19,8 @@ from kiln.api import free_memory, memory_plan, pick_dtype
 from kiln.backends import get_ops
 from kiln.cli import main as cli_main
 from kiln.errors import KilnError
-from kiln.models import model_config
 from kiln.weights import open_checkpoint
 from kiln.weights.experts import auto_budget
-from kiln.weights.synth import CONFIGS, Synthesis, write_checkpoint
 from tests.weights import test_experts as streaming  # its helpers (a module: its tests are not collected twice)
 
 PROMPT = streaming.PROMPT
@@ -33,15 +31,7 @@ GB = 1e9
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
-    """tiny-qwen3.5-moe-p2 (8 experts a layer, top-2), packed with 4-bit weights."""
-    root = tmp_path_factory.mktemp("budget")
-    config = dict(CONFIGS["tiny-qwen3.5-moe-p2"])
-    cls, cfg = model_config(config)
-    drawn = Synthesis(config, cls.checkpoint_shapes(cfg), cls.norm_style == "offset", seed=7)
-    src = write_checkpoint(drawn, root / "hf", "tiny-qwen3.5-moe-p2", dtype="bf16", quiet=True)
-    out = root / "packed"
-    assert cli_main(["pack", str(src), str(out), "--quiet", "--bits", "4", "--group-size", "32"]) == 0
-    return out
+    return streaming.pack_tiny_moe(tmp_path_factory.mktemp("budget"))
 
 
 def load(path, **kw):
