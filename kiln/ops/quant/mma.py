@@ -112,10 +112,7 @@ def chunk_sums(x_ptr, q16_ptr, s_ptr, b_ptr, rows, m, c0, K: tl.constexpr, GROUP
     d = tl.zeros((BN, NC), dtype=tl.float32)
     for t in tl.static_range(TILES):
         g0 = c0 + t * SUB
-        # x in its own order ([lanes, PER] is contiguous: Triton pipelines it with the words), then
-        # in weight_tile's column order
-        xn = tl.load(x_ptr + m * K + g0 * G + tl.arange(0, SPAN // PER)[:, None] * PER + tl.arange(0, PER)[None, :])
-        xv = tl.reshape(tl.permute(xn, (1, 0)), [SPAN]).to(tl.float32)
+        xv = tl.load(x_ptr + m * K + g0 * G + phys).to(tl.float32)
         xb = tl.trans(tl.where(cols[:, None] == (t * SUB + phys // G)[None, :], xv[None, :], 0.0).to(DT))
         w = weight_tile(q16_ptr, rows, g0 * (G // PER), K // PER, BN, SPAN, BITS, MAGIC, DT, ASM)
         if ASM:
