@@ -1,11 +1,14 @@
 """The cpu backend: the reference backend with quantised projections kept quantised, and attention
 without the reference's GQA copies (kiln/ops/attention/cpu.py).
 
-At load (`prepare`) each quantised projection shape is run through its forms on fresh random inputs:
-the reference (dequantise, then F.linear: the trusted form), torch's int4 kernel (kiln/ops/quant/cpu.py)
-and a 16-bit copy made once; a form is kept only if it lands within `GATE` of the trusted output
-(relative to its scale; bf16 rounding is ~4e-3), then the fastest kept form of a shape is chosen,
-separately for a decode step's rows and a prefill chunk's. Everything else is the reference's.
+At load (`prepare`) each projection shape is run through its forms on fresh random inputs: the
+reference (dequantise, then F.linear: the trusted form), torch's int4 kernel (kiln/ops/quant/cpu.py),
+and 16-bit copies made once (f16 for a decode step's single row, bf16 for a prefill chunk's rows:
+the fast products of each on our CI CPU); a form is kept only if it lands within `GATE` of the
+trusted output (relative to its scale; bf16 rounding is ~4e-3), then the fastest kept form of a shape
+is chosen, separately for a decode step's rows and a prefill chunk's. Plain (already dequantised)
+f32 projections, such as GGUF K-quant tensors, get the 16-bit forms too. Copies stay inside
+`COPY_BUDGET`. Everything else is the reference's.
 """
 
 from __future__ import annotations
@@ -23,86 +26,135 @@ from .reference import ReferenceOps
 GATE = 2e-2          # max |y - trusted| / max |trusted|: a wrong layout or scale lands near 1
 DECODE_ROWS = 1
 PREFILL_ROWS = 64    # a prefill chunk's forms measured on 64 rows: 512 rows of a large LM head take seconds
-REPEATS = 5
+REPEATS = 3
+QUICK_S = 0.02       # a form slower than this once is timed once: the LM head's reference takes seconds
+COPY_BUDGET = 2 << 30        # bytes of 16-bit copies the forms may add
+PREFILL_COPY_MAX = 1 << 25   # elements: a larger weight (an LM head) sees one row a prefill
 
 
 class CpuOps(AttentionCpu, ReferenceOps):
     name = "cpu"
+    head_major_kv = True     # each KV head's keys contiguous: attention reads them in one sweep
+    static_windows = True    # sliding windows sliced from a plain cache, not a ring copied every step
 
     def __init__(self, device: torch.device | str = "cpu"):
         super().__init__(device)
         self.choice: dict[tuple, str] = {}     # (rows bucket, shape key) -> form name
         self.copies: dict[tuple, object] = {}  # (id(weight), form) -> its int4 or 16-bit copy
+        self.plan: dict[tuple, tuple] = {}     # (id(weight), rows bucket) -> (form, copy): the run's lookup
         self.report: list[str] = []
 
     # -- load ---------------------------------------------------------------------------------------
 
     def prepare(self, model, dtype: torch.dtype, *, quiet: bool = True, **_):
-        """Measure each quantised projection shape's forms; make the copies the choices need."""
+        """Measure each projection shape's forms; make the copies the choices need."""
         t0 = time.perf_counter()
-        weights = [w for w in model.w.values() if isinstance(w, QuantizedWeight) and w.packed.dim() == 2]
+        weights = _projections(model.w, dtype)
         for w in weights:
             for rows in (DECODE_ROWS, PREFILL_ROWS):
                 key = (_bucket(rows), _shape_key(w))
                 if key not in self.choice:
                     self.choice[key] = self._measure(w, rows, dtype)
+        budget = COPY_BUDGET
         for w in weights:
-            names = {self.choice[(_bucket(r), _shape_key(w))] for r in (DECODE_ROWS, PREFILL_ROWS)}
-            if "int4" in names:
-                self.copies[(id(w), "int4")] = qcpu.to_int4(w)
-            if "dense16" in names:
-                self.copies[(id(w), "dense16")] = qcpu.dense16(w)
+            for rows in (DECODE_ROWS, PREFILL_ROWS):
+                form = self.choice[(_bucket(rows), _shape_key(w))]
+                if form != "reference" and (id(w), form) not in self.copies:
+                    size = _copy_bytes(w, form)
+                    if size > budget:
+                        continue
+                    budget -= size
+                    self.copies[(id(w), form)] = _MAKE[form](w)
+                if (id(w), form) in self.copies:
+                    self.plan[(id(w), _bucket(rows))] = (form, self.copies[(id(w), form)])
         if not quiet and weights:
             print(f"[kiln] cpu forms chosen in {time.perf_counter() - t0:.1f} s: " + "; ".join(self.report),
                   file=sys.stderr)
 
-    def _measure(self, w: QuantizedWeight, rows: int, dtype: torch.dtype) -> str:
+    def _measure(self, w, rows: int, dtype: torch.dtype) -> str:
         x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
-        want = torch.nn.functional.linear(x.float(), dequantize(w).float())
-        forms = {"reference": lambda: super(CpuOps, self).linear(x, w)}
-        if qcpu.int4_fits(w):
-            c4 = qcpu.to_int4(w)
-            forms["int4"] = lambda: qcpu.int4_linear(x, c4)
-        if rows == DECODE_ROWS:    # f16's product is fast for one row only
-            c16 = qcpu.dense16(w)
-            forms["dense16"] = lambda: qcpu.dense16_linear(x, c16)
-        times = {}
+        forms = self._forms(w, x, rows)
+        if len(forms) == 1:
+            return "reference"
+        want, times = None, {}
         for name, run in forms.items():
-            err = (run().float() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+            t = time.perf_counter()
+            y = run()
+            first = time.perf_counter() - t
+            if want is None:    # the reference runs first; in f32 its output is the f32 product itself
+                dense = dequantize(w) if isinstance(w, QuantizedWeight) else w
+                want = y.float() if dtype == torch.float32 else torch.nn.functional.linear(x.float(), dense.float())
+            err = (y.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
             if name == "reference" or err <= GATE:
-                times[name] = _time(run)
+                times[name] = first if first > QUICK_S or first > 4 * min(times.values(), default=first) \
+                    else _time(run)
         best = min(times, key=times.get)
-        self.report.append(f"{w.shape[0]}x{w.shape[1]} q{w.bits}g{w.group_size} rows {rows}: {best} "
+        kind = f"q{w.bits}g{w.group_size}" if isinstance(w, QuantizedWeight) else str(w.dtype).replace("torch.", "")
+        self.report.append(f"{w.shape[0]}x{w.shape[1]} {kind} rows {rows}: {best} "
                            + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()))
         return best
+
+    def _forms(self, w, x: torch.Tensor, rows: int) -> dict:
+        """The forms that may run w at `rows` rows, each made ready to run on x."""
+        forms = {"reference": lambda: super(CpuOps, self).linear(x, w)}
+        if qcpu.int4_fits(w):
+            forms["int4"] = _ready(qcpu.int4_linear, x, qcpu.to_int4(w))
+        if rows == DECODE_ROWS:    # f16's product is fast for one row only
+            forms["dense16"] = _ready(qcpu.dense16_linear, x, qcpu.dense16(w))
+        elif w.shape[0] * w.shape[1] <= PREFILL_COPY_MAX:   # bf16's for many rows
+            forms["bf16"] = _ready(qcpu.bf16_linear, x, qcpu.dense_bf16(w))
+        return forms
 
     # -- run ----------------------------------------------------------------------------------------
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(w, QuantizedWeight) and b is None:
-            form = self.choice.get((_bucket(x.numel() // x.shape[-1]), _shape_key(w)))
-            copy = self.copies.get((id(w), form))
-            if form == "int4" and copy is not None:
-                return qcpu.int4_linear(x, copy)
-            if form == "dense16" and copy is not None:
-                return qcpu.dense16_linear(x, copy)
+        chosen = self.plan.get((id(w), _bucket(x.numel() // x.shape[-1]))) if b is None else None
+        if chosen is not None:
+            return _RUN[chosen[0]](x, chosen[1])
         return super().linear(x, w, b)
 
     def linear_split(self, x: torch.Tensor, w, sizes: list[int]) -> list:
         """A packed weight's projections: one product on its kept form, its output split (the
         reference runs each part, which would dequantise each part's slice on every call)."""
-        if isinstance(w, QuantizedWeight) and self.choice.get((_bucket(x.numel() // x.shape[-1]), _shape_key(w))) \
-                in ("int4", "dense16"):
+        if (id(w), _bucket(x.numel() // x.shape[-1])) in self.plan:
             return list(self.linear(x, w).split(sizes, dim=-1))
         return super().linear_split(x, w, sizes)
+
+
+_MAKE = {"int4": qcpu.to_int4, "dense16": qcpu.dense16, "bf16": qcpu.dense_bf16}
+_RUN = {"int4": qcpu.int4_linear, "dense16": qcpu.dense16_linear, "bf16": qcpu.bf16_linear}
+
+
+def _ready(run, x, copy):
+    return lambda: run(x, copy)
+
+
+def _projections(weights: dict, dtype: torch.dtype) -> list:
+    """The 2-D weights the model runs through `linear`: every quantised one, and plain f32
+    projections (a 16-bit copy halves what a decode step reads)."""
+    out, seen = [], set()
+    for name, w in weights.items():
+        plain = (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 == dtype
+                 and name.endswith(("proj.weight", "lm_head.weight")))
+        if (isinstance(w, QuantizedWeight) and w.packed.dim() == 2 or plain) and id(w) not in seen:
+            seen.add(id(w))
+            out.append(w)
+    return out
+
+
+def _copy_bytes(w, form: str) -> int:
+    n = w.shape[0] * w.shape[1]
+    return n // 2 if form == "int4" else 2 * n
 
 
 def _bucket(rows: int) -> str:
     return "decode" if rows <= 4 else "prefill"
 
 
-def _shape_key(w: QuantizedWeight) -> tuple:
-    return (tuple(w.shape), w.bits, w.group_size, w.scales.dtype)
+def _shape_key(w) -> tuple:
+    if isinstance(w, QuantizedWeight):
+        return (tuple(w.shape), w.bits, w.group_size, w.scales.dtype)
+    return (tuple(w.shape), w.dtype)
 
 
 def _time(run) -> float:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ..cache import KVCache
 from ..errors import KilnError
 from ..weights.checkpoint import FileSpan
 from ..weights.quantized import cat_rows
@@ -267,6 +268,10 @@ class Model:
 
     def make_state(self, dtype, device) -> list:
         raise NotImplementedError
+
+    def kv_cache(self, n_kv: int, head_dim: int, dtype, device) -> KVCache:
+        """An attention layer's cache in the layout its backend reads best (`ops.head_major_kv`)."""
+        return KVCache(n_kv, head_dim, dtype, device, head_major=getattr(self.ops, "head_major_kv", False))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, state: list, last_only: bool | int = True):
         """Logits of the last row (True), of the last n rows (an int n >= 1), or of every row (False):

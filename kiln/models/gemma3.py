@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..cache import KVCache, RingKVCache
+from ..cache import RingKVCache
 from .base import Model, decoder_layer_shapes, gated_mlp_shapes, gemms, lm_head_shapes, norms
 from .rope import inv_freq
 
@@ -93,11 +93,12 @@ class Gemma3(Model):
 
     def make_state(self, dtype, device):
         """Sliding layers keep a ring of the window, or, on a backend whose attention masks the window
-        itself over a fixed buffer (`ops.static_windows`: the cuda backend, for CUDA graphs), a plain cache."""
+        itself over a fixed buffer (`ops.static_windows`: cuda, for CUDA graphs; cpu), a plain cache."""
         c = self.cfg
         ring = not getattr(self.ops, "static_windows", False)
-        return [RingKVCache(c.num_key_value_heads, c.head_dim, c.sliding_window, dtype, device)
-                if t == "sliding_attention" and ring else KVCache(c.num_key_value_heads, c.head_dim, dtype, device)
+        kv, d = c.num_key_value_heads, c.head_dim
+        return [RingKVCache(kv, d, c.sliding_window, dtype, device)
+                if t == "sliding_attention" and ring else self.kv_cache(kv, d, dtype, device)
                 for t in c.layer_types]
 
     def attention(self, i, x, positions, cache, ropes):

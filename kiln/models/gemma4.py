@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import KVCache, RingKVCache
+from ..cache import RingKVCache
 from ..errors import KilnError
 from .base import (
     Model,
@@ -254,7 +254,7 @@ class Gemma4(Model):
 
     def make_state(self, dtype, device):
         """Sliding layers keep a ring of the window, or, on a backend that masks the window itself over a
-        fixed buffer (`ops.static_windows`: the cuda backend, for CUDA graphs), a plain cache."""
+        fixed buffer (`ops.static_windows`: cuda, for CUDA graphs; cpu), a plain cache."""
         c, state = self.cfg, []
         ring = not getattr(self.ops, "static_windows", False)
         producers = set(c.kv_source) - {None}
@@ -263,7 +263,7 @@ class Gemma4(Model):
                 state.append(KVShared(state[c.kv_source[i]]))
                 continue
             kv, d = c.kv_heads[i], c.head_dims[i]
-            cache = (KVCache(kv, d, dtype, device) if c.full(i) or not ring
+            cache = (self.kv_cache(kv, d, dtype, device) if c.full(i) or not ring
                      else RingKVCache(kv, d, c.sliding_window, dtype, device))
             state.append(KVProducer(cache) if i in producers else cache)
         return state

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cache import KVCache
 from .base import Model, attention_shapes, decoder_layer_shapes, gated_mlp_shapes, gemms, lm_head_shapes, norms
 from .rope import default_scale, inv_freq
 
@@ -71,7 +70,7 @@ class Llama(Model):
 
     def make_state(self, dtype, device):
         c = self.cfg
-        return [KVCache(c.num_key_value_heads, c.head_dim, dtype, device) for _ in range(c.num_hidden_layers)]
+        return [self.kv_cache(c.num_key_value_heads, c.head_dim, dtype, device) for _ in range(c.num_hidden_layers)]
 
     def attention(self, i: int, x, positions, cache, rope):
         c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.self_attn."

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..cache import GDNState, KVCache
+from ..cache import GDNState
 from ..errors import KilnError
 from .base import Model, attention_shapes, gated_mlp_shapes, gemms, kernel, lm_head_shapes, norms
 from .rope import default_scale, inv_freq
@@ -177,7 +177,7 @@ class Qwen35(Model):
         c = self.cfg
         hk, hv, dk, dv = self.gdn_dims(c)
         return [GDNState(2 * hk * dk + hv * dv, c.linear_conv_kernel_dim, hv, dk, dv, dtype, device)
-                if kind == "linear_attention" else KVCache(c.num_key_value_heads, c.head_dim, dtype, device)
+                if kind == "linear_attention" else self.kv_cache(c.num_key_value_heads, c.head_dim, dtype, device)
                 for kind in c.layer_types]
 
     # -- forward --------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def _load(backend, dtype="f32"):
 def test_cpu_backend_keeps_quantised_forms_and_matches_the_reference():
     cpu, ref = _load("cpu"), _load("reference")
     assert isinstance(cpu.model.ops, CpuOps) and cpu.model.ops.choice
-    assert set(cpu.model.ops.choice.values()) <= {"reference", "int4", "dense16"}
+    assert set(cpu.model.ops.choice.values()) <= {"reference", "int4", "dense16", "bf16"}
     assert any(form == "int4" for (_, form) in cpu.model.ops.copies) or "int4" not in cpu.model.ops.choice.values()
     ids = torch.randint(0, 509, (23,), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(len(ids))
@@ -60,9 +60,10 @@ def test_cpu_backend_keeps_quantised_forms_and_matches_the_reference():
 def test_a_wrong_form_fails_the_gate_and_the_reference_runs(monkeypatch):
     monkeypatch.setattr(qcpu, "int4_linear", lambda x, w: torch.zeros(*x.shape[:-1], w.shape[0], dtype=x.dtype) + 1)
     monkeypatch.setattr(qcpu, "dense16_linear", lambda x, w: torch.ones(*x.shape[:-1], w.shape[0], dtype=x.dtype))
+    monkeypatch.setattr(qcpu, "bf16_linear", lambda x, w: -torch.ones(*x.shape[:-1], w.shape[0], dtype=x.dtype))
     llm = _load("cpu")
     assert set(llm.model.ops.choice.values()) == {"reference"}
-    assert not llm.model.ops.copies
+    assert not llm.model.ops.copies and not llm.model.ops.plan
 
 
 def test_cpu_backend_refuses_a_gpu_device():
@@ -78,14 +79,14 @@ def test_cpu_backend_measures_its_forms_in_bf16_too():
 
 
 @pytest.mark.parametrize("prefix,t,window,softcap", [(0, 7, None, None), (9, 1, None, None), (12, 3, 5, None),
-                                                     (4, 1, None, 30.0)])
+                                                     (4, 1, None, 30.0), (20, 1, 8, None), (0, 1, None, None)])
 def test_cpu_attention_equals_the_reference(prefix, t, window, softcap):
     from kiln.cache import KVCache
     from kiln.ops.attention.cpu import AttentionCpu
     from kiln.ops.attention.reference import AttentionReference
     g = torch.Generator().manual_seed(prefix * 10 + t)
     h, kv, d = 6, 2, 16
-    caches = [KVCache(kv, d, torch.float32, "cpu") for _ in range(2)]
+    caches = [KVCache(kv, d, torch.float32, "cpu"), KVCache(kv, d, torch.float32, "cpu", capacity=8, head_major=True)]
     if prefix:
         k0, v0 = torch.randn(prefix, kv, d, generator=g), torch.randn(prefix, kv, d, generator=g)
         for c in caches:
@@ -95,3 +96,36 @@ def test_cpu_attention_equals_the_reference(prefix, t, window, softcap):
     want = AttentionReference().attention(q, k, v, caches[0], pos, 0.25, window, softcap)
     got = AttentionCpu().attention(q, k, v, caches[1], pos, 0.25, window, softcap)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_head_major_cache_reads_as_the_position_major_one_across_growth():
+    from kiln.cache import KVCache
+    g = torch.Generator().manual_seed(3)
+    a, b = KVCache(3, 4, torch.float32, "cpu", capacity=2), KVCache(3, 4, torch.float32, "cpu", capacity=2,
+                                                                     head_major=True)
+    for n in (1, 3, 1, 7):      # appends past the capacity: the buffer doubles, keeping what it held
+        k, v = torch.randn(n, 3, 4, generator=g), torch.randn(n, 3, 4, generator=g)
+        pos = torch.arange(a.length, a.length + n)
+        (ka, va, _), (kb, vb, _) = a.update(k, v, pos), b.update(k, v, pos)
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert b.k.transpose(0, 1).is_contiguous() and b.length == 12
+
+
+def test_plain_f32_projections_get_16_bit_forms_inside_the_copy_budget(monkeypatch):
+    import kiln.backends.cpu as cpu_backend
+    llm = kiln.load("synth:tiny-qwen3.5", device="cpu", backend="cpu", dtype="f32")
+    ops = llm.model.ops
+    forms = {form for form, _ in ops.plan.values()}
+    assert forms and forms <= {"dense16", "bf16"}
+    for (_, bucket), (form, copy) in ops.plan.items():
+        assert copy.dtype == (torch.float16 if form == "dense16" else torch.bfloat16)
+        assert (form == "dense16") == (bucket == "decode")
+    ref = kiln.load("synth:tiny-qwen3.5", device="cpu", backend="reference", dtype="f32")
+    ids = torch.randint(0, 509, (9,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(len(ids))
+    a = llm.model.forward(ids, pos, llm.model.make_state(torch.float32, "cpu"), last_only=False)
+    b = ref.model.forward(ids, pos, ref.model.make_state(torch.float32, "cpu"), last_only=False)
+    assert ((a - b).abs().max() / b.abs().max()).item() < 3e-2
+    monkeypatch.setattr(cpu_backend, "COPY_BUDGET", 0)
+    none = kiln.load("synth:tiny-qwen3.5", device="cpu", backend="cpu", dtype="f32").model.ops
+    assert none.choice and not none.copies and not none.plan

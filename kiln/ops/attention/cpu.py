@@ -17,6 +17,11 @@ class AttentionCpu:
                   softcap: float | None = None) -> torch.Tensor:
         """As AttentionReference.attention: q [T, H, D], k/v [T, KV, D] -> [T, H, D]."""
         keys, values, kpos = cache.update(k, v, positions)
+        if window is not None and int(positions[0]) - window + 1 > int(kpos[0]):
+            lo = int(positions[0]) - window + 1 - int(kpos[0])      # keys no query of the chunk sees
+            keys, values, kpos = keys[lo:], values[lo:], kpos[lo:]
+        if q.shape[0] == 1 and softcap is None:
+            return _decode(q, keys, values, kpos, positions, scale, window)
         allowed = kpos[None, :] <= positions[:, None]                                 # [T, S]
         if window is not None:
             allowed &= kpos[None, :] > positions[:, None] - window
@@ -35,3 +40,14 @@ class AttentionCpu:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.bmm(probs, values.transpose(0, 1))                                # [KV, G*T, D]
         return out.reshape(kv, g, t, d).permute(2, 0, 1, 3).reshape(t, h, d)
+
+
+def _decode(q, keys, values, kpos, positions, scale: float, window: int | None) -> torch.Tensor:
+    """One query row: a KV head's query heads as rows of one product against its keys in place. Every
+    key left is at or before the query and inside its window, so no mask (the fused kernel's masked
+    path costs more than this whole product on our 2-core CPU)."""
+    h, d = q.shape[1:]
+    kv = keys.shape[1]
+    scores = torch.bmm(q.reshape(kv, h // kv, d), keys.permute(1, 2, 0)) * scale           # [KV, G, S]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs, values.transpose(0, 1)).reshape(1, h, d)
