@@ -96,24 +96,45 @@ def weight_tile(q16_ptr, rows, h0, H16: tl.constexpr, BN: tl.constexpr, SPAN: tl
 
 
 @triton.jit
-def chunk_sums(x_ptr, q16_ptr, s_ptr, b_ptr, rows, m, c0, K: tl.constexpr, GROUPS: tl.constexpr,
+def chunk_x(x_ptr, m, c0, K: tl.constexpr, G: tl.constexpr, SUB: tl.constexpr, TILES: tl.constexpr,
+            BITS: tl.constexpr):
+    """x of groups c0 .. c0 + TILES * SUB as TILES columns in weight_tile's column order [SPAN, TILES],
+    and the group sums [NC] (zeros past the last): loaded a chunk ahead, so the gather's latency
+    hides behind the products (ncu: these loads were the kernel's largest stall)."""
+    PER: tl.constexpr = 16 // BITS
+    SPAN: tl.constexpr = SUB * G
+    kk = tl.arange(0, SPAN)
+    phys = PER * (kk % (SPAN // PER)) + kk // (SPAN // PER)
+    tcol = tl.arange(0, NC // SUB)          # a full chunk's tiles (a power of two); TILES of them live
+    xv = tl.load(x_ptr + m * K + c0 * G + tcol[None, :] * SPAN + phys[:, None], mask=(tcol < TILES)[None, :],
+                 other=0.0)
+    cols = tl.arange(0, NC)
+    live = cols < TILES * SUB
+    xs = tl.sum(tl.load(x_ptr + m * K + (c0 + cols)[:, None] * G + tl.arange(0, G)[None, :], mask=live[:, None],
+                        other=0.0).to(tl.float32), axis=1)
+    return xv, xs
+
+
+@triton.jit
+def chunk_sums(xv, xs, q16_ptr, s_ptr, b_ptr, rows, c0, K: tl.constexpr, GROUPS: tl.constexpr,
                G: tl.constexpr, BN: tl.constexpr, SUB: tl.constexpr, TILES: tl.constexpr, BITS: tl.constexpr,
                ASM: tl.constexpr):
     """scale * dot(q, x) + bias * sum(x) of groups c0 .. c0 + TILES * SUB of `rows`, as [BN, NC] (a
     column a group, zeros past the last): TILES products of SUB groups into one [BN, NC] tile, then
-    the scales and biases once a (row, group)."""
-    DT: tl.constexpr = x_ptr.dtype.element_ty
+    the scales and biases once a (row, group). xv, xs: chunk_x's."""
+    DT: tl.constexpr = xv.dtype
     MAGIC: tl.constexpr = 0x3F80 if DT == tl.bfloat16 else 0x3C00      # 1.0
     PER: tl.constexpr = 16 // BITS
     SPAN: tl.constexpr = SUB * G
     cols = tl.arange(0, NC)
     kk = tl.arange(0, SPAN)
     phys = PER * (kk % (SPAN // PER)) + kk // (SPAN // PER)       # weight_tile's column order
+    tcol = tl.arange(0, NC // SUB)
     d = tl.zeros((BN, NC), dtype=tl.float32)
     for t in tl.static_range(TILES):
         g0 = c0 + t * SUB
-        xv = tl.load(x_ptr + m * K + g0 * G + phys).to(tl.float32)
-        xb = tl.trans(tl.where(cols[:, None] == (t * SUB + phys // G)[None, :], xv[None, :], 0.0).to(DT))
+        xt = tl.sum(tl.where(tcol[None, :] == t, xv.to(tl.float32), 0.0), axis=1)       # column t, exact
+        xb = tl.trans(tl.where(cols[:, None] == (t * SUB + phys // G)[None, :], xt[None, :], 0.0).to(DT))
         w = weight_tile(q16_ptr, rows, g0 * (G // PER), K // PER, BN, SPAN, BITS, MAGIC, DT, ASM)
         if ASM:
             d = tl.dot(w, xb, d)
@@ -122,13 +143,10 @@ def chunk_sums(x_ptr, q16_ptr, s_ptr, b_ptr, rows, m, c0, K: tl.constexpr, GROUP
     grp = c0 + cols
     sb = rows[:, None] * GROUPS + grp[None, :]
     if TILES * SUB == NC:       # unmasked, so the loads are vectors Triton pipelines
-        xs = tl.sum(tl.load(x_ptr + m * K + grp[:, None] * G + tl.arange(0, G)[None, :]).to(tl.float32), axis=1)
         scale = tl.load(s_ptr + sb).to(tl.float32)
         bias = tl.load(b_ptr + sb).to(tl.float32)
     else:
         live = cols < TILES * SUB
-        xs = tl.sum(tl.load(x_ptr + m * K + grp[:, None] * G + tl.arange(0, G)[None, :], mask=live[:, None],
-                            other=0.0).to(tl.float32), axis=1)
         scale = tl.load(s_ptr + sb, mask=live[None, :], other=0.0).to(tl.float32)
         bias = tl.load(b_ptr + sb, mask=live[None, :], other=0.0).to(tl.float32)
     return (scale * (1 << BITS)) * (d - xs[None, :]) + bias * xs[None, :]
@@ -154,10 +172,17 @@ def qgemv_mma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
     for m32 in range(0, M):
         m = tl.cast(m32, tl.int64)
         tot = tl.zeros((BN, NC), dtype=tl.float32)
-        for c0 in range(start, start + FULL * NC, NC):
-            tot += chunk_sums(x_ptr, q16_ptr, s_ptr, b_ptr, rows, m, c0, K, GROUPS, G, BN, SUB, NC // SUB, BITS, ASM)
+        if FULL > 0:
+            last = start + (FULL - 1) * NC         # the last full chunk: the prefetch past it reloads it
+            xv, xs = chunk_x(x_ptr, m, start, K, G, SUB, NC // SUB, BITS)
+            for c0 in range(start, start + FULL * NC, NC):
+                xv_next, xs_next = chunk_x(x_ptr, m, tl.minimum(c0 + NC, last), K, G, SUB, NC // SUB, BITS)
+                tot += chunk_sums(xv, xs, q16_ptr, s_ptr, b_ptr, rows, c0, K, GROUPS, G, BN, SUB, NC // SUB, BITS,
+                                  ASM)
+                xv, xs = xv_next, xs_next
         if TAIL > 0:
-            tot += chunk_sums(x_ptr, q16_ptr, s_ptr, b_ptr, rows, m, start + FULL * NC, K, GROUPS, G, BN, SUB, TAIL,
+            xv, xs = chunk_x(x_ptr, m, start + FULL * NC, K, G, SUB, TAIL, BITS)
+            tot += chunk_sums(xv, xs, q16_ptr, s_ptr, b_ptr, rows, start + FULL * NC, K, GROUPS, G, BN, SUB, TAIL,
                               BITS, ASM)
         total = tl.sum(tot, axis=1)
         if SPLIT_K == 1:
