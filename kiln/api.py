@@ -63,6 +63,14 @@ class Completion:
     stats: Stats = field(default_factory=Stats)
 
 
+def _is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:       # a folder, or a synth: spec
+        return False
+
+
 def resolve_model(model: str | Path | None, quiet: bool = False) -> Path:
     """A bundled model's name (pulled if missing), a path, a `synth:` spec, or None for the default model."""
     if model is None:
@@ -349,7 +357,8 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
          direct_io: bool = False, gpu_memory: float | None = None) -> LLM:
     """Load a model: a path (HF folder or GGUF file), a bundled model's name, or None (the default).
     A compiling backend tunes its kernels for the model here (`retune` measures again; `tune` pins
-    op -> variant). Backend "auto" is cuda on a CUDA device, reference elsewhere; on cuda the decode
+    op -> variant). Backend "auto" is cuda on a CUDA device, cpu for a GGUF file on the CPU (its quantised
+    tensors kept as stored), reference otherwise; on cuda the decode
     step runs as one CUDA graph unless `enforce_eager`. `check(tokenizer)` (None for a model without
     one) runs before the weights load: the caller's chance to refuse, cheaply, what the model cannot do.
     `verify` (full, lazy, off): how a packed directory's files are checked against its manifest.
@@ -375,8 +384,8 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     path = resolve_model(model, quiet=quiet)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    if backend == "auto":
-        backend = "cuda" if dev.type == "cuda" else "reference"
+    if backend == "auto":       # a GGUF file on the CPU: its quantised tensors run as stored (docs/cpu.md)
+        backend = "cuda" if dev.type == "cuda" else "cpu" if _is_gguf(path) else "reference"
     # the cpu backend runs a GGUF file's quantised tensors as they are stored
     ckpt = open_checkpoint(path, verify=verify, keep=True if backend == "cpu" else None)
     ops = get_ops(backend, dev)

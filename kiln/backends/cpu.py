@@ -6,18 +6,26 @@ reference (dequantise, then F.linear: the trusted form), torch's int4 kernel (ki
 and 16-bit copies made once (f16 for a decode step's single row, bf16 for a prefill chunk's rows:
 the fast products of each on our CI CPU); a form is kept only if it lands within `GATE` of the
 trusted output (relative to its scale; bf16 rounding is ~4e-3), then the fastest kept form of a shape
-is chosen, separately for a decode step's rows and a prefill chunk's. Plain (already dequantised)
+is chosen, separately for a decode step's rows and a prefill chunk's. The bf16 copy is offered only
+where int4 is not (Q5_0, Q8_0, plain f32): it rounds every weight to bf16 on top of x, and on a
+SmolLM2 chat prompt whose top two logits are 0.08 apart at 25 (a bf16 near-tie) that flipped the
+answer, where int4 (the values exact, only x and the scales rounded) did not. Plain (already dequantised)
 f32 projections, such as GGUF K-quant tensors, get the 16-bit forms too. Copies stay inside
 `COPY_BUDGET`. Everything else is the reference's.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from ..fsutil import cache_dir, write_atomic
 from ..ops.attention.cpu import AttentionCpu
 from ..ops.quant import cpu as qcpu
 from ..weights.quantized import QuantizedWeight, dequantize
@@ -28,8 +36,10 @@ DECODE_ROWS = 1
 PREFILL_ROWS = 64    # a prefill chunk's forms measured on 64 rows: 512 rows of a large LM head take seconds
 REPEATS = 3
 QUICK_S = 0.02       # a form slower than this once is timed once: the LM head's reference takes seconds
+FORMAT = 1           # of the cached choices: bump when a form's meaning changes
 COPY_BUDGET = 2 << 30        # bytes of 16-bit copies the forms may add
-PREFILL_COPY_MAX = 1 << 25   # elements: a larger weight (an LM head) sees one row a prefill
+PREFILL_COPY_MAX = 1 << 24   # elements: a larger weight (an LM head) sees one row a prefill, and its
+#                              logits rounded to bf16 would tie (SmolLM2's 49152 x 576 stays out)
 
 
 class CpuOps(AttentionCpu, ReferenceOps):
@@ -50,11 +60,17 @@ class CpuOps(AttentionCpu, ReferenceOps):
         """Measure each projection shape's forms; make the copies the choices need."""
         t0 = time.perf_counter()
         weights = _projections(model.w, dtype)
+        path = _cache_path(dtype)
+        cached = _read_choices(path)
         for w in weights:
             for rows in (DECODE_ROWS, PREFILL_ROWS):
                 key = (_bucket(rows), _shape_key(w))
                 if key not in self.choice:
-                    self.choice[key] = self._measure(w, rows, dtype)
+                    name = cached.get(repr(key))
+                    self.choice[key] = name if name in _FORMS else self._measure(w, rows, dtype)
+        fresh = {repr(k): v for k, v in self.choice.items()}
+        if weights and any(cached.get(k) != v for k, v in fresh.items()):
+            _write_choices(path, {**cached, **fresh})
         budget = COPY_BUDGET
         for w in weights:
             for rows in (DECODE_ROWS, PREFILL_ROWS):
@@ -101,9 +117,17 @@ class CpuOps(AttentionCpu, ReferenceOps):
             forms["int4"] = _ready(qcpu.int4_linear, x, qcpu.to_int4(w))
         if rows == DECODE_ROWS:    # f16's product is fast for one row only
             forms["dense16"] = _ready(qcpu.dense16_linear, x, qcpu.dense16(w))
-        elif w.shape[0] * w.shape[1] <= PREFILL_COPY_MAX:   # bf16's for many rows
+        elif "int4" not in forms and w.shape[0] * w.shape[1] <= PREFILL_COPY_MAX:   # bf16's for many rows
             forms["bf16"] = _ready(qcpu.bf16_linear, x, qcpu.dense_bf16(w))
         return forms
+
+    @property
+    def compute_dtype(self) -> str | None:
+        """The coarsest precision the chosen forms compute a product in ("bf16": int4 and bf16 round
+        x, and the int4 scales, to bf16; "f16": the f16 copies), None when every product runs at
+        the model's dtype. `kiln compare` judges near-ties at this precision."""
+        forms = {form for form, _ in self.plan.values()}
+        return "bf16" if forms & {"int4", "bf16"} else "f16" if forms else None
 
     # -- run ----------------------------------------------------------------------------------------
 
@@ -122,6 +146,35 @@ class CpuOps(AttentionCpu, ReferenceOps):
 
 
 _MAKE = {"int4": qcpu.to_int4, "dense16": qcpu.dense16, "bf16": qcpu.dense_bf16}
+_FORMS = ("reference", *_MAKE)
+
+
+def _cache_path(dtype: torch.dtype) -> Path:
+    """The choices of this CPU, torch and thread count (what the timings depend on), as the cuda
+    backend's tune cache keeps its own: measured once, read at every later load."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    key = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|{dtype}|{FORMAT}"
+    return cache_dir() / "tune" / f"cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _read_choices(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}     # none yet, or unreadable: measure again
+
+
+def _write_choices(path: Path, choices: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda f: f.write(json.dumps(choices, indent=1, sort_keys=True).encode()))
+    except OSError:
+        pass          # a read-only cache: the choices are measured again next time
 _RUN = {"int4": qcpu.int4_linear, "dense16": qcpu.dense16_linear, "bf16": qcpu.bf16_linear}
 
 

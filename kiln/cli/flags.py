@@ -78,7 +78,8 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="weights and activations (default: bf16 on GPU, f32 on CPU)")
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu", "reference"],
                    help="kernels: cuda (Triton, tuned at load), cpu (quantised weights kept quantised, "
-                        "forms measured at load) or reference (plain torch); auto (default) = cuda on a GPU")
+                        "forms measured at load) or reference (plain torch); auto (default) = cuda on a GPU, "
+                        "cpu for a GGUF file on the CPU, reference otherwise")
     p.add_argument("--enforce-eager", action="store_true",
                    help="cuda backend: run decode steps eagerly, not as a CUDA graph")
     p.add_argument("--max-context", type=at_least(2), default=None, help="cap on prompt + generated tokens")

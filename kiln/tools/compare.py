@@ -114,6 +114,11 @@ def mean_kl(ref: Greedy, ours: Greedy) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
+def _coarser(a: str, b: str | None) -> str:
+    """The coarser of two dtype names (fewer mantissa bits)."""
+    return a if b is None or MANTISSA_BITS[a] <= MANTISSA_BITS[b] else b
+
+
 def judge(ref: Greedy, ours: Greedy, dtype: str) -> dict:
     """One prompt's verdict: identical tokens, first divergence, teacher-forced agreement."""
     n = len(ref.tokens)
@@ -239,17 +244,21 @@ def main(a) -> int:
                expert_policy=a.expert_policy, expert_home=a.expert_home, host_memory=a.host_memory,
                io_threads=a.io_threads, expert_profile=a.expert_profile, verify=a.verify, direct_io=a.direct_io)
     say(f"kiln {type(llm.model).__name__} loaded in {llm.load_s:.1f} s")
+    # a backend whose products run coarser than the model's dtype (the cpu backend's bf16 forms) is
+    # judged at that precision: the reference's near-ties are that precision's
+    at = _coarser(dtype, getattr(llm.model.ops, "compute_dtype", None))
     results = []
     for (label, ids), r in zip(prompts, refs):
         ours = kiln_greedy(llm, ids, a.tokens, r.tokens)
-        results.append({"prompt": label, **judge(r, ours, dtype), "mean_kl": mean_kl(r, ours), "prompt_ids": ids,
+        results.append({"prompt": label, **judge(r, ours, at), "mean_kl": mean_kl(r, ours), "prompt_ids": ids,
                         "reference_tokens": r.tokens, "kiln_tokens": ours.tokens})
     n, digits = a.tokens, 4 if dtype != "f32" else 8
     # Against other weights (a quantised model's source) a divergence is the point: measured, not judged.
     judged = not a.reference or resolve_model(a.reference, quiet=True) == path
     against = (f"kiln {a.reference} on {a.reference_backend}" if a.reference else
                f"transformers {tf.__version__} ({a.attn})")
-    print(f"kiln compare {a.model or path} | {dev} {dtype} | {n} greedy tokens | {against}")
+    products = f" (products {at}: near-ties at {at})" if at != dtype else ""
+    print(f"kiln compare {a.model or path} | {dev} {dtype}{products} | {n} greedy tokens | {against}")
     print(f"{'prompt':<24} {'identical':>9}  {'teacher-forced':<22} {'rel logit err':>13}  verdict, first divergence")
     for r in results:
         print(_row(r["prompt"], r, n, digits) + (f" | mean KL {r['mean_kl']:.3g}" if a.reference else ""))
@@ -266,7 +275,7 @@ def main(a) -> int:
             "command": " ".join(["kiln", *sys.argv[1:]]), "model": str(a.model or path), "device": str(dev),
             "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "dtype": dtype, "tokens": n,
             "attn": a.attn, "reference": a.reference, "reference_backend": a.reference_backend if a.reference else None,
-            "judged": judged, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "judged": judged, "judged_at": at, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "versions": {"kiln": __version__, "torch": torch.__version__,
                          "transformers": tf.__version__ if tf is not None else None},
             "near_tie": "l1 - l2 <= 2^(floor(log2 max(|l1|,|l2|)) - p), p = 7 bf16 / 10 f16 / 23 f32",

@@ -50,8 +50,8 @@ def test_cuda_backend_in_f16_is_as_close_to_the_reference_as_f16_allows(monkeypa
     reference backend's f16 than those are from f32 (the rounding points are the same; only the
     accumulation order differs), and every argmax agrees."""
     monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")
-    ids = [(7 * i + 3) % 397 for i in range(37)]
-    steps = [5, 300, 42, 17]
+    ids = [(7 * i + 3) % 397 for i in range(21)]      # two prefill chunks, two decode steps: the f32
+    steps = [5, 300]                                   # test above walks the longer path
     _, exact = _logits("reference", ids, steps)
     _, ref = _logits("reference", ids, steps, "f16")
     _, got = _logits("cuda", ids, steps, "f16")

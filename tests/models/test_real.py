@@ -32,7 +32,7 @@ PROMPTS = {
 def pair(request):
     name = request.param
     path = hub.ensure(name)
-    ours = kiln.load(name, device="cpu", dtype="f32")
+    ours = kiln.load(name, device="cpu", dtype="f32", backend="reference")   # the exact oracle
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                             dtype=torch.float32).eval()

@@ -87,6 +87,22 @@ def test_judge_teacher_forced_mismatch_passes_only_at_a_near_tie():
     assert not r["passed"] and [f["step"] for f in r["teacher_forced"]["failures"]] == [2]
 
 
+def test_a_backend_is_judged_at_its_products_precision_when_coarser():
+    from kiln.tools.compare import _coarser
+    assert _coarser("f32", "bf16") == "bf16" and _coarser("f32", "f16") == "f16" and _coarser("f32", None) == "f32"
+    assert _coarser("bf16", "f16") == "bf16" and _coarser("f16", "bf16") == "bf16"
+
+
+def test_cpu_backend_reports_its_products_precision():
+    from kiln.backends.cpu import CpuOps
+    ops = CpuOps()
+    assert ops.compute_dtype is None
+    ops.plan[(1, "decode")] = ("dense16", None)
+    assert ops.compute_dtype == "f16"
+    ops.plan[(2, "prefill")] = ("int4", None)
+    assert ops.compute_dtype == "bf16"
+
+
 # -- kiln against transformers ---------------------------------------------------------------------
 
 def _compare(tmp_path, *args):

@@ -392,9 +392,9 @@ def test_a_quantised_spec_loads_and_runs_kept_quantised(monkeypatch):
     assert bits["model.layers.0.mlp.experts.gate_up_proj"] == bits["model.layers.0.mlp.experts.down_proj"] == 2
     assert not any(isinstance(t, QuantizedWeight) for n, t in w.items() if "norm" in n or "conv1d" in n)
     prompt = [5, 17, 200, 33, 91, 4]
-    want = ref.generate(prompt, max_new_tokens=4, temperature=0).token_ids
+    want = ref.generate(prompt, max_new_tokens=2, temperature=0).token_ids     # a prefill and a decode step
     cuda = kiln.load(spec, device="cpu", dtype="f32", backend="cuda")
-    assert cuda.generate(prompt, max_new_tokens=4, temperature=0).token_ids == want
+    assert cuda.generate(prompt, max_new_tokens=2, temperature=0).token_ids == want
 
 
 @pytest.mark.gpu
