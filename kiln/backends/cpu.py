@@ -36,7 +36,7 @@ DECODE_ROWS = 1
 PREFILL_ROWS = 64    # a prefill chunk's forms measured on 64 rows: 512 rows of a large LM head take seconds
 REPEATS = 3
 QUICK_S = 0.02       # a form slower than this once is timed once: the LM head's reference takes seconds
-FORMAT = 1           # of the cached choices: bump when a form's meaning changes
+FORMAT = 2           # of the cached choices: bump when a form's meaning changes
 COPY_BUDGET = 2 << 30        # bytes of 16-bit copies the forms may add
 PREFILL_COPY_MAX = 1 << 24   # elements: a larger weight (an LM head) sees one row a prefill, and its
 #                              logits rounded to bf16 would tie (SmolLM2's 49152 x 576 stays out)
@@ -53,12 +53,14 @@ class CpuOps(AttentionCpu, ReferenceOps):
         self.copies: dict[tuple, object] = {}  # (id(weight), form) -> its int4 or 16-bit copy
         self.plan: dict[tuple, tuple] = {}     # (id(weight), rows bucket) -> (form, copy): the run's lookup
         self.report: list[str] = []
+        self.head = 0                          # id of the model's LM head: no bf16 form (its logits would tie)
 
     # -- load ---------------------------------------------------------------------------------------
 
     def prepare(self, model, dtype: torch.dtype, *, quiet: bool = True, **_):
         """Measure each projection shape's forms; make the copies the choices need."""
         t0 = time.perf_counter()
+        self.head = id(getattr(model, "lm_head", None))
         weights = _projections(model.w, dtype)
         path = _cache_path(dtype)
         cached = _read_choices(path)
@@ -117,7 +119,7 @@ class CpuOps(AttentionCpu, ReferenceOps):
             forms["int4"] = _ready(qcpu.int4_linear, x, qcpu.to_int4(w))
         if rows == DECODE_ROWS:    # f16's product is fast for one row only
             forms["dense16"] = _ready(qcpu.dense16_linear, x, qcpu.dense16(w))
-        elif "int4" not in forms and w.shape[0] * w.shape[1] <= PREFILL_COPY_MAX:   # bf16's for many rows
+        elif "int4" not in forms and id(w) != self.head and w.shape[0] * w.shape[1] <= PREFILL_COPY_MAX:
             forms["bf16"] = _ready(qcpu.bf16_linear, x, qcpu.dense_bf16(w))
         return forms
 

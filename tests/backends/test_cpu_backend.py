@@ -130,8 +130,12 @@ def test_plain_f32_projections_get_16_bit_forms_inside_the_copy_budget(monkeypat
     import kiln.backends.cpu as cpu_backend
     llm = kiln.load("synth:tiny-qwen3.5", device="cpu", backend="cpu", dtype="f32")
     ops = llm.model.ops
-    forms = {form for form, _ in ops.plan.values()}
-    assert forms and forms <= {"dense16", "bf16"}
+    # which form wins is the timings' business; that the plain f32 projections' 16-bit forms were
+    # measured (past the gate), and that a chosen one runs its copy, is the backend's
+    plain = [line for line in ops.report if " float32 rows " in line]
+    assert any("dense16 " in line for line in plain if " rows 1:" in line)
+    assert any("bf16 " in line.split(":", 1)[1] for line in plain if " rows 64:" in line)
+    assert {form for form, _ in ops.plan.values()} <= {"dense16", "bf16"}
     for (_, bucket), (form, copy) in ops.plan.items():
         assert copy.dtype == (torch.float16 if form == "dense16" else torch.bfloat16)
         assert (form == "dense16") == (bucket == "decode")
@@ -143,7 +147,7 @@ def test_plain_f32_projections_get_16_bit_forms_inside_the_copy_budget(monkeypat
     r16 = kiln.load("synth:tiny-qwen3.5", device="cpu", backend="reference", dtype="bf16").model
     c = r16.forward(ids, pos, r16.make_state(torch.bfloat16, "cpu"), last_only=False).float()
     err = lambda y: ((y - b).abs().max() / b.abs().max()).item()      # noqa: E731
-    assert 0 < err(a) <= err(c)     # 16-bit products: not the f32 run, no farther than the bf16 one
+    assert err(a) <= err(c)     # 16-bit products (if any won) no farther than the bf16 run
     monkeypatch.setattr(cpu_backend, "COPY_BUDGET", 0)
     none = kiln.load("synth:tiny-qwen3.5", device="cpu", backend="cpu", dtype="f32").model.ops
     assert none.choice and not none.copies and not none.plan
