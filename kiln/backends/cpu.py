@@ -51,7 +51,7 @@ class CpuOps(AttentionCpu, ReferenceOps):
         super().__init__(device)
         self.choice: dict[tuple, str] = {}     # (rows bucket, shape key) -> form name
         self.copies: dict[tuple, object] = {}  # (id(weight), form) -> its int4 or 16-bit copy
-        self.plan: dict[tuple, tuple] = {}     # (id(weight), rows bucket) -> (form, copy): the run's lookup
+        self.plan: dict[tuple, tuple] = {}     # (id(weight), rows bucket) -> (form, copy, run): the run's lookup
         self.report: list[str] = []
         self.head = 0                          # id of the model's LM head: no bf16 form (its logits would tie)
 
@@ -68,8 +68,8 @@ class CpuOps(AttentionCpu, ReferenceOps):
             for rows in (DECODE_ROWS, PREFILL_ROWS):
                 key = (_bucket(rows), _shape_key(w))
                 if key not in self.choice:
-                    name = cached.get(repr(key))
-                    self.choice[key] = name if name in _FORMS else self._measure(w, rows, dtype)
+                    name = cached.get(repr(key))       # a cached choice this weight cannot take is measured
+                    self.choice[key] = name if name in self._names(w, rows) else self._measure(w, rows, dtype)
         fresh = {repr(k): v for k, v in self.choice.items()}
         if weights and any(cached.get(k) != v for k, v in fresh.items()):
             _write_choices(path, {**cached, **fresh})
@@ -84,7 +84,7 @@ class CpuOps(AttentionCpu, ReferenceOps):
                     budget -= size
                     self.copies[(id(w), form)] = _MAKE[form](w)
                 if (id(w), form) in self.copies:
-                    self.plan[(id(w), _bucket(rows))] = (form, self.copies[(id(w), form)])
+                    self.plan[(id(w), _bucket(rows))] = (form, self.copies[(id(w), form)], getattr(qcpu, _RUN[form]))
         if not quiet and weights:
             print(f"[kiln] cpu forms chosen in {time.perf_counter() - t0:.1f} s: " + "; ".join(self.report),
                   file=sys.stderr)
@@ -112,15 +112,20 @@ class CpuOps(AttentionCpu, ReferenceOps):
                            + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()))
         return best
 
+    def _names(self, w, rows: int) -> list[str]:
+        """The forms that may run w at `rows` rows."""
+        names = ["reference"] + (["int4"] if qcpu.int4_fits(w) else [])
+        if rows == DECODE_ROWS:    # f16's product is fast for one row only
+            names.append("dense16")
+        elif "int4" not in names and id(w) != self.head and w.shape[0] * w.shape[1] <= PREFILL_COPY_MAX:
+            names.append("bf16")   # bf16's for many rows
+        return names
+
     def _forms(self, w, x: torch.Tensor, rows: int) -> dict:
         """The forms that may run w at `rows` rows, each made ready to run on x."""
         forms = {"reference": lambda: super(CpuOps, self).linear(x, w)}
-        if qcpu.int4_fits(w):
-            forms["int4"] = _ready(qcpu.int4_linear, x, qcpu.to_int4(w))
-        if rows == DECODE_ROWS:    # f16's product is fast for one row only
-            forms["dense16"] = _ready(qcpu.dense16_linear, x, qcpu.dense16(w))
-        elif "int4" not in forms and id(w) != self.head and w.shape[0] * w.shape[1] <= PREFILL_COPY_MAX:
-            forms["bf16"] = _ready(qcpu.bf16_linear, x, qcpu.dense_bf16(w))
+        for name in self._names(w, rows)[1:]:
+            forms[name] = _ready(getattr(qcpu, _RUN[name]), x, _MAKE[name](w))
         return forms
 
     @property
@@ -128,7 +133,7 @@ class CpuOps(AttentionCpu, ReferenceOps):
         """The coarsest precision the chosen forms compute a product in ("bf16": int4 and bf16 round
         x, and the int4 scales, to bf16; "f16": the f16 copies), None when every product runs at
         the model's dtype. `kiln compare` judges near-ties at this precision."""
-        forms = {form for form, _ in self.plan.values()}
+        forms = {form for form, *_ in self.plan.values()}
         return "bf16" if forms & {"int4", "bf16"} else "f16" if forms else None
 
     # -- run ----------------------------------------------------------------------------------------
@@ -136,7 +141,7 @@ class CpuOps(AttentionCpu, ReferenceOps):
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         chosen = self.plan.get((id(w), _bucket(x.numel() // x.shape[-1]))) if b is None else None
         if chosen is not None:
-            return _RUN[chosen[0]](x, chosen[1])
+            return chosen[2](x, chosen[1])
         return super().linear(x, w, b)
 
     def linear_split(self, x: torch.Tensor, w, sizes: list[int]) -> list:
@@ -148,7 +153,6 @@ class CpuOps(AttentionCpu, ReferenceOps):
 
 
 _MAKE = {"int4": qcpu.to_int4, "dense16": qcpu.dense16, "bf16": qcpu.dense_bf16}
-_FORMS = ("reference", *_MAKE)
 
 
 def _cache_path(dtype: torch.dtype) -> Path:
@@ -177,7 +181,7 @@ def _write_choices(path: Path, choices: dict) -> None:
         write_atomic(path, lambda f: f.write(json.dumps(choices, indent=1, sort_keys=True).encode()))
     except OSError:
         pass          # a read-only cache: the choices are measured again next time
-_RUN = {"int4": qcpu.int4_linear, "dense16": qcpu.dense16_linear, "bf16": qcpu.bf16_linear}
+_RUN = {"int4": "int4_linear", "dense16": "dense16_linear", "bf16": "bf16_linear"}   # looked up at use
 
 
 def _ready(run, x, copy):

@@ -135,8 +135,8 @@ def test_plain_f32_projections_get_16_bit_forms_inside_the_copy_budget(monkeypat
     plain = [line for line in ops.report if " float32 rows " in line]
     assert any("dense16 " in line for line in plain if " rows 1:" in line)
     assert any("bf16 " in line.split(":", 1)[1] for line in plain if " rows 64:" in line)
-    assert {form for form, _ in ops.plan.values()} <= {"dense16", "bf16"}
-    for (_, bucket), (form, copy) in ops.plan.items():
+    assert {form for form, *_ in ops.plan.values()} <= {"dense16", "bf16"}
+    for (_, bucket), (form, copy, _) in ops.plan.items():
         assert copy.dtype == (torch.float16 if form == "dense16" else torch.bfloat16)
         assert (form == "dense16") == (bucket == "decode")
     ref = kiln.load("synth:tiny-qwen3.5", device="cpu", backend="reference", dtype="f32")

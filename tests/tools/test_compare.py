@@ -97,9 +97,9 @@ def test_cpu_backend_reports_its_products_precision():
     from kiln.backends.cpu import CpuOps
     ops = CpuOps()
     assert ops.compute_dtype is None
-    ops.plan[(1, "decode")] = ("dense16", None)
+    ops.plan[(1, "decode")] = ("dense16", None, None)
     assert ops.compute_dtype == "f16"
-    ops.plan[(2, "prefill")] = ("int4", None)
+    ops.plan[(2, "prefill")] = ("int4", None, None)
     assert ops.compute_dtype == "bf16"
 
 
