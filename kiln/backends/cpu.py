@@ -27,6 +27,7 @@ import torch
 
 from ..fsutil import cache_dir, write_atomic
 from ..ops.attention.cpu import AttentionCpu
+from ..ops.quant import cgemv
 from ..ops.quant import cpu as qcpu
 from ..weights.quantized import QuantizedWeight, dequantize
 from .reference import ReferenceOps
@@ -36,7 +37,7 @@ DECODE_ROWS = 1
 PREFILL_ROWS = 64    # a prefill chunk's forms measured on 64 rows: 512 rows of a large LM head take seconds
 REPEATS = 3
 QUICK_S = 0.02       # a form slower than this once is timed once: the LM head's reference takes seconds
-FORMAT = 2           # of the cached choices: bump when a form's meaning changes
+FORMAT = 3           # of the cached choices: bump when a form's meaning changes or one is added
 COPY_BUDGET = 2 << 30        # bytes of 16-bit copies the forms may add
 PREFILL_COPY_MAX = 1 << 24   # elements: a larger weight (an LM head) sees one row a prefill, and its
 #                              logits rounded to bf16 would tie (SmolLM2's 49152 x 576 stays out)
@@ -53,6 +54,7 @@ class CpuOps(AttentionCpu, ReferenceOps):
         self.copies: dict[tuple, object] = {}  # (id(weight), form) -> its int4 or 16-bit copy
         self.plan: dict[tuple, tuple] = {}     # (id(weight), rows bucket) -> (form, copy, run): the run's lookup
         self.report: list[str] = []
+        self.made: dict[tuple, object] = {}    # copies made to measure a form, until the plan takes them
         self.head = 0                          # id of the model's LM head: no bf16 form (its logits would tie)
 
     # -- load ---------------------------------------------------------------------------------------
@@ -82,9 +84,11 @@ class CpuOps(AttentionCpu, ReferenceOps):
                     if size > budget:
                         continue
                     budget -= size
-                    self.copies[(id(w), form)] = _MAKE[form](w)
+                    made = self.made.get((id(w), form))
+                    self.copies[(id(w), form)] = made if made is not None else _MAKE[form](w)
                 if (id(w), form) in self.copies:
-                    self.plan[(id(w), _bucket(rows))] = (form, self.copies[(id(w), form)], getattr(qcpu, _RUN[form]))
+                    self.plan[(id(w), _bucket(rows))] = (form, self.copies[(id(w), form)], _run(form))
+        self.made.clear()      # the copies no choice took
         if not quiet and weights:
             print(f"[kiln] cpu forms chosen in {time.perf_counter() - t0:.1f} s: " + "; ".join(self.report),
                   file=sys.stderr)
@@ -107,6 +111,9 @@ class CpuOps(AttentionCpu, ReferenceOps):
                 times[name] = first if first > QUICK_S or first > 4 * min(times.values(), default=first) \
                     else _time(run)
         best = min(times, key=times.get)
+        for name in forms:     # keep only the winner's copy (the plan takes it): the rest may be large
+            if name != best:
+                self.made.pop((id(w), name), None)
         kind = f"q{w.bits}g{w.group_size}" if isinstance(w, QuantizedWeight) else str(w.dtype).replace("torch.", "")
         self.report.append(f"{w.shape[0]}x{w.shape[1]} {kind} rows {rows}: {best} "
                            + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()))
@@ -115,8 +122,8 @@ class CpuOps(AttentionCpu, ReferenceOps):
     def _names(self, w, rows: int) -> list[str]:
         """The forms that may run w at `rows` rows."""
         names = ["reference"] + (["int4"] if qcpu.int4_fits(w) else [])
-        if rows == DECODE_ROWS:    # f16's product is fast for one row only
-            names.append("dense16")
+        if rows == DECODE_ROWS:    # f16's product is fast for one row only, as is the C GEMV
+            names += ["dense16"] + (["cgemv"] if cgemv.fits(w) else [])
         elif "int4" not in names and id(w) != self.head and w.shape[0] * w.shape[1] <= PREFILL_COPY_MAX:
             names.append("bf16")   # bf16's for many rows
         return names
@@ -125,7 +132,9 @@ class CpuOps(AttentionCpu, ReferenceOps):
         """The forms that may run w at `rows` rows, each made ready to run on x."""
         forms = {"reference": lambda: super(CpuOps, self).linear(x, w)}
         for name in self._names(w, rows)[1:]:
-            forms[name] = _ready(getattr(qcpu, _RUN[name]), x, _MAKE[name](w))
+            if (id(w), name) not in self.made:     # made once: the decode and prefill rows share it
+                self.made[(id(w), name)] = _MAKE[name](w)
+            forms[name] = _ready(_run(name), x, self.made[(id(w), name)])
         return forms
 
     @property
@@ -133,7 +142,7 @@ class CpuOps(AttentionCpu, ReferenceOps):
         """The coarsest precision the chosen forms compute a product in ("bf16": int4 and bf16 round
         x, and the int4 scales, to bf16; "f16": the f16 copies), None when every product runs at
         the model's dtype. `kiln compare` judges near-ties at this precision."""
-        forms = {form for form, *_ in self.plan.values()}
+        forms = {form for form, *_ in self.plan.values()} - {"cgemv"}     # f32 arithmetic on exact values
         return "bf16" if forms & {"int4", "bf16"} else "f16" if forms else None
 
     # -- run ----------------------------------------------------------------------------------------
@@ -152,7 +161,7 @@ class CpuOps(AttentionCpu, ReferenceOps):
         return super().linear_split(x, w, sizes)
 
 
-_MAKE = {"int4": qcpu.to_int4, "dense16": qcpu.dense16, "bf16": qcpu.dense_bf16}
+_MAKE = {"int4": qcpu.to_int4, "dense16": qcpu.dense16, "bf16": qcpu.dense_bf16, "cgemv": cgemv.to_c}
 
 
 def _cache_path(dtype: torch.dtype) -> Path:
@@ -181,7 +190,13 @@ def _write_choices(path: Path, choices: dict) -> None:
         write_atomic(path, lambda f: f.write(json.dumps(choices, indent=1, sort_keys=True).encode()))
     except OSError:
         pass          # a read-only cache: the choices are measured again next time
-_RUN = {"int4": "int4_linear", "dense16": "dense16_linear", "bf16": "bf16_linear"}   # looked up at use
+_RUN = {"int4": (qcpu, "int4_linear"), "dense16": (qcpu, "dense16_linear"), "bf16": (qcpu, "bf16_linear"),
+        "cgemv": (cgemv, "c_linear")}
+
+
+def _run(form: str):
+    """The function that runs a form's copy (looked up when used, so a test can replace it)."""
+    return getattr(*_RUN[form])
 
 
 def _ready(run, x, copy):
@@ -203,7 +218,7 @@ def _projections(weights: dict, dtype: torch.dtype) -> list:
 
 def _copy_bytes(w, form: str) -> int:
     n = w.shape[0] * w.shape[1]
-    return n // 2 if form == "int4" else 2 * n
+    return n // 2 if form == "int4" else n if form == "cgemv" else 2 * n
 
 
 def _bucket(rows: int) -> str:

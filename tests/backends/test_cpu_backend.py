@@ -12,6 +12,7 @@ import torch
 
 import kiln
 from kiln.backends.cpu import CpuOps
+from kiln.ops.quant import cgemv
 from kiln.ops.quant import cpu as qcpu
 from kiln.weights.quantized import dequantize, quantize
 
@@ -58,7 +59,7 @@ def _load(backend, dtype="f32"):
 def test_cpu_backend_keeps_quantised_forms_and_matches_the_reference():
     cpu, ref = _load("cpu"), _load("reference")
     assert isinstance(cpu.model.ops, CpuOps) and cpu.model.ops.choice
-    assert set(cpu.model.ops.choice.values()) <= {"reference", "int4", "dense16", "bf16"}
+    assert set(cpu.model.ops.choice.values()) <= {"reference", "int4", "dense16", "bf16", "cgemv"}
     assert any(form == "int4" for (_, form) in cpu.model.ops.copies) or "int4" not in cpu.model.ops.choice.values()
     ids = torch.randint(0, 509, (23,), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(len(ids))
@@ -76,6 +77,7 @@ def test_a_wrong_form_fails_the_gate_and_the_reference_runs(monkeypatch):
     monkeypatch.setattr(qcpu, "int4_linear", lambda x, w: torch.zeros(*x.shape[:-1], w.shape[0], dtype=x.dtype) + 1)
     monkeypatch.setattr(qcpu, "dense16_linear", lambda x, w: torch.ones(*x.shape[:-1], w.shape[0], dtype=x.dtype))
     monkeypatch.setattr(qcpu, "bf16_linear", lambda x, w: -torch.ones(*x.shape[:-1], w.shape[0], dtype=x.dtype))
+    monkeypatch.setattr(cgemv, "c_linear", lambda x, w: x[..., :1] * 0 + torch.zeros(w.shape[0]))
     llm = _load("cpu")
     assert set(llm.model.ops.choice.values()) == {"reference"}
     assert not llm.model.ops.copies and not llm.model.ops.plan
@@ -161,3 +163,15 @@ def test_cpu_choices_are_cached_and_read_back_without_measuring(monkeypatch):
     second = _load("cpu").model.ops
     assert second.choice == first.choice and {k[1]: v[0] for k, v in second.plan.items()} \
         == {k[1]: v[0] for k, v in first.plan.items()}
+
+
+@pytest.mark.skipif(not cgemv.available(), reason="no C compiler builds the kernel here")
+def test_the_compiled_gemv_is_measured_for_a_decode_row_and_runs_when_chosen():
+    llm = _load("cpu")
+    ops = llm.model.ops
+    decode = [line for line in ops.report if " rows 1:" in line and line.split()[1].startswith("q")]   # quantised
+    assert decode and all("cgemv " in line.split(":", 1)[1] for line in decode)    # past the gate, timed
+    for (_, bucket), (form, copy, run) in ops.plan.items():
+        if form == "cgemv":
+            assert bucket == "decode" and isinstance(copy, cgemv.CWeight) and run is cgemv.c_linear
+    assert ops.compute_dtype in (None, "bf16", "f16")
