@@ -3,6 +3,7 @@ without the reference's GQA copies (kiln/ops/attention/cpu.py).
 
 At load (`prepare`) each projection shape is run through its forms on fresh random inputs: the
 reference (dequantise, then F.linear: the trusted form), torch's int4 kernel (kiln/ops/quant/cpu.py),
+a GEMV compiled at load for decode rows (kiln/ops/quant/cgemv.py: exact values as bytes, f32 sums),
 and 16-bit copies made once (f16 for a decode step's single row, bf16 for a prefill chunk's rows:
 the fast products of each on our CI CPU); a form is kept only if it lands within `GATE` of the
 trusted output (relative to its scale; bf16 rounding is ~4e-3), then the fastest kept form of a shape
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -85,8 +87,8 @@ class CpuOps(AttentionCpu, ReferenceOps):
                         continue
                     budget -= size
                     made = self.made.get((id(w), form))
-                    self.copies[(id(w), form)] = made if made is not None else _MAKE[form](w)
-                if (id(w), form) in self.copies:
+                    self.copies[(id(w), form)] = made if made is not None else _make(form, w)
+                if self.copies.get((id(w), form)) is not None:
                     self.plan[(id(w), _bucket(rows))] = (form, self.copies[(id(w), form)], _run(form))
         self.made.clear()      # the copies no choice took
         if not quiet and weights:
@@ -133,8 +135,9 @@ class CpuOps(AttentionCpu, ReferenceOps):
         forms = {"reference": lambda: super(CpuOps, self).linear(x, w)}
         for name in self._names(w, rows)[1:]:
             if (id(w), name) not in self.made:     # made once: the decode and prefill rows share it
-                self.made[(id(w), name)] = _MAKE[name](w)
-            forms[name] = _ready(_run(name), x, self.made[(id(w), name)])
+                self.made[(id(w), name)] = _make(name, w)
+            if self.made[(id(w), name)] is not None:
+                forms[name] = _ready(_run(name), x, self.made[(id(w), name)])
         return forms
 
     @property
@@ -192,6 +195,15 @@ def _write_choices(path: Path, choices: dict) -> None:
         pass          # a read-only cache: the choices are measured again next time
 _RUN = {"int4": (qcpu, "int4_linear"), "dense16": (qcpu, "dense16_linear"), "bf16": (qcpu, "bf16_linear"),
         "cgemv": (cgemv, "c_linear")}
+
+
+def _make(form: str, w):
+    """A form's copy of w, or None where a compiled kernel failed to build (the form then runs nowhere)."""
+    try:
+        return _MAKE[form](w)
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"[kiln] cpu form {form} unavailable: {e}", file=sys.stderr)
+        return None
 
 
 def _run(form: str):

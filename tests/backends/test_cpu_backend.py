@@ -175,3 +175,15 @@ def test_the_compiled_gemv_is_measured_for_a_decode_row_and_runs_when_chosen():
         if form == "cgemv":
             assert bucket == "decode" and isinstance(copy, cgemv.CWeight) and run is cgemv.c_linear
     assert ops.compute_dtype in (None, "bf16", "f16")
+
+
+def test_a_kernel_that_fails_to_build_leaves_its_form_out(monkeypatch, capsys):
+    def broken(w):
+        raise OSError("cc failed: no such instruction")
+    monkeypatch.setattr(cgemv, "fits", lambda w: True)
+    import kiln.backends.cpu as cpu_backend
+    monkeypatch.setitem(cpu_backend._MAKE, "cgemv", broken)
+    llm = _load("cpu")
+    assert "cgemv" not in {form for form, *_ in llm.model.ops.plan.values()}
+    assert "cpu form cgemv unavailable: cc failed" in capsys.readouterr().err
+    assert llm.generate([1, 2, 3], max_new_tokens=2).text is not None
