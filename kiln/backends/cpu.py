@@ -29,6 +29,7 @@ import torch
 
 from ..fsutil import cache_dir, write_atomic
 from ..ops.attention.cpu import AttentionCpu
+from ..ops.norm.cpu import NormCpu
 from ..ops.quant import cgemv
 from ..ops.quant import cpu as qcpu
 from ..weights.quantized import QuantizedWeight, dequantize
@@ -45,7 +46,7 @@ PREFILL_COPY_MAX = 1 << 24   # elements: a larger weight (an LM head) sees one r
 #                              logits rounded to bf16 would tie (SmolLM2's 49152 x 576 stays out)
 
 
-class CpuOps(AttentionCpu, ReferenceOps):
+class CpuOps(AttentionCpu, NormCpu, ReferenceOps):
     name = "cpu"
     head_major_kv = True     # each KV head's keys contiguous: attention reads them in one sweep
     static_windows = True    # sliding windows sliced from a plain cache, not a ring copied every step

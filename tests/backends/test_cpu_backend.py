@@ -187,3 +187,20 @@ def test_a_kernel_that_fails_to_build_leaves_its_form_out(monkeypatch, capsys):
     assert "cgemv" not in {form for form, *_ in llm.model.ops.plan.values()}
     assert "cpu form cgemv unavailable: cc failed" in capsys.readouterr().err
     assert llm.generate([1, 2, 3], max_new_tokens=2).text is not None
+
+
+@pytest.mark.parametrize("shape", [(1, 640), (3, 4, 256), (7, 1, 96), (65, 576)])
+@pytest.mark.parametrize("style", ["llama", "offset", "plain"])
+def test_cpu_rmsnorm_equals_the_reference_in_f32(shape, style):
+    from kiln.ops.norm.cpu import NormCpu
+    from kiln.ops.norm.reference import NormReference
+    g = torch.Generator().manual_seed(shape[-1])
+    x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g) * 0.1
+    want = NormReference().rmsnorm(x, w, 1e-6, style)
+    got = NormCpu().rmsnorm(x, w, 1e-6, style)
+    assert torch.allclose(got, want, rtol=2e-7, atol=0)     # f32 rounding of one sum at most
+    assert torch.allclose(NormCpu().rmsnorm_noscale(x, 1e-6), NormReference().rmsnorm_noscale(x, 1e-6),
+                          rtol=2e-7, atol=0)
+    xb = x.bfloat16()       # other dtypes keep the reference's path, rounding where HF rounds
+    assert torch.equal(NormCpu().rmsnorm(xb, w.bfloat16(), 1e-6, style),
+                       NormReference().rmsnorm(xb, w.bfloat16(), 1e-6, style))
