@@ -56,6 +56,41 @@ def trace(eng, ids) -> dict:
             "top_host_ms": sorted(host.items(), key=lambda kv: -kv[1])[:30]}
 
 
+def host_profile(eng, ids, top: int = 45) -> str:
+    """cProfile of three prefills: the Python functions whose own time bounds a host-bound prefill."""
+    import cProfile
+    import io
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(3):
+        prefill_s(eng, ids)
+    pr.disable()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def launch_cost_us(n: int = 2000) -> float:
+    """Wall time of one launch of an empty Triton kernel (its Python launcher), the GPU idle."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def noop(x_ptr, n, B: tl.constexpr):
+        i = tl.arange(0, B)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+    x = torch.zeros(16, device="cuda")
+    noop[(1,)](x, 16, B=16)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        noop[(1,)](x, 16, B=16)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -78,8 +113,14 @@ def main() -> None:
                "prefill_tok_s": round(n / med, 1), "trace": trace(eng, ids)}
         print(json.dumps({k: v for k, v in row.items() if k != "trace"}), row["trace"]["launches"],
               row["trace"]["kernel_ms"], row["trace"]["syncs"], flush=True)
+        if n == min(map(int, a.lengths.split(","))):
+            row["host_profile"] = host_profile(eng, ids)
+            print(row["host_profile"][:6000], flush=True)
         rows.append(row)
-    report = {"model": a.model, "dtype": "bf16", **environment(torch.device("cuda")), "date": now_iso(),
+    launch = launch_cost_us()
+    print(f"empty Triton kernel: {launch:.1f} us a launch", flush=True)
+    report = {"model": a.model, "triton_launch_us": round(launch, 2),
+              "dtype": "bf16", **environment(torch.device("cuda")), "date": now_iso(),
               "command": "python3 bench/prefill_trace.py " + " ".join(f"{k}={v}" for k, v in vars(a).items()),
               "results": rows}
     with open(a.out, "w") as f:
