@@ -42,6 +42,7 @@ from .benchutil import (
     now_iso,
     page_cache_note,
     peak_mem_gb,
+    process_start,
     quant_summary,
     reset_peak,
     resident_fraction,
@@ -53,8 +54,9 @@ from .hf_reference import load_hf_reference
 
 DEFAULT_LENGTHS = (512, 2048, 8192, 32768, 81920)
 FIELDS = ("engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
-          "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "tune_s", "tune_cache", "peak_mem_gb",
-          "launches_per_token", "quant", "bytes_per_token", "expert_store", "results", "baseline")
+          "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "first_token_s", "tune_s",
+          "tune_cache", "peak_mem_gb", "launches_per_token", "quant", "bytes_per_token", "expert_store", "results",
+          "baseline")
 
 
 # -- flags -------------------------------------------------------------------------------------------
@@ -145,6 +147,7 @@ class KilnRunner:
 
     def __init__(self, llm):
         self.llm = llm
+        self.first_token_at: float | None = None    # epoch seconds of the first token this process made
 
     @torch.inference_mode()
     def _run(self, ids: list[int], gen: int) -> dict:
@@ -154,6 +157,8 @@ class KilnRunner:
         t0 = time.perf_counter()
         tok = int(torch.argmax(eng.prefill(ids, state)))
         t1 = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = time.time()
         tokens = [tok] + list(eng.greedy_tokens(tok, len(ids), state, gen - 1))   # as generate() runs greedy
         return {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "tokens": tokens}
 
@@ -428,7 +433,7 @@ def main(a) -> int:
     report = {"engine": "kiln", "model": model_label(a.model, llm.path), "dtype": DTYPE_NAMES[llm.engine.dtype],
               "backend": llm.model.ops.name, "device": str(dev), **environment(dev), "date": now_iso(),
               "command": command_line(), "load_s": round(llm.load_s, 3),
-              "load_stages": llm.load_stages or None, "tune_s": _backend_fact(llm, "tune_s"),
+              "load_stages": llm.load_stages or None, "first_token_s": None, "tune_s": _backend_fact(llm, "tune_s"),
               "tune_cache": _backend_fact(llm, "tune_cache"), "peak_mem_gb": None,
               "launches_per_token": _backend_fact(llm, "launches_per_token"), "quant": quant_summary(llm.model),
               "bytes_per_token": token_bytes(llm.model), "expert_store": None}
@@ -445,6 +450,7 @@ def main(a) -> int:
     runners = [kiln_runner] + ([base] if together else [])
     try:
         measured = run_protocol(runners, prompts, gen, a.runs, skips, log)
+        report["first_token_s"] = first_token_s(kiln_runner.first_token_at, report["load_stages"])
         report["peak_mem_gb"] = round(peak_mem_gb(dev), 3)
         report["launches_per_token"] = _backend_fact(llm, "launches_per_token")   # known once decode ran
         report["expert_store"] = _expert_store(llm)
@@ -497,6 +503,16 @@ def _expert_store(llm) -> dict | None:
     return out
 
 
+def first_token_s(first_token_at: float | None, stages: dict | None) -> float | None:
+    """Seconds from this process's start to kiln's first token (the first warm-up's prefill: any
+    tuning or compiling a first prompt triggers is inside), less the weights stage (reading the
+    checkpoint is the disk's time, not kiln's): what a cold `kiln run` costs beyond the read."""
+    start = process_start()
+    if first_token_at is None or start is None:
+        return None
+    return round(first_token_at - start - (stages or {}).get("weights", 0.0), 3)
+
+
 def _finish(a, report: dict, measured: dict, say) -> int:
     print(table(report), flush=True)
     if report["baseline"]:
@@ -505,6 +521,7 @@ def _finish(a, report: dict, measured: dict, say) -> int:
     mem = "peak GPU memory" if report["device"].startswith("cuda") else "peak RSS"
     stages = report.get("load_stages") or {}
     say(f"load {report['load_s']} s" + (f" ({', '.join(f'{k} {v} s' for k, v in stages.items())})" if stages else "")
+        + f", first_token_s {fmt(report['first_token_s'], ' s')}"
         + f", tune {fmt(report['tune_s'], ' s')} (cache {fmt(report['tune_cache'], '')}), "
         f"{mem} {report['peak_mem_gb']} GB, launches/token {fmt(report['launches_per_token'], '')}")
     if a.json_path:

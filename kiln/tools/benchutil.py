@@ -84,6 +84,17 @@ def kiln_env() -> dict:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("KILN_") and k != "KILN_COMMIT"}
 
 
+def process_start() -> float | None:
+    """When this process started (epoch seconds), from /proc (Linux); None elsewhere. The time before
+    Python ran (the interpreter, torch's import) belongs to what a user waits for the first token."""
+    try:
+        fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+        boot = next(float(ln.split()[1]) for ln in open("/proc/stat") if ln.startswith("btime"))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")     # field 22 counts from 1, pid and comm cut
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 

@@ -21,9 +21,9 @@ from kiln.tools.benchutil import resident_fraction
 from kiln.tools.profile import OpTimer
 
 BENCH_FIELDS = ["engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
-                "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "tune_s", "tune_cache",
-                "peak_mem_gb", "launches_per_token", "quant", "bytes_per_token", "expert_store", "results",
-                "baseline"]     # expert_store: issue 21
+                "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "first_token_s", "tune_s",
+                "tune_cache", "peak_mem_gb", "launches_per_token", "quant", "bytes_per_token", "expert_store",
+                "results", "baseline"]     # expert_store: issue 21; first_token_s: issue 23
 RESULT_TYPES = {"prompt_tokens": int, "prefill_tok_s": float, "decode_tok_s": float, "gen_tokens": int}
 
 
@@ -78,6 +78,9 @@ def test_bench_json_has_exactly_the_issue_fields_and_types(acceptance):
     assert datetime.datetime.fromisoformat(rep["date"]).tzinfo is not None
     assert rep["command"].startswith("kiln bench smollm2-135m --device cpu --prompt-lengths 32,96")
     assert isinstance(rep["load_s"], float) and rep["load_s"] > 0
+    # process start to the first token, less the weights stage: the imports and the load's other stages in it
+    stages = rep["load_stages"] or {}
+    assert rep["first_token_s"] > rep["load_s"] - stages.get("weights", 0.0) > 0
     assert rep["tune_s"] is None and rep["tune_cache"] is None and rep["launches_per_token"] is None
     assert isinstance(rep["peak_mem_gb"], float) and 0.5 < rep["peak_mem_gb"] < 64  # 135M f32 weights alone are 0.54 GB
     base = rep["baseline"]
