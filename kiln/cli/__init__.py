@@ -18,8 +18,8 @@ from . import generate, models, serve, tune
 from .flags import Parser
 
 COMMANDS = (generate, models, serve, tune)
-TOOLS = ("kiln.tools.bench", "kiln.tools.compare", "kiln.tools.pack", "kiln.tools.profile", "kiln.tools.quantize",
-         "kiln.tools.synth")
+TOOLS = ("kiln.tools.bench", "kiln.tools.bench_serve", "kiln.tools.compare", "kiln.tools.pack", "kiln.tools.profile",
+         "kiln.tools.quantize", "kiln.tools.synth")
 
 
 def build_parser() -> Parser:
