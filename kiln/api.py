@@ -159,8 +159,30 @@ class LLM:
         """Text pieces as they are generated, each valid UTF-8; stop strings excluded."""
         yield from Generation(self, self.encode(prompt), SamplingParams(**sampling))
 
-    def generate(self, prompt: str | list[int], **sampling) -> Completion:
+    def generate(self, prompt: str | list[int] | list[str] | list[list[int]], **sampling):
+        """A Completion of one prompt (text or token ids); of a list of prompts (texts, or lists of
+        ids), their Completions in order, decoded together as one batch (generate_batch)."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list, tuple)) for p in prompt):
+            return self.generate_batch(prompt, [SamplingParams(**sampling) for _ in prompt])
         return Generation(self, self.encode(prompt), SamplingParams(**sampling)).complete()
+
+    def generate_batch(self, prompts: list, params: list[SamplingParams]) -> list[Completion]:
+        """Each prompt under its own SamplingParams (seed, temperature, stops, max tokens), decoded
+        together: each decode step reads the weights once for every running request. The same
+        tokens as one at a time wherever the batched products round as the single-row ones do
+        (docs/batching.md)."""
+        if len(prompts) != len(params):
+            raise KilnError(f"{len(prompts)} prompts but {len(params)} sampling settings")
+        ids = [self.encode(p) for p in prompts]
+        streams = self.engine.generate_batch(ids, params, self.eos_ids)
+        gens = [Generation(self, i, p, stream=s) for i, p, s in zip(ids, params, streams)]
+        pieces = [iter(g) for g in gens]
+        live = list(range(len(gens)))
+        while live:         # read the requests in turn, so one that stops early frees its row early
+            for j in list(live):
+                if next(pieces[j], None) is None:
+                    live.remove(j)
+        return [g.completion() for g in gens]
 
     def chat(self, messages: list[dict], tools: list | None = None, **sampling) -> Completion:
         return Generation(self, self.chat_prompt(messages, tools), SamplingParams(**sampling)).complete()
@@ -179,9 +201,9 @@ class Generation:
     engine's TokenStream: its `ids` give the raw token ids (for a model without a tokenizer), its
     `times` the counts and timings."""
 
-    def __init__(self, llm: LLM, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, llm: LLM, prompt_ids: list[int], params: SamplingParams, stream: TokenStream | None = None):
         self.llm, self.params, self.prompt_ids = llm, params, prompt_ids
-        self.stream: TokenStream = llm.engine.generate(prompt_ids, params, llm.eos_ids)
+        self.stream: TokenStream = stream or llm.engine.generate(prompt_ids, params, llm.eos_ids)
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
         self.finish_reason: str | None = None
@@ -217,6 +239,10 @@ class Generation:
     def complete(self) -> Completion:
         for _ in self:
             pass
+        return self.completion()
+
+    def completion(self) -> Completion:
+        """The Completion of what ran (final once the generation is exhausted)."""
         return Completion("".join(self.text_parts), self.token_ids, self.finish_reason or "length", self.stats())
 
     def stats(self) -> Stats:

@@ -109,3 +109,10 @@ class GDNState:
         self.conv.zero_()
         self.ssm.zero_()
         self.length = 0
+
+
+class StateBatch(list):
+    """One layer's state of each request in a batched decode step, in the batch's row order (row j
+    is request j's token). The ops that read a request's own state (attention over its cache, the
+    GDN recurrence) run once per request on its row (`kiln.models.base.per_request`); the
+    projections, norms and MLPs run on all rows at once, reading each weight once for the batch."""

@@ -9,12 +9,14 @@ its state.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
 from .backends.graphs import DecodeGraph, graphable
+from .cache import StateBatch
 from .errors import KilnError
 from .sampling import Sampler, SamplingParams
 
@@ -153,6 +155,25 @@ class Engine:
             token = int(torch.argmax(logits))
             yield token
 
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int], positions: list[int], states: list[list]) -> torch.Tensor:
+        """One decode step of several requests, row j feeding tokens[j] at positions[j] into states[j]
+        (each its own per-layer state): the logits [B, V]. Projections, norms and MLPs run on all rows
+        at once; attention and the GDN recurrence per request (kiln.cache.StateBatch)."""
+        ids = torch.tensor(tokens, device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        layers = [StateBatch(layer) for layer in zip(*states)]
+        return self.model.forward(ids, pos, layers, last_only=False)
+
+    def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams], eos_ids) -> list[TokenStream]:
+        """Token streams of several requests decoded together (kiln.engine.Batch): each stream's ids
+        advance the shared batch as they are read, so they may be read in any order or interleaved."""
+        for ids, p in zip(prompts, params):
+            self.check_prompt(ids)
+            p.validate()
+        batch = Batch(self, set(eos_ids))
+        return [batch.add(ids, p) for ids, p in zip(prompts, params)]
+
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise KilnError("empty prompt")
@@ -270,3 +291,104 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+@dataclass
+class _Running:
+    """One request of a Batch: its prompt, its state, the token it feeds next and what it made."""
+    ids: list[int]
+    params: SamplingParams
+    stream: TokenStream
+    steps: int                          # decode steps it may run (max_new_tokens - 1, or to the max context)
+    state: list | None = None           # None until prefilled
+    token: int = -1                     # the token the next decode step feeds
+    pos: int = 0                        # ... at this position
+    sampler: Sampler | None = None      # None: greedy (argmax, no repetition penalty)
+    history: torch.Tensor | None = None  # the fed ids, for the sampler's repetition penalty
+    out: deque = field(default_factory=deque)    # made, not yet read
+    done: bool = False
+    cancelled: bool = False
+    t0: float = 0.0
+
+
+class Batch:
+    """Requests decoded together: each step either prefills one waiting request (its first token) or
+    runs one decode step for every running one (Engine.decode_batch), so a request that arrives
+    waits for one step, not for the others to finish. Tokens follow the single-request loop's
+    rules (Engine._loop): the same token choice, the same eos, length and max-context stops."""
+
+    def __init__(self, engine: "Engine", eos: set[int]):
+        self.engine, self.eos = engine, eos
+        self.waiting: deque[_Running] = deque()
+        self.running: list[_Running] = []
+
+    def add(self, ids: list[int], params: SamplingParams) -> TokenStream:
+        eng = self.engine
+        stream = TokenStream(iter(()))
+        stream.times.prompt_tokens = len(ids)
+        stream.finish_reason = "length"
+        r = _Running(list(ids), params, stream, max(min(params.max_new_tokens - 1, eng.max_context - 1 - len(ids)), 0))
+        stream.ids = self._tokens(r)
+        self.waiting.append(r)
+        return stream
+
+    def _tokens(self, r: _Running):
+        try:
+            while True:
+                while not r.out and not r.done:
+                    self.step()
+                if not r.out:
+                    return
+                yield r.out.popleft()
+        finally:
+            if not r.done:       # the reader stopped early (a stop string, a closed stream): free its row
+                r.cancelled = r.done = True
+                r.state = None
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        self.running = [r for r in self.running if not r.done]
+        if self.waiting:
+            self._prefill(self.waiting.popleft())
+        elif self.running:
+            self._decode()
+
+    def _prefill(self, r: _Running) -> None:
+        eng = self.engine
+        r.t0 = time.perf_counter()
+        r.state = eng.capped(eng.model.make_state(eng.dtype, eng.device))     # its own, never the graph's
+        logits = eng.prefill(r.ids, r.state)
+        if not (r.params.greedy and r.params.repetition_penalty == 1.0):
+            r.sampler, r.history = Sampler(r.params, eng.device), torch.tensor(r.ids, device=eng.device)
+        r.pos = len(r.ids)
+        self.running.append(r)
+        self._emit(r, self._choose(r, logits))
+
+    def _decode(self) -> None:
+        live = self.running
+        logits = self.engine.decode_batch([r.token for r in live], [r.pos for r in live], [r.state for r in live])
+        for r, row in zip(live, logits):
+            r.pos += 1
+            if r.history is not None:
+                r.history = torch.cat([r.history, r.history.new_tensor([r.token])])
+            self._emit(r, self._choose(r, row))
+
+    def _choose(self, r: _Running, logits: torch.Tensor) -> int:
+        return int(torch.argmax(logits)) if r.sampler is None else r.sampler(logits, r.history)
+
+    def _emit(self, r: _Running, token: int) -> None:
+        times, now = r.stream.times, time.perf_counter()
+        if times.generated_tokens == 0:
+            times.prefill_s, r.t0 = now - r.t0, now
+        times.generated_tokens += 1
+        times.decode_s = now - r.t0
+        r.out.append(token)
+        r.token = token
+        if token in self.eos:
+            r.stream.finish_reason = "eos"
+        elif times.generated_tokens <= r.steps:
+            return
+        elif times.generated_tokens < r.params.max_new_tokens:
+            r.stream.finish_reason = "context"
+        r.done = True
+        r.state = None

@@ -38,6 +38,7 @@ from .reference import ReferenceOps
 GATE = 2e-2          # max |y - trusted| / max |trusted|: a wrong layout or scale lands near 1
 DECODE_ROWS = 1
 PREFILL_ROWS = 64    # a prefill chunk's forms measured on 64 rows: 512 rows of a large LM head take seconds
+BATCH_ROWS = 16      # rows that still run the decode forms (a batched decode step; a prompt this short)
 REPEATS = 3
 QUICK_S = 0.02       # a form slower than this once is timed once: the LM head's reference takes seconds
 FORMAT = 3           # of the cached choices: bump when a form's meaning changes or one is added
@@ -235,7 +236,9 @@ def _copy_bytes(w, form: str) -> int:
 
 
 def _bucket(rows: int) -> str:
-    return "decode" if rows <= 4 else "prefill"
+    """A decode step's rows (up to BATCH_ROWS requests decoded together run the single-row forms,
+    whose arithmetic is row by row: each request gets the tokens it gets alone) or a prefill chunk's."""
+    return "decode" if rows <= BATCH_ROWS else "prefill"
 
 
 def _shape_key(w) -> tuple:

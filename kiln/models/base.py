@@ -11,11 +11,20 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..cache import KVCache
+from ..cache import KVCache, StateBatch
 from ..errors import KilnError
 from ..weights.checkpoint import FileSpan
 from ..weights.quantized import cat_rows
 from ..weights.upload import Uploader, file_reads_on, pinned_upload_on, placed
+
+
+def per_request(state, fn, *rows):
+    """fn(state, *rows) for one request's state; for a StateBatch, fn once per request on its row of
+    each row tensor (None passes through), the outputs concatenated along rows in batch order."""
+    if not isinstance(state, StateBatch):
+        return fn(state, *rows)
+    outs = [fn(s, *(None if r is None else r[j:j + 1] for r in rows)) for j, s in enumerate(state)]
+    return torch.cat(outs)
 
 
 def config_from_dict(cls, d: dict[str, Any]):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..cache import RingKVCache
-from .base import Model, decoder_layer_shapes, gated_mlp_shapes, gemms, lm_head_shapes, norms
+from .base import Model, decoder_layer_shapes, gated_mlp_shapes, gemms, lm_head_shapes, norms, per_request
 from .rope import inv_freq
 
 
@@ -110,8 +110,8 @@ class Gemma3(Model):
         q = ops.apply_rope(ops.rmsnorm(q, w[p + "q_norm.weight"], c.rms_norm_eps, style), *ropes[kind])
         k = ops.apply_rope(ops.rmsnorm(k, w[p + "k_norm.weight"], c.rms_norm_eps, style), *ropes[kind])
         window = c.sliding_window if kind == "sliding_attention" else None
-        o = ops.attention(q, k, v, cache, positions, c.query_pre_attn_scalar ** -0.5, window,
-                          c.attn_logit_softcapping)
+        o = per_request(cache, lambda s, q, k, v, pos: ops.attention(
+            q, k, v, s, pos, c.query_pre_attn_scalar ** -0.5, window, c.attn_logit_softcapping), q, k, v, positions)
         return ops.linear(o.reshape(x.shape[0], -1), w[p + "o_proj.weight"])
 
     def forward(self, ids, positions, state, last_only=True):

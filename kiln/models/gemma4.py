@@ -22,6 +22,7 @@ from .base import (
     kernel,
     lm_head_shapes,
     norms,
+    per_request,
     stacks_to_fused,
 )
 from .rope import inv_freq
@@ -280,7 +281,8 @@ class Gemma4(Model):
             k = ops.apply_rope(ops.rmsnorm(k, w[p + "k_norm.weight"], eps, style), *rope)
             v = ops.rmsnorm_noscale(v, eps)  # values are the un-normed, un-rotated keys when k_eq_v
         window = None if c.full(i) else c.sliding_window
-        o = ops.attention(q, k, v, cache, positions, 1.0, window)
+        o = per_request(cache, lambda s, q, k, v, pos: ops.attention(q, k, v, s, pos, 1.0, window),
+                        q, k, v, positions)
         return ops.linear(o.reshape(x.shape[0], -1), w[p + "o_proj.weight"])
 
     def experts(self, i, x):

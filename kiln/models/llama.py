@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Model, attention_shapes, decoder_layer_shapes, gated_mlp_shapes, gemms, lm_head_shapes, norms
+from .base import (
+    Model,
+    attention_shapes,
+    decoder_layer_shapes,
+    gated_mlp_shapes,
+    gemms,
+    lm_head_shapes,
+    norms,
+    per_request,
+)
 from .rope import default_scale, inv_freq
 
 
@@ -77,8 +86,9 @@ class Llama(Model):
         t, d = x.shape[0], c.head_dim
         q, k, v = (y.reshape(t, -1, d) for y in ops.linear_split(x, w[p + "qkv_proj.weight"], self.qkv_sizes))
         qn, kn = (w[p + "q_norm.weight"], w[p + "k_norm.weight"]) if self.qk_norm else (None, None)
-        o = ops.qk_norm_rope_attention(q, k, v, qn, kn, c.rms_norm_eps, self.norm_style, rope, cache, positions,
-                                       default_scale(d))
+        o = per_request(cache, lambda s, q, k, v, cos, sin, pos: ops.qk_norm_rope_attention(
+            q, k, v, qn, kn, c.rms_norm_eps, self.norm_style, (cos, sin), s, pos, default_scale(d)),
+            q, k, v, *rope, positions)
         return ops.linear(o.reshape(t, -1), w[p + "o_proj.weight"])
 
     def forward(self, ids, positions, state, last_only=True):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..cache import GDNState
 from ..errors import KilnError
-from .base import Model, attention_shapes, gated_mlp_shapes, gemms, kernel, lm_head_shapes, norms
+from .base import Model, attention_shapes, gated_mlp_shapes, gemms, kernel, lm_head_shapes, norms, per_request
 from .rope import default_scale, inv_freq
 
 
@@ -205,7 +205,9 @@ class Qwen35(Model):
         c, w, p = self.cfg, self.w, f"model.layers.{i}.linear_attn."
         qkv, z, b, a = proj
         params = {n: w[p + n] for n in ("conv1d.weight", "A_log", "dt_bias", "norm.weight")}
-        y = self.ops.gated_deltanet(qkv, z, b, a, params, state, (*self.gdn_dims(c), c.rms_norm_eps))
+        dims = (*self.gdn_dims(c), c.rms_norm_eps)
+        y = per_request(state, lambda s, qkv, z, b, a: self.ops.gated_deltanet(qkv, z, b, a, params, s, dims),
+                        qkv, z, b, a)
         return self.ops.linear(y, w[p + "out_proj.weight"])
 
     def full_attention(self, i, proj, positions, cache, rope):
@@ -214,8 +216,10 @@ class Qwen35(Model):
         t, d, eps = qg.shape[0], c.head_dim, c.rms_norm_eps
         q, gate = qg.view(t, -1, 2 * d).chunk(2, dim=-1)                                 # per-head interleave
         k, v = k.view(t, -1, d), v.view(t, -1, d)
-        o = ops.qk_norm_rope_attention(q, k, v, w[p + "q_norm.weight"], w[p + "k_norm.weight"], eps, "offset", rope,
-                                       cache, positions, default_scale(d), gate=gate)      # sigmoid(gate) * o
+        qn, kn = w[p + "q_norm.weight"], w[p + "k_norm.weight"]
+        o = per_request(cache, lambda s, q, k, v, g, cos, sin, pos: ops.qk_norm_rope_attention(
+            q, k, v, qn, kn, eps, "offset", (cos, sin), s, pos, default_scale(d), gate=g),   # sigmoid(gate) * o
+            q, k, v, gate, *rope, positions)
         return ops.linear(o.reshape(t, -1), w[p + "o_proj.weight"])
 
     def mlp(self, i, x):

@@ -30,7 +30,7 @@ import torch
 from ...fsutil import cache_dir
 from ...weights.quantized import QuantizedWeight, unpack
 
-MAX_ROWS = 4        # rows a call takes (a decode step's); more rows are the other forms' work
+MAX_ROWS = 4        # rows a kernel call takes (its x split lives on the stack); more rows, more calls
 SOURCE = r"""
 #include <stdint.h>
 #include <math.h>
@@ -145,14 +145,14 @@ def to_c(w: QuantizedWeight) -> CWeight:
 
 
 def c_linear(x: torch.Tensor, w: CWeight) -> torch.Tensor:
-    """x @ w^T for at most MAX_ROWS rows, in f32, returned in x's dtype."""
+    """x @ w^T in f32, returned in x's dtype; MAX_ROWS rows a call (each row's arithmetic is the
+    same whatever rows share its call: a batch gives each request its single-row result)."""
     n, k = w.shape
     x2 = x.reshape(-1, k).to(torch.float32).contiguous()
-    rows = x2.shape[0]
-    if rows > MAX_ROWS:
-        raise ValueError(f"the C GEMV takes at most {MAX_ROWS} rows, got {rows}")
-    y = torch.empty(rows, n, dtype=torch.float32)
-    w.fn(x2.data_ptr(), rows, w.q.data_ptr(), w.s.data_ptr(), w.b.data_ptr(), y.data_ptr(), n)
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    for r0 in range(0, x2.shape[0], MAX_ROWS):
+        xr, yr = x2[r0:r0 + MAX_ROWS], y[r0:r0 + MAX_ROWS]
+        w.fn(xr.data_ptr(), xr.shape[0], w.q.data_ptr(), w.s.data_ptr(), w.b.data_ptr(), yr.data_ptr(), n)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 

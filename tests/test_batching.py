@@ -1,0 +1,101 @@
+"""Requests decoded together (Engine.decode_batch, kiln.engine.Batch, LLM.generate on a list) give
+each request the tokens it gets alone: greedy and seeded sampling, every family, the stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln
+from kiln.sampling import SamplingParams
+
+FAMILIES = ["synth:tiny-qwen3.5", "synth:tiny-llama", "synth:tiny-gemma3", "synth:tiny-gemma4",
+            "synth:tiny-qwen3.5-moe", "synth:tiny-qwen3-next"]
+
+
+def _prompts(llm, n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 40, (n,), generator=g).tolist()
+    return [torch.randint(0, llm.model.cfg.vocab_size, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return kiln.load("synth:tiny-qwen3.5", device="cpu")
+
+
+def test_16_greedy_streams_batched_give_the_tokens_of_16_sequential_runs(hybrid):
+    prompts = _prompts(hybrid, 16)
+    alone = [hybrid.generate(p, max_new_tokens=12) for p in prompts]
+    together = hybrid.generate(prompts, max_new_tokens=12)
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert [c.finish_reason for c in together] == [c.finish_reason for c in alone]
+    assert all(len(c.token_ids) == 12 for c in together)
+
+
+@pytest.mark.parametrize("spec", FAMILIES[1:])
+def test_every_family_batches_as_it_runs_alone(spec):
+    llm = kiln.load(spec, device="cpu")
+    prompts = _prompts(llm, 5, seed=1)
+    alone = [llm.generate(p, max_new_tokens=6).token_ids for p in prompts]
+    assert [c.token_ids for c in llm.generate(prompts, max_new_tokens=6)] == alone
+
+
+def test_a_batch_mixing_sampling_settings_matches_each_request_alone(hybrid):
+    prompts = _prompts(hybrid, 6, seed=2)
+    params = [SamplingParams(max_new_tokens=10),
+              SamplingParams(max_new_tokens=7, temperature=0.8, seed=1),
+              SamplingParams(max_new_tokens=10, temperature=1.2, top_k=20, seed=2),
+              SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, seed=3),
+              SamplingParams(max_new_tokens=9, repetition_penalty=1.3),
+              SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)]
+    alone = [hybrid.generate_batch([p], [s])[0].token_ids for p, s in zip(prompts, params)]
+    one_by_one = [hybrid.generate(p, **vars(s)).token_ids for p, s in zip(prompts, params)]
+    assert alone == one_by_one      # a batch of one is the single-request loop
+    together = hybrid.generate_batch(prompts, params)
+    assert [c.token_ids for c in together] == alone
+    assert [len(c.token_ids) for c in together] == [10, 7, 10, 4, 9, 10]
+
+
+def test_the_max_context_ends_a_request_in_a_batch_as_alone():
+    llm = kiln.load("synth:tiny-qwen3.5", device="cpu", max_context=24)
+    prompts = [[5] * 20, [7] * 3]
+    together = llm.generate(prompts, max_new_tokens=10)
+    assert [c.finish_reason for c in together] == ["context", "length"]
+    assert [c.token_ids for c in together] == [llm.generate(p, max_new_tokens=10).token_ids for p in prompts]
+
+
+def test_an_eos_ends_only_its_own_request():
+    llm = kiln.load("synth:tiny-qwen3.5", device="cpu")
+    prompts = _prompts(llm, 4, seed=3)
+    first = llm.generate(prompts[0], max_new_tokens=8).token_ids
+    llm.eos_ids = [first[2]]         # the third token of request 0 is now an end of sequence
+    alone = [llm.generate(p, max_new_tokens=8) for p in prompts]
+    together = llm.generate(prompts, max_new_tokens=8)
+    assert together[0].finish_reason == "eos" and together[0].token_ids == first[:3]
+    assert [(c.token_ids, c.finish_reason) for c in together] == [(c.token_ids, c.finish_reason) for c in alone]
+
+
+def test_a_stream_read_no_further_leaves_the_batch(hybrid):
+    prompts = _prompts(hybrid, 3, seed=4)
+    streams = hybrid.engine.generate_batch(prompts, [SamplingParams(max_new_tokens=50) for _ in prompts],
+                                           hybrid.eos_ids)
+    next(streams[1].ids)
+    streams[1].ids.close()           # a client that went away
+    rest = [list(s.ids) for s in (streams[0], streams[2])]
+    assert all(len(r) == 50 for r in rest)
+    assert streams[1].times.generated_tokens < 5      # decoded no further once closed
+
+
+def test_a_list_of_text_prompts_on_a_real_model_with_a_stop_string():
+    llm = kiln.load("smollm2-135m", device="cpu")
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    alone = [llm.generate(p, max_new_tokens=16, stop=["\n\n"]) for p in prompts]
+    together = llm.generate(prompts, max_new_tokens=16, stop=["\n\n"])
+    assert [(c.text, c.token_ids, c.finish_reason) for c in together] == \
+        [(c.text, c.token_ids, c.finish_reason) for c in alone]
+
+
+def test_prompts_and_settings_must_pair_up(hybrid):
+    with pytest.raises(kiln.KilnError, match="2 prompts but 1 sampling"):
+        hybrid.generate_batch([[1, 2], [3]], [SamplingParams()])
