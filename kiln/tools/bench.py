@@ -147,7 +147,8 @@ class KilnRunner:
 
     def __init__(self, llm):
         self.llm = llm
-        self.first_token_at: float | None = None    # epoch seconds of the first token this process made
+        self.loaded_at = time.time()                # epoch seconds: the load is done
+        self.first_prefill_s: float | None = None   # the first prefill's seconds, to its token
 
     @torch.inference_mode()
     def _run(self, ids: list[int], gen: int) -> dict:
@@ -157,8 +158,8 @@ class KilnRunner:
         t0 = time.perf_counter()
         tok = int(torch.argmax(eng.prefill(ids, state)))
         t1 = time.perf_counter()
-        if self.first_token_at is None:
-            self.first_token_at = time.time()
+        if self.first_prefill_s is None:
+            self.first_prefill_s = t1 - t0
         tokens = [tok] + list(eng.greedy_tokens(tok, len(ids), state, gen - 1))   # as generate() runs greedy
         return {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "tokens": tokens}
 
@@ -450,7 +451,7 @@ def main(a) -> int:
     runners = [kiln_runner] + ([base] if together else [])
     try:
         measured = run_protocol(runners, prompts, gen, a.runs, skips, log)
-        report["first_token_s"] = first_token_s(kiln_runner.first_token_at, report["load_stages"])
+        report["first_token_s"] = first_token_s(kiln_runner, report["load_stages"])
         report["peak_mem_gb"] = round(peak_mem_gb(dev), 3)
         report["launches_per_token"] = _backend_fact(llm, "launches_per_token")   # known once decode ran
         report["expert_store"] = _expert_store(llm)
@@ -503,14 +504,15 @@ def _expert_store(llm) -> dict | None:
     return out
 
 
-def first_token_s(first_token_at: float | None, stages: dict | None) -> float | None:
-    """Seconds from this process's start to kiln's first token (the first warm-up's prefill: any
-    tuning or compiling a first prompt triggers is inside), less the weights stage (reading the
-    checkpoint is the disk's time, not kiln's): what a cold `kiln run` costs beyond the read."""
+def first_token_s(runner: "KilnRunner", stages: dict | None) -> float | None:
+    """Seconds from this process's start to the end of the load, plus the first prefill to its token
+    (the first warm-up's: any tuning or compiling a first prompt triggers is inside; a baseline's
+    start, which comes between, is not), less the weights stage (reading the checkpoint is the
+    disk's time, not kiln's): what a cold `kiln run` costs beyond the read."""
     start = process_start()
-    if first_token_at is None or start is None:
+    if runner.first_prefill_s is None or start is None:
         return None
-    return round(first_token_at - start - (stages or {}).get("weights", 0.0), 3)
+    return round(runner.loaded_at - start + runner.first_prefill_s - (stages or {}).get("weights", 0.0), 3)
 
 
 def _finish(a, report: dict, measured: dict, say) -> int:
