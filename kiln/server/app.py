@@ -382,7 +382,8 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, queue_limit:
 
     def model_card() -> dict:
         return {"id": service.model_id, "object": "model", "created": service.created, "owned_by": "kiln",
-                "max_model_len": llm.engine.max_context}
+                "max_model_len": llm.engine.max_context,     # vLLM's field
+                "vocab_size": llm.model.cfg.vocab_size}      # token-id prompts must stay below it
 
     @v1.get("/models")
     async def models():
