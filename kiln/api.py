@@ -207,30 +207,43 @@ class Generation:
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
         self.finish_reason: str | None = None
+        tok = llm.tokenizer
+        self._decoder = StreamDecoder(tok) if tok is not None else None
+        self._stops, self._eos = StopMatcher(params.stop), set(llm.eos_ids)
 
     def __iter__(self) -> Iterator[str]:
-        tok = self.llm.tokenizer
-        decoder = None
-        if tok is not None:
-            decoder = StreamDecoder(tok)
-        stops = StopMatcher(self.params.stop)
-        eos = set(self.llm.eos_ids)
         for token in self.stream.ids:
-            self.token_ids.append(token)
-            if decoder is None or token in eos:
-                continue
-            text, stopped = stops.push(decoder.push(token))
+            text, stopped = self.feed(token)
             if text:
-                self.text_parts.append(text)
                 yield text
             if stopped:
-                self.finish_reason = "stop"
                 return
+        tail = self.finish()
+        if tail:
+            yield tail
+
+    def feed(self, token: int) -> tuple[str, bool]:
+        """One generated token in: (its text piece, possibly "", and whether a stop string ended the
+        request). The pull loop above and a caller that drives the engine itself (the server's batch)
+        both go through here."""
+        self.token_ids.append(token)
+        if self._decoder is None or token in self._eos:
+            return "", False
+        text, stopped = self._stops.push(self._decoder.push(token))
+        if text:
+            self.text_parts.append(text)
+        if stopped:
+            self.finish_reason = "stop"
+        return text, stopped
+
+    def finish(self) -> str:
+        """The request ended without a stop string: its finish reason, and the text held back (a
+        partial character, the start of a possible stop string)."""
         self.finish_reason = self.stream.finish_reason
-        tail = stops.push(decoder.flush())[0] + stops.flush() if decoder is not None else ""
+        tail = self._stops.push(self._decoder.flush())[0] + self._stops.flush() if self._decoder is not None else ""
         if tail:
             self.text_parts.append(tail)
-            yield tail
+        return tail
 
     def close(self) -> None:
         """End the engine's loop now, not whenever this object is collected (a request left unfinished)."""

@@ -172,7 +172,7 @@ class Engine:
             self.check_prompt(ids)
             p.validate()
         batch = Batch(self, set(eos_ids))
-        return [batch.add(ids, p) for ids, p in zip(prompts, params)]
+        return [batch.add(ids, p).stream for ids, p in zip(prompts, params)]
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -294,7 +294,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 @dataclass
-class _Running:
+class BatchRequest:
     """One request of a Batch: its prompt, its state, the token it feeds next and what it made."""
     ids: list[int]
     params: SamplingParams
@@ -319,20 +319,35 @@ class Batch:
 
     def __init__(self, engine: "Engine", eos: set[int]):
         self.engine, self.eos = engine, eos
-        self.waiting: deque[_Running] = deque()
-        self.running: list[_Running] = []
+        self.waiting: deque[BatchRequest] = deque()
+        self.running: list[BatchRequest] = []
 
-    def add(self, ids: list[int], params: SamplingParams) -> TokenStream:
+    def add(self, ids: list[int], params: SamplingParams) -> BatchRequest:
+        """A request joins: prefilled at a coming step. Read its tokens from `request.stream.ids` (which
+        steps the batch as needed), or step the batch yourself and take them from `request.out`."""
         eng = self.engine
         stream = TokenStream(iter(()))
         stream.times.prompt_tokens = len(ids)
         stream.finish_reason = "length"
-        r = _Running(list(ids), params, stream, max(min(params.max_new_tokens - 1, eng.max_context - 1 - len(ids)), 0))
+        steps = max(min(params.max_new_tokens - 1, eng.max_context - 1 - len(ids)), 0)
+        r = BatchRequest(list(ids), params, stream, steps)
         stream.ids = self._tokens(r)
         self.waiting.append(r)
-        return stream
+        return r
 
-    def _tokens(self, r: _Running):
+    def cancel(self, r: BatchRequest) -> None:
+        """The request leaves at the next step (its reader is gone); its state is freed now."""
+        if not r.done:
+            r.cancelled = r.done = True
+            r.state = None
+        if r in self.waiting:
+            self.waiting.remove(r)
+
+    def __len__(self) -> int:
+        """Requests waiting or running."""
+        return len(self.waiting) + sum(not r.done for r in self.running)
+
+    def _tokens(self, r: BatchRequest):
         try:
             while True:
                 while not r.out and not r.done:
@@ -341,9 +356,7 @@ class Batch:
                     return
                 yield r.out.popleft()
         finally:
-            if not r.done:       # the reader stopped early (a stop string, a closed stream): free its row
-                r.cancelled = r.done = True
-                r.state = None
+            self.cancel(r)       # a reader that stopped early (a stop string, a closed stream) frees its row
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -353,7 +366,7 @@ class Batch:
         elif self.running:
             self._decode()
 
-    def _prefill(self, r: _Running) -> None:
+    def _prefill(self, r: BatchRequest) -> None:
         eng = self.engine
         r.t0 = time.perf_counter()
         r.state = eng.capped(eng.model.make_state(eng.dtype, eng.device))     # its own, never the graph's
@@ -373,10 +386,10 @@ class Batch:
                 r.history = torch.cat([r.history, r.history.new_tensor([r.token])])
             self._emit(r, self._choose(r, row))
 
-    def _choose(self, r: _Running, logits: torch.Tensor) -> int:
+    def _choose(self, r: BatchRequest, logits: torch.Tensor) -> int:
         return int(torch.argmax(logits)) if r.sampler is None else r.sampler(logits, r.history)
 
-    def _emit(self, r: _Running, token: int) -> None:
+    def _emit(self, r: BatchRequest, token: int) -> None:
         times, now = r.stream.times, time.perf_counter()
         if times.generated_tokens == 0:
             times.prefill_s, r.t0 = now - r.t0, now

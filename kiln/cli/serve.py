@@ -34,6 +34,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model-id", default=None, help="the model's name in the API (default: from MODEL)")
     p.add_argument("--queue-limit", type=positive_int, default=64,
                    help="requests that may wait for the engine; more get 429 (default 64)")
+    p.add_argument("--max-batch", type=positive_int, default=1,
+                   help="prompts decoded together, joining and leaving between steps (default 1: one request "
+                        "at a time, with the CUDA graph and prefix reuse; docs/batching.md)")
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     p.set_defaults(main=main)
 
@@ -85,7 +88,7 @@ def main(a) -> int:
 
         llm = load_announced(a)
         model_id = a.model_id or default_model_id(a.model)
-        app = create_app(llm, model_id, api_key=key, queue_limit=a.queue_limit)
+        app = create_app(llm, model_id, api_key=key, queue_limit=a.queue_limit, max_batch=a.max_batch)
         host, port = sock.getsockname()[:2]
         if not a.quiet:
             shown = f"[{host}]" if ":" in host else host

@@ -35,9 +35,9 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class Service:
     """What the routes share: the model and its id, the API key, the worker."""
 
-    def __init__(self, llm: LLM, model_id: str, api_key: str | None, queue_limit: int):
+    def __init__(self, llm: LLM, model_id: str, api_key: str | None, queue_limit: int, max_batch: int = 1):
         self.llm, self.model_id, self.api_key = llm, model_id, api_key
-        self.worker = Worker(llm, queue_limit)
+        self.worker = Worker(llm, queue_limit, max_batch)
         self.created = int(time.time())
         tok = llm.tokenizer
         # NOTE: a tokenizer may carry a separate "tool_use" template; tools are rendered with it.
@@ -263,7 +263,7 @@ async def _collect(job: Job, request: Request) -> list[tuple[list[str], Outcome]
     (its generation is stopped)."""
     gone = asyncio.ensure_future(_disconnected(request))
     pieces: list[list[str]] = [[] for _ in job.prompts]
-    outcomes: list[Outcome] = []
+    outcomes: dict[int, Outcome] = {}      # by index: batched prompts of one job may finish in any order
     try:
         while len(outcomes) < len(job.prompts):
             event = asyncio.ensure_future(job.events.get())
@@ -278,8 +278,8 @@ async def _collect(job: Job, request: Request) -> list[tuple[list[str], Outcome]
             if kind == "text":
                 pieces[index].append(value)
             else:
-                outcomes.append(value)
-        return list(zip(pieces, outcomes))
+                outcomes[index] = value
+        return [(pieces[i], outcomes[i]) for i in range(len(job.prompts))]
     finally:
         gone.cancel()
         job.cancelled.set()
@@ -349,8 +349,9 @@ async def _on_bug(request: Request, e: Exception) -> JSONResponse:
     return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
 
-def create_app(llm: LLM, model_id: str, api_key: str | None = None, queue_limit: int = 64) -> FastAPI:
-    service = Service(llm, model_id, api_key, queue_limit)
+def create_app(llm: LLM, model_id: str, api_key: str | None = None, queue_limit: int = 64,
+               max_batch: int = 1) -> FastAPI:
+    service = Service(llm, model_id, api_key, queue_limit, max_batch)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -1,10 +1,11 @@
-"""The engine worker: one thread owns the model and runs queued requests one at a time.
+"""The engine worker: one thread owns the model and runs queued requests: one at a time, or with
+`--max-batch N` up to N prompts decoded together, joining and leaving between steps (kiln.engine.Batch).
 
 HTTP handlers run on the event loop; they hand a `Job` to the worker through a bounded queue and
 read its events from an asyncio queue the worker fills with `call_soon_threadsafe`: for each of the
-job's prompts in turn (a chat has one, a /v1/completions batch several) ("text", (index, piece))
-events then ("done", (index, Outcome)) with its token counts; or ("error", exception). A job whose
-client went away is skipped, or stopped at its next piece.
+job's prompts (a chat has one, a /v1/completions batch several: in turn, or together when batched)
+("text", (index, piece)) events then ("done", (index, Outcome)) with its token counts; or ("error",
+exception). A job whose client went away is skipped, or stopped at its next piece (its row freed).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import traceback
 from dataclasses import dataclass
 
 from ..api import LLM, Generation
+from ..engine import Batch, BatchRequest
 from ..sampling import SamplingParams
 
 
@@ -53,9 +55,18 @@ class QueueFull(Exception):
     pass
 
 
+@dataclass
+class _Slot:
+    """One prompt of a job running in the batch."""
+    job: Job
+    index: int
+    request: BatchRequest
+    gen: Generation
+
+
 class Worker:
-    def __init__(self, llm: LLM, queue_limit: int):
-        self.llm = llm
+    def __init__(self, llm: LLM, queue_limit: int, max_batch: int = 1):
+        self.llm, self.max_batch = llm, max_batch
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_limit)  # waiting jobs, the running one excluded
         self.running = False
         self._thread = threading.Thread(target=self._serve, name="kiln-engine", daemon=True)
@@ -81,6 +92,8 @@ class Worker:
             raise QueueFull from None
 
     def _serve(self) -> None:
+        if self.max_batch > 1:
+            return self._serve_batched()
         while (job := self.jobs.get()) is not None:
             if not job.cancelled.is_set():
                 self.running = True
@@ -114,3 +127,79 @@ class Worker:
         finally:
             if run is not None:
                 run.close()  # end the engine loop now, not whenever it is collected
+
+    # -- continuous batching (--max-batch > 1) ----------------------------------------------------
+    def _serve_batched(self) -> None:
+        """Jobs join the running batch between steps (up to max_batch prompts running; more wait in the
+        queue) and leave it when they finish or their client goes: each step prefills one newcomer or
+        decodes every running prompt at once (kiln.engine.Batch)."""
+        batch = Batch(self.llm.engine, set(self.llm.eos_ids))
+        slots: list[_Slot] = []
+        while self._admit(batch, slots):
+            self.running = bool(slots)
+            if not slots:
+                continue
+            try:
+                batch.step()
+            except Exception as e:  # a bug: the running jobs fail, the worker lives on
+                traceback.print_exc(file=sys.stderr)
+                for slot in slots:
+                    batch.cancel(slot.request)
+                for job in {id(s.job): s.job for s in slots}.values():
+                    job.emit("error", e)
+                slots = []
+                continue
+            slots = [slot for slot in slots if self._drain(batch, slot)]
+            self.running = bool(slots)
+        for slot in slots:          # shutting down
+            slot.job.cancelled.set()
+
+    def _admit(self, batch: Batch, slots: list[_Slot]) -> bool:
+        """Waiting jobs into the batch while it has room (blocking only when nothing runs); False at
+        the shutdown sentinel."""
+        while len(slots) < self.max_batch:
+            try:
+                job = self.jobs.get(block=not slots)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            if job.cancelled.is_set():
+                continue
+            try:
+                for index, (ids, params) in enumerate(job.prompts):
+                    self.llm.engine.check_prompt(ids)
+                    r = batch.add(ids, params)
+                    slots.append(_Slot(job, index, r, Generation(self.llm, ids, params, stream=r.stream)))
+            except Exception as e:  # a prompt the engine refuses: the job fails, the others run on
+                for slot in [s for s in slots if s.job is job]:
+                    batch.cancel(slot.request)
+                    slots.remove(slot)
+                job.emit("error", e)
+        return True
+
+    def _drain(self, batch: Batch, slot: _Slot) -> bool:
+        """The slot's new tokens as text events; False (and its row freed) once it is finished."""
+        job, r, gen = slot.job, slot.request, slot.gen
+        if job.cancelled.is_set():
+            batch.cancel(r)
+            return False
+        while r.out:
+            text, stopped = gen.feed(r.out.popleft())
+            if text:
+                job.emit("text", (slot.index, text))
+            if stopped:
+                batch.cancel(r)
+                return self._done(slot)
+        if not r.done:
+            return True
+        tail = gen.finish()
+        if tail:
+            job.emit("text", (slot.index, tail))
+        return self._done(slot)
+
+    def _done(self, slot: _Slot) -> bool:
+        gen = slot.gen
+        finish = OPENAI_FINISH.get(gen.finish_reason, "length")
+        slot.job.emit("done", (slot.index, Outcome(finish, len(gen.prompt_ids), len(gen.token_ids), 0)))
+        return False

@@ -1,0 +1,100 @@
+"""`kiln serve --max-batch 16`: concurrent requests decoded together give each the answer it gets
+alone, mixed sampling settings included; a client that leaves frees its row; a list of prompts in
+one request comes back in order."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import kiln
+
+from .support import Server, wait_health
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server(MODEL, "--quiet", "--max-batch", "16", "--max-context", "512")
+    try:
+        yield srv.wait()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def alone():
+    return kiln.load(MODEL, device="cpu", max_context=512)
+
+
+def _text(stream) -> str:
+    return "".join(c.choices[0].text for c in stream if c.choices)
+
+
+def _concurrently(fn, n: int) -> list:
+    results, errors = [None] * n, []
+
+    def one(i):
+        try:
+            results[i] = fn(i)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return results
+
+
+def test_sixteen_concurrent_greedy_streams_equal_each_request_alone(client, alone):
+    prompts = [f"{i} plus {i} is" for i in range(16)]
+    want = [alone.generate(p, max_new_tokens=6).text for p in prompts]
+    got = _concurrently(lambda i: _text(client.completions.create(
+        model=MODEL, prompt=prompts[i], max_tokens=6, temperature=0, stream=True)), 16)
+    assert got == want and len(set(want)) > 1
+
+
+def test_mixed_sampling_settings_in_one_batch_match_each_request_alone(client, alone):
+    settings = [dict(temperature=0), dict(temperature=0.9, seed=1), dict(temperature=1.2, top_p=0.9, seed=2),
+                dict(temperature=0.7, seed=3, stop=["."]), dict(temperature=0, max_tokens=3)]
+    prompts = ["Once upon a time", "The best food is", "My favourite city", "Water is", "Hello"]
+    want = [alone.generate(p, **{"max_new_tokens": 8, **{("max_new_tokens" if k == "max_tokens" else k): v
+                                                          for k, v in s.items()}}).text
+            for p, s in zip(prompts, settings)]
+    got = _concurrently(lambda i: client.completions.create(
+        model=MODEL, prompt=prompts[i], **{"max_tokens": 8, **settings[i]}).choices[0].text, len(prompts))
+    assert got == want
+
+
+def test_a_list_of_prompts_comes_back_in_order(client, alone):
+    prompts = ["The capital of France is", "1, 2, 3,", "def add(a, b):"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [alone.generate(p, max_new_tokens=5).text for p in prompts]
+
+
+def test_clients_that_leave_free_their_rows_for_the_next_requests(server, client):
+    streams = [client.completions.create(model=MODEL, prompt=f"Story number {i}:", max_tokens=400,
+                                         temperature=0, stream=True) for i in range(16)]
+    for s in streams:
+        next(iter(s))
+    for s in streams:
+        s.close()
+    # had the 16 run on, 400 tokens each would keep the batch busy for minutes
+    health = wait_health(server.port, lambda h: not h["running"] and h["queued"] == 0, timeout=60)
+    assert not health["running"]
+    t0 = time.monotonic()
+    done = _concurrently(lambda i: client.completions.create(
+        model=MODEL, prompt=f"{i} times 2 is", max_tokens=3, temperature=0).choices[0].finish_reason, 16)
+    assert done == ["length"] * 16 and time.monotonic() - t0 < 60
