@@ -124,6 +124,10 @@ class _Shape:
     def text(self, index: int, piece: str) -> list[dict]:
         raise NotImplementedError
 
+    def token(self, index: int, token_id: int) -> list[dict]:
+        """The chunks of one token of a model without a tokenizer (none: chat needs a tokenizer)."""
+        return []
+
     def end(self, index: int, outcome: Outcome) -> list[dict]:
         raise NotImplementedError
 
@@ -208,6 +212,10 @@ class _Completion(_Shape):
     def text(self, index, piece):
         return [self.chunk([self._choice(index, piece)])] if piece else []
 
+    def token(self, index, token_id):
+        """A model without a tokenizer: its token ids streamed one a chunk (vLLM's `token_ids` field)."""
+        return [self.chunk([{**self._choice(index, ""), "token_ids": [token_id]}])]
+
     def end(self, index, outcome):
         return [self.chunk([self._choice(index, "", outcome.finish_reason)])]
 
@@ -241,7 +249,8 @@ async def _stream(job: Job, shape: _Shape, include_usage: bool):
                 yield _sse(_failure(value).body())
                 break
             index, value = value
-            for c in (shape.text(index, value) if kind == "text" else shape.end(index, value)):
+            chunks = {"text": shape.text, "token": shape.token}.get(kind, shape.end)(index, value)
+            for c in chunks:
                 yield sse(c)
             if kind == "done":
                 outcomes.append(value)
@@ -277,7 +286,7 @@ async def _collect(job: Job, request: Request) -> list[tuple[list[str], Outcome]
             index, value = value
             if kind == "text":
                 pieces[index].append(value)
-            else:
+            elif kind == "done":
                 outcomes[index] = value
         return [(pieces[i], outcomes[i]) for i in range(len(job.prompts))]
     finally:

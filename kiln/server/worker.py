@@ -4,7 +4,8 @@
 HTTP handlers run on the event loop; they hand a `Job` to the worker through a bounded queue and
 read its events from an asyncio queue the worker fills with `call_soon_threadsafe`: for each of the
 job's prompts (a chat has one, a /v1/completions batch several: in turn, or together when batched)
-("text", (index, piece)) events then ("done", (index, Outcome)) with its token counts; or ("error",
+("text", (index, piece)) events (("token", (index, id)) for a model without a tokenizer) then
+("done", (index, Outcome)) with its token counts; or ("error",
 exception). A job whose client went away is skipped, or stopped at its next piece (its row freed).
 """
 
@@ -112,10 +113,15 @@ class Worker:
         run = None
         try:
             run = Generation(self.llm, prompt_ids, params)
-            for piece in run:
+            for token in run.stream.ids:
                 if job.cancelled.is_set():
                     return False
-                job.emit("text", (index, piece))
+                text, stopped = run.feed(token)
+                self._piece(job, index, text, token)
+                if stopped:
+                    break
+            else:
+                self._piece(job, index, run.finish(), None)
             finish = OPENAI_FINISH.get(run.finish_reason, "length")
             outcome = Outcome(finish, len(prompt_ids), len(run.token_ids), run.stream.times.cached_tokens)
             job.emit("done", (index, outcome))
@@ -185,18 +191,24 @@ class Worker:
             batch.cancel(r)
             return False
         while r.out:
-            text, stopped = gen.feed(r.out.popleft())
-            if text:
-                job.emit("text", (slot.index, text))
+            token = r.out.popleft()
+            text, stopped = gen.feed(token)
+            self._piece(job, slot.index, text, token)
             if stopped:
                 batch.cancel(r)
                 return self._done(slot)
         if not r.done:
             return True
-        tail = gen.finish()
-        if tail:
-            job.emit("text", (slot.index, tail))
+        self._piece(job, slot.index, gen.finish(), None)
         return self._done(slot)
+
+    def _piece(self, job: Job, index: int, text: str, token: int | None) -> None:
+        """A text piece as a "text" event; for a model without a tokenizer (no text at all) each token
+        as a "token" event instead, so a stream still shows when each token came."""
+        if text:
+            job.emit("text", (index, text))
+        elif token is not None and self.llm.tokenizer is None:
+            job.emit("token", (index, token))
 
     def _done(self, slot: _Slot) -> bool:
         gen = slot.gen

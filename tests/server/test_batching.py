@@ -4,6 +4,7 @@ one request comes back in order."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -98,3 +99,23 @@ def test_clients_that_leave_free_their_rows_for_the_next_requests(server, client
     done = _concurrently(lambda i: client.completions.create(
         model=MODEL, prompt=f"{i} times 2 is", max_tokens=3, temperature=0).choices[0].finish_reason, 16)
     assert done == ["length"] * 16 and time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("max_batch", ["1", "4"])
+def test_a_model_without_a_tokenizer_streams_its_token_ids(max_batch):
+    from .support import request
+    spec = "synth:tiny-qwen3.5"
+    srv = Server(spec, "--quiet", "--device", "cpu", "--max-batch", max_batch)
+    try:
+        srv.wait()
+        (card,) = request(srv.port, "GET", "/v1/models")[1]["data"]
+        status, body = request(srv.port, "POST", "/v1/completions", {
+            "model": card["id"], "prompt": [5, 9, 2, 7], "max_tokens": 6, "temperature": 0, "stream": True})
+    finally:
+        srv.stop()
+    assert status == 200
+    chunks = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    ids = [i for c in chunks for ch in c["choices"] for i in ch.get("token_ids", [])]
+    assert ids == kiln.load(spec, device="cpu").generate([5, 9, 2, 7], max_new_tokens=6).token_ids
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum("token_ids" in c["choices"][0] for c in chunks) == 6       # one chunk a token: TTFT and ITL
