@@ -107,6 +107,12 @@ class Engine:
                 layer.reserve(bucket)
 
     @property
+    def live_state(self) -> list | None:
+        """The state of the request that ran last (kept for prefix reuse, or the graph's): what it holds."""
+        owner = self._kept or self._owner
+        return owner.state if owner is not None else None
+
+    @property
     def launches_per_token(self) -> int | None:
         return None if self.graph is None else self.graph.launches
 

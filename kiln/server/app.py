@@ -1,6 +1,6 @@
 """`kiln serve`'s HTTP side: OpenAI's routes and shapes on FastAPI, SSE streaming, API key, errors.
 
-GET /health, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions. Handlers
+GET /health, GET /metrics, GET /v1/models[/{id}], POST /v1/chat/completions, POST /v1/completions. Handlers
 validate the whole request, build the prompt, and check it against the context before anything is
 queued or any byte of a stream is sent, so a client mistake is always a 4xx and never a broken stream.
 One engine worker (worker.py) runs the requests in order; the engine reuses the previous request's
@@ -17,7 +17,7 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -382,6 +382,13 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, queue_limit:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), service.api_key.encode()):
             raise ApiError(401, "missing or wrong API key (send the header Authorization: Bearer KEY)",
                            code="invalid_api_key")
+
+    @app.get("/metrics")
+    async def metrics():
+        """Prometheus' text format: running and waiting requests, tokens, prefix hits, state bytes."""
+        stats = service.worker.stats
+        stats.waiting = service.worker.jobs.qsize()
+        return PlainTextResponse(stats.text(service.model_id), media_type="text/plain; version=0.0.4")
 
     @app.get("/health")
     async def health():

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from ..api import LLM, Generation
 from ..engine import Batch, BatchRequest
 from ..sampling import SamplingParams
+from .metrics import ServeStats, state_bytes
 
 
 @dataclass
@@ -68,6 +69,7 @@ class _Slot:
 class Worker:
     def __init__(self, llm: LLM, queue_limit: int, max_batch: int = 1):
         self.llm, self.max_batch = llm, max_batch
+        self.stats = ServeStats()      # GET /metrics
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_limit)  # waiting jobs, the running one excluded
         self.running = False
         self._thread = threading.Thread(target=self._serve, name="kiln-engine", daemon=True)
@@ -113,9 +115,12 @@ class Worker:
         run = None
         try:
             run = Generation(self.llm, prompt_ids, params)
+            self.stats.running = 1
             for token in run.stream.ids:
                 if job.cancelled.is_set():
+                    self.stats.done("cancelled", len(prompt_ids))
                     return False
+                self.stats.tokens(1)
                 text, stopped = run.feed(token)
                 self._piece(job, index, text, token)
                 if stopped:
@@ -124,13 +129,17 @@ class Worker:
                 self._piece(job, index, run.finish(), None)
             finish = OPENAI_FINISH.get(run.finish_reason, "length")
             outcome = Outcome(finish, len(prompt_ids), len(run.token_ids), run.stream.times.cached_tokens)
+            self.stats.state_bytes = state_bytes(self.llm.engine.live_state)
+            self.stats.done(finish, len(prompt_ids), outcome.cached_tokens)
             job.emit("done", (index, outcome))
             return True
         except Exception as e:  # a bug: the request fails, the worker lives on
             traceback.print_exc(file=sys.stderr)
+            self.stats.done("error")
             job.emit("error", e)
             return False
         finally:
+            self.stats.running = 0
             if run is not None:
                 run.close()  # end the engine loop now, not whenever it is collected
 
@@ -153,10 +162,14 @@ class Worker:
                     batch.cancel(slot.request)
                 for job in {id(s.job): s.job for s in slots}.values():
                     job.emit("error", e)
+                for _ in slots:
+                    self.stats.done("error")
                 slots = []
                 continue
+            self.stats.state_bytes = sum(state_bytes(slot.request.state) for slot in slots)
             slots = [slot for slot in slots if self._drain(batch, slot)]
             self.running = bool(slots)
+            self.stats.running = len(slots)
         for slot in slots:          # shutting down
             slot.job.cancelled.set()
 
@@ -189,9 +202,11 @@ class Worker:
         job, r, gen = slot.job, slot.request, slot.gen
         if job.cancelled.is_set():
             batch.cancel(r)
+            self.stats.done("cancelled", len(gen.prompt_ids))
             return False
         while r.out:
             token = r.out.popleft()
+            self.stats.tokens(1)
             text, stopped = gen.feed(token)
             self._piece(job, slot.index, text, token)
             if stopped:
@@ -213,5 +228,6 @@ class Worker:
     def _done(self, slot: _Slot) -> bool:
         gen = slot.gen
         finish = OPENAI_FINISH.get(gen.finish_reason, "length")
+        self.stats.done(finish, len(gen.prompt_ids))
         slot.job.emit("done", (slot.index, Outcome(finish, len(gen.prompt_ids), len(gen.token_ids), 0)))
         return False

@@ -5,6 +5,7 @@ one request comes back in order."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -119,3 +120,46 @@ def test_a_model_without_a_tokenizer_streams_its_token_ids(max_batch):
     assert ids == kiln.load(spec, device="cpu").generate([5, 9, 2, 7], max_new_tokens=6).token_ids
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert sum("token_ids" in c["choices"][0] for c in chunks) == 6       # one chunk a token: TTFT and ITL
+
+
+def _metrics(port: int) -> dict[str, float]:
+    """GET /metrics as {name{labels}: value} (HELP and TYPE lines checked, then dropped)."""
+    from .support import request
+    status, text = request(port, "GET", "/metrics")
+    assert status == 200 and isinstance(text, str)
+    lines = text.strip().splitlines()
+    names = {ln.split()[2] for ln in lines if ln.startswith("# TYPE")}
+    assert names >= {"kiln_requests_running", "kiln_requests_waiting", "kiln_generated_tokens_total",
+                     "kiln_prefix_hit_rate", "kiln_state_bytes", "kiln_output_tokens_per_second"}
+    samples = [ln.rsplit(" ", 1) for ln in lines if not ln.startswith("#")]
+    return {re.sub(r'model="[^"]*",?', "", k).replace("{}", ""): float(v) for k, v in samples}
+
+
+def test_metrics_count_the_batched_requests(server, client):
+    before = _metrics(server.port)
+    rs = _concurrently(lambda i: client.completions.create(model=MODEL, prompt=f"{i} and {i} make", max_tokens=4,
+                                                           temperature=0), 4)
+    after = _metrics(server.port)
+    made = sum(r.usage.completion_tokens for r in rs)
+    assert after["kiln_generated_tokens_total"] - before["kiln_generated_tokens_total"] == made
+    assert after["kiln_prompt_tokens_total"] - before["kiln_prompt_tokens_total"] == sum(
+        r.usage.prompt_tokens for r in rs)
+    ended = lambda m: sum(v for k, v in m.items() if k.startswith("kiln_requests_total"))   # noqa: E731
+    assert ended(after) - ended(before) == 4
+    assert after["kiln_requests_running"] == 0 and after["kiln_requests_waiting"] == 0
+    assert after["kiln_output_tokens_per_second"] > 0
+
+
+def test_metrics_show_the_prefix_reused_by_the_default_server():
+    srv = Server(MODEL, "--quiet", "--max-context", "256")
+    try:
+        client = srv.wait().client()
+        system = "You are a helpful assistant who answers in one short sentence. " * 3
+        for q in ("What is 2 + 2?", "What is 3 + 3?"):
+            client.completions.create(model=MODEL, prompt=system + q, max_tokens=2, temperature=0)
+        m = _metrics(srv.port)
+    finally:
+        srv.stop()
+    assert m["kiln_prefix_cached_tokens_total"] > 20 and 0.2 < m["kiln_prefix_hit_rate"] < 1
+    assert m["kiln_state_bytes"] > 0, m
+    assert sum(v for k, v in m.items() if k.startswith("kiln_requests_total")) == 2, m
