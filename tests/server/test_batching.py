@@ -163,3 +163,29 @@ def test_metrics_show_the_prefix_reused_by_the_default_server():
     assert m["kiln_prefix_cached_tokens_total"] > 20 and 0.2 < m["kiln_prefix_hit_rate"] < 1
     assert m["kiln_state_bytes"] > 0, m
     assert sum(v for k, v in m.items() if k.startswith("kiln_requests_total")) == 2, m
+
+
+def test_sixteen_concurrent_streams_on_a_tiny_hybrid_model_equal_sixteen_sequential_runs():
+    from .support import request
+    spec = "synth:tiny-qwen3.5"
+    llm = kiln.load(spec, device="cpu")
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(3 + i)] for i in range(16)]
+    want = [llm.generate(p, max_new_tokens=8).token_ids for p in prompts]
+    srv = Server(spec, "--quiet", "--device", "cpu", "--max-batch", "16")
+    try:
+        srv.wait()
+        model = request(srv.port, "GET", "/v1/models")[1]["data"][0]["id"]
+
+        def ids(i):
+            status, body = request(srv.port, "POST", "/v1/completions", {
+                "model": model, "prompt": prompts[i], "max_tokens": 8, "temperature": 0, "stream": True})
+            assert status == 200
+            chunks = [json.loads(ln[6:]) for ln in body.splitlines() if ln.startswith("data: {")]
+            return [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+
+        got = _concurrently(ids, 16)
+        peak = _metrics(srv.port)
+    finally:
+        srv.stop()
+    assert got == want and len({tuple(w) for w in want}) > 1
+    assert peak["kiln_generated_tokens_total"] == 16 * 8
