@@ -318,10 +318,11 @@ class BatchRequest:
 
 
 class Batch:
-    """Requests decoded together: each step either prefills one waiting request (its first token) or
-    runs one decode step for every running one (Engine.decode_batch), so a request that arrives
-    waits for one step, not for the others to finish. Tokens follow the single-request loop's
-    rules (Engine._loop): the same token choice, the same eos, length and max-context stops."""
+    """Requests decoded together. Each step prefills one chunk (the engine's prefill chunk, so the
+    chunks fall where a single request's do) of the oldest waiting request, then runs one decode step
+    for every running request (Engine.decode_batch): a long prompt joining costs the running streams
+    one chunk's time a step, never the whole prompt's. Tokens follow the single-request loop's rules
+    (Engine._loop): the same token choice, the same eos, length and max-context stops."""
 
     def __init__(self, engine: "Engine", eos: set[int]):
         self.engine, self.eos = engine, eos
@@ -367,24 +368,32 @@ class Batch:
     @torch.inference_mode()
     def step(self) -> None:
         self.running = [r for r in self.running if not r.done]
+        live = list(self.running)             # a request whose prefill ends now decodes from the next step
         if self.waiting:
-            self._prefill(self.waiting.popleft())
-        elif self.running:
-            self._decode()
+            self._prefill_chunk(self.waiting[0])
+        if live:
+            self._decode(live)
 
-    def _prefill(self, r: BatchRequest) -> None:
+    def _prefill_chunk(self, r: BatchRequest) -> None:
         eng = self.engine
-        r.t0 = time.perf_counter()
-        r.state = eng.capped(eng.model.make_state(eng.dtype, eng.device))     # its own, never the graph's
-        logits = eng.prefill(r.ids, r.state)
+        if r.state is None:
+            r.t0 = time.perf_counter()
+            r.state = eng.capped(eng.model.make_state(eng.dtype, eng.device))     # its own, never the graph's
+        end = min(r.pos + eng.prefill_chunk, len(r.ids))
+        logits = eng.prefill(r.ids[r.pos:end], r.state, offset=r.pos)
+        r.pos = end
+        if end < len(r.ids):
+            return
+        self.waiting.popleft()
         if not (r.params.greedy and r.params.repetition_penalty == 1.0):
             r.sampler, r.history = Sampler(r.params, eng.device), torch.tensor(r.ids, device=eng.device)
-        r.pos = len(r.ids)
         self.running.append(r)
         self._emit(r, self._choose(r, logits))
 
-    def _decode(self) -> None:
-        live = self.running
+    def _decode(self, live: list[BatchRequest]) -> None:
+        live = [r for r in live if not r.done]
+        if not live:
+            return
         logits = self.engine.decode_batch([r.token for r in live], [r.pos for r in live], [r.state for r in live])
         for r, row in zip(live, logits):
             r.pos += 1

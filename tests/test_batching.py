@@ -99,3 +99,21 @@ def test_a_list_of_text_prompts_on_a_real_model_with_a_stop_string():
 def test_prompts_and_settings_must_pair_up(hybrid):
     with pytest.raises(kiln.KilnError, match="2 prompts but 1 sampling"):
         hybrid.generate_batch([[1, 2], [3]], [SamplingParams()])
+
+
+def test_a_long_prompt_joins_in_chunks_while_the_running_streams_go_on():
+    from kiln.engine import Batch
+    llm = kiln.load("synth:tiny-qwen3.5", device="cpu")
+    llm.engine.prefill_chunk = 8
+    short, long_ = [3, 1, 4, 1, 5], list(range(10, 50))            # 40 tokens: 5 chunks of 8
+    want = [llm.generate(p, max_new_tokens=12).token_ids for p in (short, long_)]
+    batch = Batch(llm.engine, set(llm.eos_ids))
+    a = batch.add(short, SamplingParams(max_new_tokens=12))
+    batch.step()                                                   # a's prompt: one chunk, its first token
+    b = batch.add(long_, SamplingParams(max_new_tokens=12))
+    for k in range(5):                                             # b's five chunks, a decoding beside them
+        batch.step()
+        assert len(a.out) == 2 + k and (len(b.out) == 1) == (k == 4)
+    while batch.running and not all(r.done for r in (a, b)):
+        batch.step()
+    assert [list(a.out), list(b.out)] == want
