@@ -131,6 +131,7 @@ class Worker:
             outcome = Outcome(finish, len(prompt_ids), len(run.token_ids), run.stream.times.cached_tokens)
             self.stats.state_bytes = state_bytes(self.llm.engine.live_state)
             self.stats.done(finish, len(prompt_ids), outcome.cached_tokens)
+            self.stats.running = 0          # before the client hears it is done
             job.emit("done", (index, outcome))
             return True
         except Exception as e:  # a bug: the request fails, the worker lives on
@@ -152,6 +153,7 @@ class Worker:
         slots: list[_Slot] = []
         while self._admit(batch, slots):
             self.running = bool(slots)
+            self.stats.running = len(slots)
             if not slots:
                 continue
             try:
@@ -229,5 +231,6 @@ class Worker:
         gen = slot.gen
         finish = OPENAI_FINISH.get(gen.finish_reason, "length")
         self.stats.done(finish, len(gen.prompt_ids))
+        self.stats.running -= 1             # before the client hears it is done
         slot.job.emit("done", (slot.index, Outcome(finish, len(gen.prompt_ids), len(gen.token_ids), 0)))
         return False
