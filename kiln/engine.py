@@ -169,7 +169,12 @@ class Engine:
         ids = torch.tensor(tokens, device=self.device)
         pos = torch.tensor(positions, device=self.device)
         layers = [StateBatch(layer) for layer in zip(*states)]
-        return self.model.forward(ids, pos, layers, last_only=False)
+        ops = self.model.ops
+        ops.rows_apart = getattr(ops, "batch_invariant", False)     # each row its single-row products
+        try:
+            return self.model.forward(ids, pos, layers, last_only=False)
+        finally:
+            ops.rows_apart = False
 
     def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams], eos_ids) -> list[TokenStream]:
         """Token streams of several requests decoded together (kiln.engine.Batch): each stream's ids

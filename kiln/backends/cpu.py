@@ -153,10 +153,15 @@ class CpuOps(AttentionCpu, NormCpu, ReferenceOps):
     # -- run ----------------------------------------------------------------------------------------
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        chosen = self.plan.get((id(w), _bucket(x.numel() // x.shape[-1]))) if b is None else None
-        if chosen is not None:
-            return chosen[2](x, chosen[1])
-        return super().linear(x, w, b)
+        rows = x.numel() // x.shape[-1]
+        chosen = self.plan.get((id(w), _bucket(rows))) if b is None else None
+        if chosen is None:
+            return super().linear(x, w, b)
+        form, copy, run = chosen
+        if self.rows_apart and rows > 1 and form != "cgemv":    # cgemv sums each row alone by construction
+            x2 = x.reshape(rows, x.shape[-1])
+            return torch.cat([run(x2[i:i + 1], copy) for i in range(rows)]).view(*x.shape[:-1], -1)
+        return run(x, copy)
 
     def linear_split(self, x: torch.Tensor, w, sizes: list[int]) -> list:
         """A packed weight's projections: one product on its kept form, its output split (the

@@ -35,6 +35,7 @@ OPS = ("gemm", "rmsnorm", "rmsnorm_gemm", "gdn_prefill", "gdn_decode", "moe", "a
 
 class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, ReferenceOps):
     name = "cuda"
+    batch_invariant = False  # its kernels are tuned per row count: a batch may run other ones (docs/batching.md)
     graphs = True    # its decode path may be captured as one CUDA graph (kiln/backends/graphs.py)
     # Prompt chunk: long enough that attention and the GDN scan fill the GPU (512-token chunks
     # leave most SMs idle in attention), short enough that activations stay small.

@@ -22,6 +22,7 @@ class ReferenceOps(NormReference, GemmReference, RopeReference, AttentionReferen
                    SampleReference):
     name = "reference"
     graphs = False           # decode steps run eagerly
+    batch_invariant = True   # a batched decode step gives each row its single-row result (rows_apart)
     static_windows = False   # sliding-window layers keep a ring of the window (kiln.cache.RingKVCache)
     prefill_chunk = 512
 

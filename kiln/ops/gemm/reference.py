@@ -26,9 +26,18 @@ class GemmReference:
             x = x * torch.tensor(scale, dtype=table.dtype)   # a CPU scalar: no copy, so a graph can hold it
         return x
 
+    rows_apart = False      # set while a batched decode step runs (Engine.decode_batch): see linear
+
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ w^T (+ b); a quantised w is dequantised first, exactly as mlx does (the specification)."""
-        return F.linear(x, dequantize(w) if isinstance(w, QuantizedWeight) else w, b)
+        """x @ w^T (+ b); a quantised w is dequantised first, exactly as mlx does (the specification).
+        With `rows_apart`, row by row: a multi-row product may sum in another order than one row
+        (MKL's gemm against its gemv), and a request in a batch must get its single-row result."""
+        dense = dequantize(w) if isinstance(w, QuantizedWeight) else w
+        rows = x.numel() // x.shape[-1]
+        if self.rows_apart and rows > 1:
+            x2 = x.reshape(rows, x.shape[-1])
+            return torch.cat([F.linear(x2[i:i + 1], dense, b) for i in range(rows)]).view(*x.shape[:-1], -1)
+        return F.linear(x, dense, b)
 
     def act_mul(self, g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
         """act(g) * u, each rounded to the activation dtype as torch does (one pass on GPU)."""
