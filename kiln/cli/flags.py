@@ -33,6 +33,17 @@ def bounded_int(lo: int, what: str):
 
 
 positive_int = bounded_int(1, "a positive integer")
+
+
+def positive_int_list(s: str) -> list[int]:
+    """"N,N,...": distinct positive integers, sorted (prompt lengths, concurrency levels)."""
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {s!r}")
+    return sorted(set(vals))
 nonneg_int = bounded_int(0, "an integer >= 0")
 
 

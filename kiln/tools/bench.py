@@ -12,7 +12,6 @@ engine has the machine to itself while it is measured and kiln's peak memory is 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib.util
 import inspect
@@ -29,7 +28,7 @@ import torch
 
 from .. import hub
 from ..api import pick_device, resolve_model
-from ..cli.flags import add_runtime_flags, at_least, load_from_flags, save_expert_profile
+from ..cli.flags import add_runtime_flags, at_least, load_from_flags, positive_int_list, save_expert_profile
 from ..errors import KilnError
 from . import llamacpp_baseline
 from .benchutil import (
@@ -60,21 +59,11 @@ FIELDS = ("engine", "model", "dtype", "backend", "device", "gpu", "driver", "tor
 
 
 # -- flags -------------------------------------------------------------------------------------------
-def _lengths(s: str) -> list[int]:
-    try:
-        vals = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        vals = []
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {s!r}")
-    return sorted(set(vals))
-
-
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="prefill and decode tok/s per prompt length, optionally beside transformers "
                                      "or llama.cpp")
     add_runtime_flags(p)
-    p.add_argument("--prompt-lengths", type=_lengths, default=None, metavar="N,N,...",
+    p.add_argument("--prompt-lengths", type=positive_int_list, default=None, metavar="N,N,...",
                    help="prompt lengths in tokens (default 512,2048,8192,32768,81920: those that fit the "
                         "model's context, and the longest prompt that does)")
     p.add_argument("--gen", type=at_least(2), default=128,

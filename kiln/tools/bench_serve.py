@@ -18,7 +18,6 @@ is the level's tokens over its wall time, first send to last answer.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import math
@@ -38,7 +37,7 @@ from urllib.parse import urlsplit
 from xml.sax.saxutils import escape
 
 from ..api import pick_device
-from ..cli.flags import at_least, nonneg_int, positive_float, positive_int
+from ..cli.flags import at_least, nonneg_int, positive_float, positive_int, positive_int_list
 from ..errors import KilnError
 from .benchutil import check_writable, command_line, environment, markdown_table, now_iso, write_atomic
 
@@ -51,23 +50,13 @@ PERCENTILES = (50, 90, 99)
 
 
 # -- flags -------------------------------------------------------------------------------------------
-def concurrency_list(s: str) -> list[int]:
-    try:
-        vals = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        vals = []
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {s!r}")
-    return sorted(set(vals))
-
-
 def add_parser(sub) -> None:
     p = sub.add_parser("bench-serve", help="concurrent streaming clients against an OpenAI-compatible server: "
                                            "request and token throughput, TTFT, inter-token latency")
     p.add_argument("target", metavar="URL|MODEL",
                    help="a running server's base URL (http://host:port), or a model (a bundled name, a path or "
                         "a synth: spec) for kiln serve to load here")
-    p.add_argument("--concurrency", type=concurrency_list, default=[1, 8, 32], metavar="N,N,...",
+    p.add_argument("--concurrency", type=positive_int_list, default=[1, 8, 32], metavar="N,N,...",
                    help="requests in flight, one level after another (default 1,8,32)")
     p.add_argument("--num-requests", type=positive_int, default=None, metavar="N",
                    help="requests per level (default max(4 x concurrency, 8))")
