@@ -393,7 +393,7 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
          check: Callable[[Tokenizer | None], None] | None = None, verify: str = "lazy",
          expert_cache_slots: int | None = None, expert_policy: str | None = None, expert_home: str = "auto",
          host_memory: float | None = None, io_threads: int = 8, expert_profile: str | Path | None = None,
-         direct_io: bool = False, gpu_memory: float | None = None) -> LLM:
+         direct_io: bool = False, gpu_memory: float | None = None, max_batch: int = 1) -> LLM:
     """Load a model: a path (HF folder or GGUF file), a bundled model's name, or None (the default).
     A compiling backend tunes its kernels for the model here (`retune` measures again; `tune` pins
     op -> variant). Backend "auto" is cuda on a CUDA device, cpu for a GGUF file on the CPU (its quantised
@@ -411,7 +411,9 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     slots fit inside it (the slots a layer computed unless given; every expert resident if they all
     fit); KilnError if the core, cache and workspace do not. On CUDA with no expert argument, a MoE
     model whose weights pass the free memory (less a margin) streams with the slots that fit.
-    `llm.memory` is the plan (None when no budget applied)."""
+    `llm.memory` is the plan (None when no budget applied).
+    `max_batch` > 1: the cuda backend also tunes its projections for batched decode steps of up to
+    that many requests (kiln serve --max-batch; docs/batching.md)."""
     t0 = time.perf_counter()
     stages, mark = {}, [t0]
 
@@ -456,7 +458,7 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
         torch.cuda.synchronize(dev)     # the weights' copies are done: their time is theirs
     stage("weights")
     if hasattr(ops, "prepare"):
-        ops.prepare(net, dt, retune=retune, pins=tune, quiet=quiet)
+        ops.prepare(net, dt, retune=retune, pins=tune, quiet=quiet, max_batch=max_batch)
     stage("tune")
     eos = eos_ids(ckpt.config, ckpt.generation)
     if tokenizer is not None:

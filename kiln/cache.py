@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import KilnError
+
 
 class KVCache:
     """K/V of every past position, [S, KV, D], in a buffer that grows by doubling. `head_major` stores
@@ -116,3 +118,106 @@ class StateBatch(list):
     is request j's token). The ops that read a request's own state (attention over its cache, the
     GDN recurrence) run once per request on its row (`kiln.models.base.per_request`); the
     projections, norms and MLPs run on all rows at once, reading each weight once for the batch."""
+
+    slots: torch.Tensor | None = None   # each request's pool slot (int32, on the device), when all are pooled
+    # A step being captured as a CUDA graph: its per-layer objects stand in for the rows' states (the
+    # slots say whose), so an op that would run request by request cannot be captured.
+    whole_only = False
+
+
+class SlotKV(KVCache):
+    """A KVCache whose buffers are slot `slot` of a pool [S, capacity, KV, D] (kiln.cache.SlotPool):
+    a fixed capacity, so a batched decode kernel finds every request's keys from the pool and a slot
+    index."""
+
+    def __init__(self, pool_k: torch.Tensor, pool_v: torch.Tensor, slot: int):
+        self.head_major, self.limit = False, pool_k.shape[1]
+        self.pool_k, self.pool_v, self.slot = pool_k, pool_v, slot
+        self.k, self.v = pool_k[slot], pool_v[slot]
+        self.length = 0
+
+    def _reserve(self, n: int) -> None:
+        if n > self.k.shape[0]:
+            raise KilnError(f"a pooled KV slot holds {self.k.shape[0]} positions, {n} asked for")
+
+
+class SlotGDN(GDNState):
+    """A GDNState whose conv and recurrent states are slot `slot` of pools [S, K, C] and [S, Hv, dk, dv]."""
+
+    def __init__(self, pool_conv: torch.Tensor, pool_ssm: torch.Tensor, slot: int):
+        self.pool_conv, self.pool_ssm, self.slot = pool_conv, pool_ssm, slot
+        self.conv, self.ssm = pool_conv[slot], pool_ssm[slot]
+        self.length = 0
+
+
+class SlotPool:
+    """The decode state of up to `slots` requests at once, each layer's in one pooled tensor [slots, ...]
+    (GDN conv and recurrent states; K/V of `capacity` positions), so that a batched decode step
+    updates every request's state in one launch a layer. `take()` lends one request's per-layer
+    state (reset), `give(state)` returns it. Layers of other kinds (ring caches) make a pool
+    impossible: `poolable` says so first."""
+
+    def __init__(self, template: list, slots: int, capacity: int):
+        self.capacity, self.count = capacity, slots
+        self.free = list(range(slots - 1, -1, -1))
+        # one slot more, never lent: the spare rows of a captured batch step (kiln.backends.graphs) write there
+        self.states: list[list] = [[] for _ in range(slots + 1)]
+        for layer in template:
+            if type(layer) is GDNState:
+                conv = layer.conv.new_zeros((slots + 1, *layer.conv.shape))
+                ssm = layer.ssm.new_zeros((slots + 1, *layer.ssm.shape))
+                made = [SlotGDN(conv, ssm, s) for s in range(slots + 1)]
+            else:
+                k = layer.k.new_zeros((slots + 1, capacity, *layer.k.shape[1:]))     # no stray NaN bits
+                v = layer.v.new_zeros((slots + 1, capacity, *layer.v.shape[1:]))
+                made = [SlotKV(k, v, s) for s in range(slots + 1)]
+            for s in range(slots + 1):
+                self.states[s].append(made[s])
+
+    @property
+    def scratch(self) -> list:
+        """The spare slot's state (slot `count`): never lent."""
+        return self.states[self.count]
+
+    @staticmethod
+    def poolable(template: list) -> bool:
+        return all(type(layer) is GDNState or (type(layer) is KVCache and not layer.head_major) for layer in template)
+
+    @staticmethod
+    def bytes_per_slot(template: list, capacity: int) -> int:
+        size = 0
+        for layer in template:
+            if type(layer) is GDNState:
+                size += layer.conv.nbytes + layer.ssm.nbytes
+            else:
+                size += 2 * capacity * layer.k.shape[1] * layer.k.shape[2] * layer.k.element_size()
+        return size
+
+    def take(self) -> list | None:
+        """A free slot's per-layer state, reset; None when every slot is lent."""
+        if not self.free:
+            return None
+        state = self.states[self.free.pop()]
+        for layer in state:
+            layer.reset()
+        return state
+
+    def give(self, state: list) -> None:
+        slot = state[0].slot
+        if slot not in self.free:
+            self.free.append(slot)
+
+    @staticmethod
+    def slots_of(states: list[list]):
+        """The slot of each request when every request's state comes from one pool (else None)."""
+        firsts = [s[0] for s in states]
+        if not firsts or not all(isinstance(f, (SlotKV, SlotGDN)) for f in firsts):
+            return None
+        pool = _pool_of(firsts[0])
+        if any(_pool_of(f) is not pool for f in firsts):
+            return None
+        return [f.slot for f in firsts]
+
+
+def _pool_of(layer):
+    return layer.pool_ssm if isinstance(layer, SlotGDN) else layer.pool_k

@@ -8,6 +8,7 @@ its state.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -15,8 +16,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .backends.graphs import DecodeGraph, graphable
-from .cache import StateBatch
+from .backends.graphs import BatchGraphs, DecodeGraph, graphable
+from .cache import SlotPool, StateBatch
 from .errors import KilnError
 from .sampling import Sampler, SamplingParams
 
@@ -54,6 +55,9 @@ class _Request:
 
 
 MIN_BUCKET = 2048   # smallest KV reservation when decode runs as a CUDA graph
+POOL_CONTEXT = 32768    # a pooled batch slot's KV positions at most (a longer request gets its own state)
+POOL_MEMORY = 0.6       # share of the free device memory a batch's slot pool may take
+MAX_POOL = 64           # slots for LLM.generate's batches (more prompts wait for a free one)
 
 
 class Engine:
@@ -70,6 +74,9 @@ class Engine:
         self.graph = None
         self._state: GraphState | None = None
         self._owner: _Request | None = None
+        self._pool: SlotPool | None = None
+        self._batch_graphs: BatchGraphs | None = None      # the pool's batched steps as graphs
+        self.batch_graphs_on = graphs and self.device.type == "cuda"
         if graphs and self.device.type == "cuda":   # dropped at the first state if it is not graphable
             self.graph = DecodeGraph(model, self.device)
 
@@ -91,6 +98,35 @@ class Engine:
             layer.reset()
         self.reserve(self._state, tokens)
         return self._state
+
+    def slot_pool(self, slots: int) -> SlotPool | None:
+        """The pool a batch's requests take their state from, with room for `slots` at once, on a backend
+        whose batched decode kernels read pooled state (`ops.pooled`); None elsewhere, or where a
+        layer's state cannot be pooled (ring caches). Made at the first batch that asks."""
+        if not getattr(self.model.ops, "pooled", False):
+            return None
+        if self._pool is not None and self._pool.count >= slots:
+            return self._pool
+        template = self.model.make_state(self.dtype, self.device)
+        if not SlotPool.poolable(template) or (cap := self._pool_capacity(template, slots)) is None:
+            return None
+        self._pool = SlotPool(template, slots, cap)
+        self._batch_graphs = BatchGraphs(self.model, self.device, self._pool) if self.batch_graphs_on else None
+        if not self.quiet:
+            gb = (slots + 1) * SlotPool.bytes_per_slot(template, cap) / 1e9
+            print(f"[kiln] batch state: {slots} slots of up to {cap} tokens each ({gb:.1f} GB)", file=sys.stderr)
+        return self._pool
+
+    def _pool_capacity(self, template: list, slots: int) -> int | None:
+        """KV positions a slot holds: the max context up to POOL_CONTEXT, fewer where `slots` of them
+        would pass POOL_MEMORY of the free device memory (None: not even 256 fit)."""
+        cap = min(self.max_context, POOL_CONTEXT)
+        if self.device.type == "cuda":
+            fixed = SlotPool.bytes_per_slot(template, 0)
+            per_token = max(SlotPool.bytes_per_slot(template, 1) - fixed, 1)
+            room = POOL_MEMORY * torch.cuda.mem_get_info(self.device)[0] / (slots + 1) - fixed
+            cap = min(cap, int(room // per_token) // 256 * 256)
+        return cap if cap >= min(256, self.max_context) else None
 
     def capped(self, state: list) -> list:
         """A KV cache never grows past the max context (its doubling would, up to twice over, and
@@ -165,10 +201,22 @@ class Engine:
     def decode_batch(self, tokens: list[int], positions: list[int], states: list[list]) -> torch.Tensor:
         """One decode step of several requests, row j feeding tokens[j] at positions[j] into states[j]
         (each its own per-layer state): the logits [B, V]. Projections, norms and MLPs run on all rows
-        at once; attention and the GDN recurrence per request (kiln.cache.StateBatch)."""
+        at once; attention and the GDN recurrence per request (kiln.cache.StateBatch), or for all rows
+        in one kernel when the states are slots of the engine's pool, then with CUDA graphs on as one
+        graph per batch bucket (kiln.backends.graphs.BatchGraphs). The logits are valid until the
+        next step."""
+        slots = SlotPool.slots_of(states)
+        graphs = self._batch_graphs
+        if (slots is not None and graphs is not None and states[0][0] is self._pool.states[slots[0]][0]
+                and (logits := graphs.step(tokens, positions, slots, states, self.quiet)) is not None):
+            return logits
         ids = torch.tensor(tokens, device=self.device)
         pos = torch.tensor(positions, device=self.device)
         layers = [StateBatch(layer) for layer in zip(*states)]
+        if slots is not None:     # one launch a layer reads every request's slot
+            slot_ids = torch.tensor(slots, dtype=torch.int32, device=self.device)
+            for layer in layers:
+                layer.slots = slot_ids
         ops = self.model.ops
         ops.rows_apart = getattr(ops, "batch_invariant", False)     # each row its single-row products
         try:
@@ -182,7 +230,7 @@ class Engine:
         for ids, p in zip(prompts, params):
             self.check_prompt(ids)
             p.validate()
-        batch = Batch(self, set(eos_ids))
+        batch = Batch(self, set(eos_ids), slots=min(len(prompts), MAX_POOL))
         return [batch.add(ids, p).stream for ids, p in zip(prompts, params)]
 
     def check_prompt(self, ids: list[int]) -> None:
@@ -329,8 +377,12 @@ class Batch:
     one chunk's time a step, never the whole prompt's. Tokens follow the single-request loop's rules
     (Engine._loop): the same token choice, the same eos, length and max-context stops."""
 
-    def __init__(self, engine: "Engine", eos: set[int]):
+    def __init__(self, engine: "Engine", eos: set[int], slots: int | None = None):
+        """`slots`: the most requests running at once, when the engine pools their state (Engine.slot_pool);
+        a request waits for a free slot before its prefill."""
         self.engine, self.eos = engine, eos
+        self.pool = engine.slot_pool(slots) if slots else None
+        self.slots, self.lent = slots, 0
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
 
@@ -351,7 +403,7 @@ class Batch:
         """The request leaves at the next step (its reader is gone); its state is freed now."""
         if not r.done:
             r.cancelled = r.done = True
-            r.state = None
+            self._release(r)
         if r in self.waiting:
             self.waiting.remove(r)
 
@@ -383,7 +435,9 @@ class Batch:
         eng = self.engine
         if r.state is None:
             r.t0 = time.perf_counter()
-            r.state = eng.capped(eng.model.make_state(eng.dtype, eng.device))     # its own, never the graph's
+            r.state = self._new_state(r)
+            if r.state is None:
+                return              # every slot is lent: it waits for one
         end = min(r.pos + eng.prefill_chunk, len(r.ids))
         logits = eng.prefill(r.ids[r.pos:end], r.state, offset=r.pos)
         r.pos = end
@@ -395,16 +449,34 @@ class Batch:
         self.running.append(r)
         self._emit(r, self._choose(r, logits))
 
+    def _new_state(self, r: BatchRequest) -> list | None:
+        """A pool slot's state (None while all are lent), or its own where there is no pool or the
+        request would outgrow a slot; never the graph's."""
+        if self.pool is not None and len(r.ids) + r.steps <= self.pool.capacity:
+            state = self.pool.take() if self.lent < self.slots else None
+            self.lent += state is not None
+            return state
+        eng = self.engine
+        return eng.capped(eng.model.make_state(eng.dtype, eng.device))
+
+    def _release(self, r: BatchRequest) -> None:
+        if self.pool is not None and r.state is not None and SlotPool.slots_of([r.state]) is not None:
+            self.pool.give(r.state)
+            self.lent -= 1
+        r.state = None
+
     def _decode(self, live: list[BatchRequest]) -> None:
         live = [r for r in live if not r.done]
         if not live:
             return
         logits = self.engine.decode_batch([r.token for r in live], [r.pos for r in live], [r.state for r in live])
-        for r, row in zip(live, logits):
+        # the greedy rows' choices in one launch and one read
+        greedy = logits.argmax(-1).tolist() if any(r.sampler is None for r in live) else None
+        for j, (r, row) in enumerate(zip(live, logits)):
             r.pos += 1
             if r.history is not None:
                 r.history = torch.cat([r.history, r.history.new_tensor([r.token])])
-            self._emit(r, self._choose(r, row))
+            self._emit(r, greedy[j] if r.sampler is None else self._choose(r, row))
 
     def _choose(self, r: BatchRequest, logits: torch.Tensor) -> int:
         return int(torch.argmax(logits)) if r.sampler is None else r.sampler(logits, r.history)
@@ -424,4 +496,4 @@ class Batch:
         elif times.generated_tokens < r.params.max_new_tokens:
             r.stream.finish_reason = "context"
         r.done = True
-        r.state = None
+        self._release(r)

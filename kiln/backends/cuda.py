@@ -29,6 +29,8 @@ from .reference import ReferenceOps
 PREFILL_CHUNK = 512               # the engine's chunk on the reference backend: tuned as well
 DECODE_ROWS = 1
 DECODE_CONTEXTS = (2048, 32768)   # decode attention is measured at these context lengths
+# what a batched decode step runs at B rows (attention and the GDN step run per request's row)
+BATCH_OPS = ("gemm", "gemm_act", "rmsnorm", "qk_rope", "moe")
 OPS = ("gemm", "rmsnorm", "rmsnorm_gemm", "gdn_prefill", "gdn_decode", "moe", "attention", "attention_decode",
        "qk_rope", "gemm_act", "act_gemm", "qgemv")
 
@@ -36,6 +38,7 @@ OPS = ("gemm", "rmsnorm", "rmsnorm_gemm", "gdn_prefill", "gdn_decode", "moe", "a
 class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, ReferenceOps):
     name = "cuda"
     batch_invariant = False  # its kernels are tuned per row count: a batch may run other ones (docs/batching.md)
+    pooled = True    # batched decode reads each request's state from a slot pool (kiln.cache.SlotPool)
     graphs = True    # its decode path may be captured as one CUDA graph (kiln/backends/graphs.py)
     # Prompt chunk: long enough that attention and the GDN scan fill the GPU (512-token chunks
     # leave most SMs idle in attention), short enough that activations stay small.
@@ -53,19 +56,35 @@ class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, R
         self.tune_cache: str | None = None
 
     def prepare(self, model, dtype: torch.dtype, *, m_values=None, retune: bool = False, pins=None,
-                budget_s: float | None = None, quiet: bool = True):
-        """Compile and tune the kernels for `model`'s shapes (a cache hit measures nothing)."""
+                budget_s: float | None = None, quiet: bool = True, max_batch: int = 1):
+        """Compile and tune the kernels for `model`'s shapes (a cache hit measures nothing); with
+        `max_batch` > 1 the projections also at the batched decode steps' row buckets (batch_buckets)."""
         t0 = time.perf_counter()
         m_values = m_values or tuple(dict.fromkeys((PREFILL_CHUNK, self.prefill_chunk, DECODE_ROWS)))
         tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
         # The config gives every shape but the quantised weights' formats, which the weights give.
         base = workloads(type(model), model.cfg, m_values, off=self.off)
+        buckets = tuple(b for b in batch_buckets(max_batch) if b not in m_values)
+        if buckets:
+            base = list(dict.fromkeys(base + workloads(type(model), model.cfg, buckets, ops=BATCH_OPS, off=self.off)))
         extra = [Workload(op, s) for op, s in quant_workloads(model.w, base) if op.family not in self.off]
         if extra:
             base = dense_decode_workloads(model.w, base)
         self.plan, report = tuner.tune(base + extra)
         self.tune_s, self.tune_cache = time.perf_counter() - t0, "hit" if report.hit else "miss"
         return report
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """Row counts the projections are tuned at for batched decode: powers of 4 below max_batch and
+    max_batch itself (a step of B rows runs the first bucket >= B: kiln.tune.tuner.Plan.choose)."""
+    if max_batch <= 1:
+        return ()
+    out, b = [], 4
+    while b < max_batch:
+        out.append(b)
+        b *= 4
+    return (*out, max_batch)
 
 
 def workloads(model_class, cfg, m_values=(PREFILL_CHUNK, DECODE_ROWS), ops=OPS, off=frozenset()) -> list[Workload]:

@@ -21,7 +21,8 @@ import sys
 
 import torch
 
-from ..cache import GDNState, KVCache
+from ..cache import GDNState, KVCache, StateBatch
+from ..errors import KilnError
 
 GRAPHABLE = (KVCache, GDNState)
 
@@ -177,3 +178,96 @@ def count_nodes(graph: torch.cuda.CUDAGraph) -> int | None:
         return int(count.value)
     except Exception:                   # no driver library, a torch without the accessor
         return None
+
+
+class BatchGraphs:
+    """Batched decode steps (Engine.decode_batch over one SlotPool's states) as CUDA graphs, one per
+    batch bucket (powers of two up to the pool's slots, and the slot count): B rows replay the
+    graph of the first bucket >= B, its spare rows on the pool's scratch slot (position 0). The
+    graph's inputs are the rows' tokens, positions and slots, so it serves any requests of the pool.
+    A bucket's first step runs eagerly (compiles, allocates), its second is captured. The per-layer
+    objects the forward sees stand in for the requests (StateBatch.whole_only): an op that would
+    run request by request fails the capture, and batched steps then run eagerly."""
+
+    def __init__(self, model, device: torch.device, pool):
+        self.model, self.device, self.pool = model, device, pool
+        self.buckets = sorted({1 << i for i in range(pool.count.bit_length()) if 1 << i <= pool.count} | {pool.count})
+        self.graphs: dict[int, tuple] = {}       # bucket -> (graph, logits, ids, pos, slots)
+        self.warm: set[int] = set()
+        self.failed = False
+        self.captures = 0
+
+    def step(self, tokens: list[int], positions: list[int], slots: list[int], states: list[list],
+             quiet: bool = True) -> torch.Tensor | None:
+        """The logits [B, V] of one decode step of the rows, states advanced; None where it cannot run
+        here (more rows than the largest bucket, an earlier failed capture): run it eagerly then."""
+        b = len(tokens)
+        bucket = next((k for k in self.buckets if k >= b), None)
+        if bucket is None or self.failed:
+            return None
+        spare = bucket - b
+        host = torch.tensor([tokens + [0] * spare, positions + [0] * spare, slots + [self.pool.count] * spare])
+        if bucket not in self.warm:
+            self.warm.add(bucket)
+            self._warm(bucket)
+            return None
+        if bucket not in self.graphs:
+            if (logits := self._capture(bucket, host.to(self.device), quiet)) is None:
+                return None
+        else:
+            graph, logits, ids, pos, slot_ids = self.graphs[bucket]
+            for dst, src in zip((ids, pos, slot_ids), host):
+                dst.copy_(src, non_blocking=True)
+            graph.replay()
+        for state in states:
+            for layer in state:
+                layer.length += 1
+        return logits[:b]
+
+    def _warm(self, bucket: int) -> None:
+        """The bucket's step run once eagerly with every row on the scratch slot (its kernels compiled,
+        its workspaces allocated; no request's state touched). An op that would run request by request
+        stops it: no graphs then."""
+        scratch = torch.full((bucket,), self.pool.count, device=self.device)
+        zeros = torch.zeros(bucket, dtype=torch.long, device=self.device)
+        lengths = [layer.length for layer in self.pool.scratch]
+        try:
+            self._body(zeros, zeros, scratch)
+        except KilnError as e:
+            self.failed = True
+            print(f"[kiln] warning: batched decode steps run eagerly ({e})", file=sys.stderr)
+        finally:
+            for layer, n in zip(self.pool.scratch, lengths):
+                layer.length = n
+
+    def _body(self, ids, pos, slots) -> torch.Tensor:
+        rows = ids.shape[0]
+        layers = [StateBatch([layer] * rows) for layer in self.pool.scratch]
+        for layer in layers:
+            layer.slots, layer.whole_only = slots.to(torch.int32), True
+        return self.model.forward(ids, pos, layers, last_only=False)
+
+    def _capture(self, bucket: int, inputs: torch.Tensor, quiet: bool) -> torch.Tensor | None:
+        ids, pos, slots = (t.clone() for t in inputs)
+        lengths = [layer.length for layer in self.pool.scratch]
+        torch.cuda.synchronize(self.device)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._body(ids, pos, slots)
+        except Exception as e:        # noqa: BLE001 - any capture error means: run eagerly
+            self.failed = True
+            torch.cuda.synchronize(self.device)
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"[kiln] warning: batched decode steps could not be captured as CUDA graphs ({why}); "
+                  "running them eagerly", file=sys.stderr)
+            return None
+        finally:
+            for layer, n in zip(self.pool.scratch, lengths):
+                layer.length = n
+        self.graphs[bucket] = (graph, logits, ids, pos, slots)
+        self.captures += 1
+        if not quiet:
+            print(f"[kiln] batched decode step of {bucket} rows captured as one CUDA graph", file=sys.stderr)
+        graph.replay()     # the capture ran nothing: this step runs now
+        return logits

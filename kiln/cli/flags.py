@@ -174,7 +174,7 @@ def load_from_flags(a, check=None) -> LLM:
                 check=check, verify=getattr(a, "verify", "lazy"), expert_cache_slots=a.expert_cache_slots,
                 expert_policy=a.expert_policy, expert_home=a.expert_home, host_memory=a.host_memory,
                 io_threads=a.io_threads, expert_profile=a.expert_profile, direct_io=a.direct_io,
-                gpu_memory=a.gpu_memory)
+                gpu_memory=a.gpu_memory, max_batch=getattr(a, "max_batch", 1))
 
 
 def save_expert_profile(llm: LLM, a) -> None:

@@ -18,11 +18,17 @@ from ..weights.quantized import cat_rows
 from ..weights.upload import Uploader, file_reads_on, pinned_upload_on, placed
 
 
-def per_request(state, fn, *rows):
-    """fn(state, *rows) for one request's state; for a StateBatch, fn once per request on its row of
-    each row tensor (None passes through), the outputs concatenated along rows in batch order."""
+def per_request(state, fn, *rows, whole=None):
+    """fn(state, *rows) for one request's state; for a StateBatch, whole(state, *rows) where it is given
+    and runs the batch at once (a backend's batched kernel; None where it cannot), else fn once per
+    request on its row of each row tensor (None passes through), the outputs concatenated along rows
+    in batch order."""
     if not isinstance(state, StateBatch):
         return fn(state, *rows)
+    if whole is not None and (out := whole(state, *rows)) is not None:
+        return out
+    if state.whole_only:
+        raise KilnError("an op of this batched step runs request by request: it cannot be captured")
     outs = [fn(s, *(None if r is None else r[j:j + 1] for r in rows)) for j, s in enumerate(state)]
     return torch.cat(outs)
 

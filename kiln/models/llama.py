@@ -88,7 +88,9 @@ class Llama(Model):
         qn, kn = (w[p + "q_norm.weight"], w[p + "k_norm.weight"]) if self.qk_norm else (None, None)
         o = per_request(cache, lambda s, q, k, v, cos, sin, pos: ops.qk_norm_rope_attention(
             q, k, v, qn, kn, c.rms_norm_eps, self.norm_style, (cos, sin), s, pos, default_scale(d)),
-            q, k, v, *rope, positions)
+            q, k, v, *rope, positions,
+            whole=lambda s, q, k, v, cos, sin, pos: ops.qk_norm_rope_attention_rows(
+                q, k, v, qn, kn, c.rms_norm_eps, self.norm_style, (cos, sin), s, pos, default_scale(d)))
         return ops.linear(o.reshape(t, -1), w[p + "o_proj.weight"])
 
     def forward(self, ids, positions, state, last_only=True):

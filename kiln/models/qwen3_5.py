@@ -207,7 +207,8 @@ class Qwen35(Model):
         params = {n: w[p + n] for n in ("conv1d.weight", "A_log", "dt_bias", "norm.weight")}
         dims = (*self.gdn_dims(c), c.rms_norm_eps)
         y = per_request(state, lambda s, qkv, z, b, a: self.ops.gated_deltanet(qkv, z, b, a, params, s, dims),
-                        qkv, z, b, a)
+                        qkv, z, b, a,
+                        whole=lambda s, qkv, z, b, a: self.ops.gated_deltanet_rows(qkv, z, b, a, params, s, dims))
         return self.ops.linear(y, w[p + "out_proj.weight"])
 
     def full_attention(self, i, proj, positions, cache, rope):
@@ -219,7 +220,9 @@ class Qwen35(Model):
         qn, kn = w[p + "q_norm.weight"], w[p + "k_norm.weight"]
         o = per_request(cache, lambda s, q, k, v, g, cos, sin, pos: ops.qk_norm_rope_attention(
             q, k, v, qn, kn, eps, "offset", (cos, sin), s, pos, default_scale(d), gate=g),   # sigmoid(gate) * o
-            q, k, v, gate, *rope, positions)
+            q, k, v, gate, *rope, positions,
+            whole=lambda s, q, k, v, g, cos, sin, pos: ops.qk_norm_rope_attention_rows(
+                q, k, v, qn, kn, eps, "offset", (cos, sin), s, pos, default_scale(d), gate=g))
         return ops.linear(o.reshape(t, -1), w[p + "o_proj.weight"])
 
     def mlp(self, i, x):

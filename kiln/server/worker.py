@@ -149,7 +149,7 @@ class Worker:
         """Jobs join the running batch between steps (up to max_batch prompts running; more wait in the
         queue) and leave it when they finish or their client goes: each step prefills one newcomer or
         decodes every running prompt at once (kiln.engine.Batch)."""
-        batch = Batch(self.llm.engine, set(self.llm.eos_ids))
+        batch = Batch(self.llm.engine, set(self.llm.eos_ids), slots=self.max_batch)
         slots: list[_Slot] = []
         while self._admit(batch, slots):
             self.running = bool(slots)

@@ -108,3 +108,74 @@ def test_tiny_qwen35_greedy_tokens_equal_reference_backend():
     llm = kiln.load("synth:tiny-qwen3.5", device=str(DEVICE), dtype=dtype, backend="cuda")
     assert isinstance(llm.model.ops, CudaOps)
     assert llm.generate(prompt, max_new_tokens=3, temperature=0).token_ids == ref.token_ids
+
+
+@pytest.fixture(scope="module")
+def moe_p2():
+    import kiln
+
+    return kiln.load("synth:tiny-qwen3.5-moe-p2", device=str(DEVICE), dtype="f32", backend="cuda")
+
+
+@pytest.mark.skipif(SWITCHED_OFF, reason="a kernel family is switched off")
+def test_pooled_batched_decode_step_equals_the_per_request_loop(moe_p2, monkeypatch):
+    """Requests whose state are slots of one pool: a batched decode step runs each layer's GDN step and
+    attention for all rows in one kernel, and gives the logits and states of the row loop bit for bit."""
+    from kiln.cache import SlotPool
+    from kiln.ops.attention import kernels as attention_kernels
+    from kiln.ops.gdn import kernels as gdn_kernels
+
+    eng = moe_p2.engine
+    pool = eng.slot_pool(4)
+    states = [pool.take() for _ in range(3)][::-1]         # slots out of order
+    prompts = [[5, 9, 33, 2, 71], [8, 1], [40, 41, 42]]
+    for ids, st in zip(prompts, states):
+        eng.prefill(ids, st)
+    tokens, positions = [3, 77, 12], [len(p) for p in prompts]
+    tensors = [t for layer in states[0] for t in ((layer.pool_conv, layer.pool_ssm) if hasattr(layer, "pool_ssm")
+                                                  else (layer.pool_k, layer.pool_v))]
+    before = [t.clone() for t in tensors]
+    calls = []
+    for mod, name in ((gdn_kernels, "gdn_decode_rows"), (attention_kernels, "decode_attention_rows")):
+        monkeypatch.setattr(mod, name, lambda *a, _f=getattr(mod, name), _n=name, **k: calls.append(_n) or _f(*a, **k))
+    batched = eng.decode_batch(tokens, positions, states)
+    after = [t.clone() for t in tensors]
+    assert set(calls) == {"gdn_decode_rows", "decode_attention_rows"}
+    for t, b in zip(tensors, before):
+        t.copy_(b)
+    for st in states:
+        for layer in st:
+            layer.length -= 1
+    monkeypatch.setattr(SlotPool, "slots_of", staticmethod(lambda states: None))
+    looped = eng.decode_batch(tokens, positions, states)
+    assert torch.equal(batched, looped)
+    assert [i for i, (t, a) in enumerate(zip(tensors, after)) if not torch.equal(t, a)] == []
+    for st in states:
+        pool.give(st)
+
+
+@pytest.mark.skipif(SWITCHED_OFF, reason="a kernel family is switched off")
+def test_a_batch_with_fewer_slots_than_prompts_runs_them_all(moe_p2, monkeypatch):
+    """Prompts past the pool's slots wait for one; every slot is back in the pool at the end; the tokens
+    are the row loop's."""
+    import kiln
+    from kiln.engine import Batch
+
+    prompts = [[5, 9, 33, 2, 71], [8, 1], [40, 41, 42]]
+
+    def run():
+        batch = Batch(moe_p2.engine, set(), slots=2)
+        requests = [batch.add(p, kiln.SamplingParams(max_new_tokens=3)) for p in prompts]
+        return [list(r.stream.ids) for r in requests], batch
+
+    lent, pool = [], moe_p2.engine.slot_pool(2)
+    take = pool.take
+    monkeypatch.setattr(pool, "take", lambda: (st := take()) is not None and lent.append(pool.count - len(pool.free))
+                        or st)
+    pooled, batch = run()
+    assert batch.pool is pool and len(pool.free) == pool.count and len(lent) == 3 and max(lent) <= 2
+    assert batch.lent == 0
+    monkeypatch.setattr(moe_p2.engine, "slot_pool", lambda slots: None)
+    loop, batch = run()
+    assert batch.pool is None
+    assert pooled == loop and all(len(t) == 3 for t in pooled)

@@ -97,3 +97,28 @@ def test_greedy_generate_gives_the_sampler_paths_tokens(monkeypatch):
     fast = llm.generate(prompt, max_new_tokens=10, temperature=0).token_ids
     slow = llm.generate(prompt, max_new_tokens=10, temperature=0, repetition_penalty=1.0 + 1e-9).token_ids
     assert fast == slow and len(fast) == 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["synth:tiny-qwen3.5-moe-p2", "synth:qwen3.5-0.8b"])
+def test_gpu_batched_steps_replayed_as_graphs_give_the_eager_tokens(spec):
+    """Batched decode steps over the slot pool, replayed as one CUDA graph per batch bucket, give the
+    tokens of the same steps run eagerly: requests joining and leaving, so buckets change."""
+    from kiln.engine import Batch
+
+    llm = kiln.load(spec, device="cuda", dtype="bf16", max_batch=4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, llm.model.cfg.vocab_size, (n,), generator=g).tolist() for n in (40, 7, 23, 64, 5)]
+    budgets = [12, 3, 9, 12, 6]
+
+    def run():
+        batch = Batch(llm.engine, set(), slots=4)
+        requests = [batch.add(p, kiln.SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
+        return [list(r.stream.ids) for r in requests]
+
+    eng = llm.engine
+    graphed = run()
+    assert eng._batch_graphs is not None and eng._batch_graphs.captures > 0 and not eng._batch_graphs.failed
+    eng._batch_graphs = None
+    assert run() == graphed

@@ -4,7 +4,7 @@ the kernels do not take."""
 
 from __future__ import annotations
 
-from ...cache import KVCache
+from ...cache import KVCache, SlotKV
 from ..dispatch import TunedOps
 from ..rope import kernels as rope
 from . import kernels
@@ -60,3 +60,29 @@ class AttentionCuda(TunedOps, AttentionReference):
         q = rope.qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, cache.k, cache.v, positions,
                          var=self.choose(rope.OP, shape))
         return self._attend(q, cache, positions, scale, window, softcap, gate)
+
+    def qk_norm_rope_attention_rows(self, q, k, v, q_norm_w, k_norm_w, eps, style, rope_tables, states, positions,
+                                    scale, window=None, softcap=None, gate=None):
+        """A batched decode step's attention in three launches (norm + RoPE + append, split-KV, combine)
+        when every request's KV is a slot of one pool (StateBatch.slots); else None. Each row is
+        computed as decode_attention computes it alone."""
+        cos, sin = rope_tables
+        first = states[0]
+        if states.slots is None or not isinstance(first, SlotKV) or not self._attention_fits(q, first):
+            return None
+        k_pool, v_pool = first.pool_k, first.pool_v
+        cap, (t, h, d), kv = k_pool.shape[1], q.shape, k_pool.shape[2]
+        k_flat, v_flat = k_pool.view(-1, kv, d), v_pool.view(-1, kv, d)
+        if not self.on("rope", q) or not rope.supports(q, k, v, k_flat, cos):
+            return None
+        flat = states.slots.long() * cap + positions       # each row's K/V lands in its own slot
+        shape = rope.RopeShape(t, h, kv, d, cos.shape[-1], style if q_norm_w is not None else None)
+        q = rope.qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_flat, v_flat, flat,
+                         var=self.choose(rope.OP, shape))
+        inside = gate is not None and gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(-1) == 1
+        var = self.choose(kernels.DECODE_OP, kernels.DecodeShape(cap, h, kv, d, window, softcap))
+        o = kernels.decode_attention_rows(q, k_pool, v_pool, positions, states.slots, scale, window, softcap, var,
+                                          gate=gate if inside else None)
+        for s in states:
+            s.length += 1
+        return o if gate is None or inside else self.act_mul(gate, o.view(gate.shape), "sigmoid")

@@ -194,14 +194,27 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, q_start, kv_len, stride_t, str
 def decode_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ws, l_ws, acc_ws, stride_h, chunk, splits, scale, softcap,
                         H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
                         SOFTCAP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SCALAR: tl.constexpr,
-                        UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
+                        UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False,
+                        slot_ptr=None, slot_stride=0, stride_t=0, SLOTS: tl.constexpr = False):
     """Program (split, KV head): keys split*chunk .. +chunk-1 that are <= pos (and in the window),
     for the H // KV query heads of the KV head (ROWS >= that, padded). A split with no such key
-    writes the neutral partial m = -inf, l = 0, acc = 0. Partials: [H, splits] (and [H, splits, D])."""
+    writes the neutral partial m = -inf, l = 0, acc = 0. Partials: [H, splits] (and [H, splits, D]).
+    SLOTS: program axis 2 is the query row of a batched step, at pos_ptr[row], over the buffers of slot
+    slot_ptr[row] (slot_stride elements apart); its partials [H, splits] after the rows before it."""
     G: tl.constexpr = H // KV
     pdl_wait(PDL)
     split = tl.program_id(0)
     kvh = tl.program_id(1)
+    if SLOTS:
+        row = tl.program_id(2)
+        base = tl.load(slot_ptr + row).to(tl.int64) * slot_stride
+        k_ptr += base
+        v_ptr += base
+        q_ptr += row.to(tl.int64) * stride_t
+        pos_ptr += row
+        m_ws += row.to(tl.int64) * H * splits
+        l_ws += row.to(tl.int64) * H * splits
+        acc_ws += row.to(tl.int64) * H * splits * D
     r = tl.arange(0, ROWS)
     head = kvh * G + r
     d = tl.arange(0, D)
@@ -229,12 +242,22 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ws, l_ws, acc_ws, stride
 @triton.jit(do_not_specialize=["chunk", "splits"])
 def decode_combine_kernel(m_ws, l_ws, acc_ws, pos_ptr, o_ptr, chunk, splits, D: tl.constexpr, WINDOW: tl.constexpr,
                           SPLIT_BLOCK: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False, g_ptr=None,
-                          G_STRIDE: tl.constexpr = 0):
+                          G_STRIDE: tl.constexpr = 0, g_row=0, H: tl.constexpr = 0):
     """Program per query head: o = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the splits
     that hold keys <= pos (and in the window), SPLIT_BLOCK splits at a time. G_STRIDE > 0: the
-    output is sigmoid(g) * o (head h's gate at g_ptr + h * G_STRIDE), rounded as act_mul rounds."""
+    output is sigmoid(g) * o (head h's gate at g_ptr + h * G_STRIDE), rounded as act_mul rounds.
+    H > 0: program axis 1 is the row of a batched step (H heads a row; its gate g_row apart)."""
     pdl_wait(PDL)
     h = tl.program_id(0)
+    if H > 0:
+        row = tl.program_id(1).to(tl.int64)
+        pos_ptr += row
+        m_ws += row * H * splits
+        l_ws += row * H * splits
+        acc_ws += row * H * splits * D
+        o_ptr += row * H * D
+        if G_STRIDE > 0:
+            g_ptr += row * g_row
     d = tl.arange(0, D)
     pos = tl.load(pos_ptr).to(tl.int32)
     used = tl.minimum(pos // chunk + 1, splits)
@@ -341,6 +364,34 @@ def run_decode(q, k_buf, v_buf, pos: torch.Tensor, scale: float, window, softcap
     gated = {} if gate is None else {"g_ptr": gate, "G_STRIDE": gate.stride(1)}
     decode_combine_kernel[(h,)](m_ws, l_ws, acc_ws, pos, out, chunk, splits, D=d, WINDOW=window or 0,
                                 SPLIT_BLOCK=combine_block(d), RNE=rne, num_warps=4, **pdl(q), **gated)
+    return out
+
+
+def decode_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos: torch.Tensor,
+                          slots: torch.Tensor, scale: float, window, softcap, v: Variant,
+                          gate: torch.Tensor | None = None) -> torch.Tensor:
+    """One query of each of B requests in one launch pair: q [B, H, D] (row r at position pos[r], over
+    keys 0..pos[r] of slot slots[r] of the pools [S, capacity, KV, D]) -> [B, H, D], each row
+    bit-identical to decode_attention on its slot's buffers alone (times sigmoid(gate), gate [B, H, D]
+    with unit last stride, when given)."""
+    b, h, d = q.shape
+    cap, kv = k_pool.shape[1], k_pool.shape[2]
+    p = v.p
+    chunk, splits = decode_splits(v, cap)
+    m_ws = torch.empty((b, h, splits), dtype=torch.float32, device=q.device)
+    l_ws = torch.empty_like(m_ws)
+    acc_ws = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
+    rne = rne_flag(q.dtype)
+    decode_split_kernel[(splits, kv, b)](q, k_pool, v_pool, pos, m_ws, l_ws, acc_ws, q.stride(1), chunk, splits, scale,
+                                         softcap or 1.0, H=h, KV=kv, D=d, WINDOW=window or 0,
+                                         SOFTCAP=softcap is not None, ROWS=decode_rows(v, h // kv), BLOCK_N=p["bn"],
+                                         SCALAR=p.get("scalar", False), RNE=rne, **dot_flags(q.dtype),
+                                         num_warps=p["w"], num_stages=p.get("s", 2), slot_ptr=slots,
+                                         slot_stride=k_pool.stride(0), stride_t=q.stride(0), SLOTS=True, **pdl(q))
+    gated = {} if gate is None else {"g_ptr": gate, "G_STRIDE": gate.stride(1), "g_row": gate.stride(0)}
+    decode_combine_kernel[(h, b)](m_ws, l_ws, acc_ws, pos, out, chunk, splits, D=d, WINDOW=window or 0,
+                                  SPLIT_BLOCK=combine_block(d), RNE=rne, num_warps=4, H=h, **pdl(q), **gated)
     return out
 
 

@@ -39,3 +39,10 @@ class AttentionReference:
         q, k = self.apply_rope(q, *rope), self.apply_rope(k, *rope)
         o = self.attention(q, k, v, cache, positions, scale, window, softcap)
         return o if gate is None else self.act_mul(gate, o.view(gate.shape), "sigmoid")
+
+    def qk_norm_rope_attention_rows(self, q, k, v, q_norm_w, k_norm_w, eps: float, style: str, rope, states, positions,
+                                    scale: float, window: int | None = None, softcap: float | None = None, gate=None):
+        """qk_norm_rope_attention for a batched decode step (row j: one token of request j over
+        states[j], a kiln.cache.StateBatch) at once, where a backend has a kernel for it; None here
+        (each request then runs alone on its row)."""
+        return None

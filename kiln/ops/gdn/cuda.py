@@ -4,7 +4,7 @@ buffers, where the kernels do not apply."""
 
 from __future__ import annotations
 
-from ...cache import GDNState
+from ...cache import GDNState, SlotGDN
 from ..dispatch import TunedOps
 from . import kernels
 from .reference import GdnReference
@@ -24,6 +24,23 @@ class GdnCuda(TunedOps, GdnReference):
         else:
             y = kernels.gdn_prefill(*args, v=self.choose(kernels.PREFILL, shape))
         state.length += t
+        return y
+
+    def gated_deltanet_rows(self, qkv, z, b, a, p, states, dims):
+        """A batched decode step's GDN in one launch, when every request's state is a slot of one pool
+        (StateBatch.slots) and the tuner chose a fused decode kernel; else None."""
+        conv_w, first = p["conv1d.weight"], states[0]
+        if (states.slots is None or not isinstance(first, SlotGDN) or not self.on("gdn", qkv)
+                or not kernels.PREFILL.supports(qkv, conv_w, first.ssm, dims)):
+            return None
+        hk, hv, dk, dv, _ = dims
+        v = self.choose(kernels.DECODE, kernels.GdnShape(1, hk, hv, dk, dv, conv_w.shape[-1]))
+        if v.p["form"] == "unfused":
+            return None
+        y = kernels.gdn_decode_rows(qkv, z, b, a, conv_w, p["A_log"], p["dt_bias"], p["norm.weight"],
+                                    first.pool_conv, first.pool_ssm, states.slots, dims, v)
+        for s in states:
+            s.length += 1
         return y
 
     def _gdn_in_place(self, qkv, z, b, a, p, state, dims):

@@ -259,6 +259,28 @@ def gdn_decode(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state, ssm, di
     return y
 
 
+def gdn_decode_rows(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_pool, ssm_pool, slots, dims,
+                    v: Variant) -> torch.Tensor:
+    """One token of each of B requests in one launch: row r's states are slot slots[r] (int [B] on the
+    device) of conv_pool [S, K, C] and ssm_pool [S, Hv, dk, dv], updated in place; y [B, Hv*dv], each
+    row bit-identical to gdn_decode on that row and slot alone. `v` is a fused ("fused" form) variant."""
+    hk, hv, dk, dv, eps = dims
+    p, rows = v.p, qkv.shape[0]
+    assert p["form"] != "unfused" and conv_pool.is_contiguous() and ssm_pool.is_contiguous()
+    qkv, z, b, a = qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous()
+    y = torch.empty((rows, hv * dv), dtype=qkv.dtype, device=qkv.device)
+    bv, last = p["bv"], p.get("last", False) and p["bv"] != dv
+    o = y if bv == dv else torch.empty_like(y)
+    counts = arrival_counters(qkv.device, rows * (hk + hv))
+    decode_kernel[(hv, dv // bv, rows)](qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_pool, ssm_pool, y, o,
+                                        counts, eps, dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv, K=conv_w.shape[-1],
+                                        BV=bv, ROUND_WN=round_wn(qkv, norm_w), RNE=rne_flag(qkv.dtype),
+                                        num_warps=p["w"], LAST_NORM=last, slot_ptr=slots, SLOTS=True, **pdl(qkv))
+    if bv != dv and not last:
+        gated_norm_pass(o, z, norm_w, y, eps, dv)
+    return y
+
+
 # -- the ops: variants, inputs, outputs --------------------------------------------------------------
 
 @dataclass(frozen=True)

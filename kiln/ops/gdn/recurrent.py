@@ -196,16 +196,32 @@ def store_state(cs_ptr, x, r1, r2, r3, c, C: tl.constexpr):
 def decode_kernel(x_ptr, z_ptr, b_ptr, a_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, cs_ptr, ssm_ptr, y_ptr, o_ptr,
                   count_ptr, eps, scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   K: tl.constexpr, BV: tl.constexpr, ROUND_WN: tl.constexpr, RNE: tl.constexpr,
-                  LAST_NORM: tl.constexpr = False, PDL: tl.constexpr = False):
+                  LAST_NORM: tl.constexpr = False, PDL: tl.constexpr = False, slot_ptr=None,
+                  SLOTS: tl.constexpr = False):
     """Program (value head h, dv block vb). Conv state: the program owns its v channels and shifts them
     after reading; the q/k channels of key head kh are read by READERS programs, and the last of them
     to arrive (an arrival counter, as in serial split-K) shifts them, so no program reads a shifted row.
     BV == DV: the gated norm here, else o goes to o_ptr for norm_kernel, or (LAST_NORM) the last of
     the head's DV // BV programs to arrive (counter HK + h) norms the whole row. The state block loads
-    before pdl_wait: only this layer's previous step writes it."""
+    before pdl_wait: only this layer's previous step writes it.
+    SLOTS: program axis 2 is the row of a batched step (rows of x, z, a, b, y, o and counters [2 * (HK +
+    HV)] contiguous), whose conv and recurrent states are slot slot_ptr[row] of pools [S, K, C] and
+    [S, HV, DK, DV]: the same arithmetic as one row alone, so the results are bit-identical."""
     h, vb = tl.program_id(0), tl.program_id(1)
     kh = h // (HV // HK)
     C: tl.constexpr = 2 * HK * DK + HV * DV
+    if SLOTS:
+        row = tl.program_id(2)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        ssm_ptr += slot * (HV * DK * DV)
+        cs_ptr += slot * (K * C)
+        x_ptr += row * C
+        z_ptr += row * (HV * DV)
+        a_ptr += row * HV
+        b_ptr += row * HV
+        y_ptr += row * (HV * DV)
+        o_ptr += row * (HV * DV)
+        count_ptr += row * (HK + HV)
     READERS: tl.constexpr = (HV // HK) * (DV // BV)
     dtype = y_ptr.dtype.element_ty
     dk = tl.arange(0, DK)

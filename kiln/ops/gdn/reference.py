@@ -25,6 +25,12 @@ class GdnReference:
         # contiguous: a strided input makes F.linear round differently from HF's contiguous one
         return y.reshape(t, hv * dv).contiguous()
 
+    def gated_deltanet_rows(self, qkv, z, b, a, p: dict, states, dims) -> torch.Tensor | None:
+        """gated_deltanet for a batched decode step (row j: one token of request j over states[j], a
+        kiln.cache.StateBatch) at once, where a backend has a kernel for it; None here (each request
+        then runs alone on its row)."""
+        return None
+
     def causal_conv1d(self, x: torch.Tensor, w: torch.Tensor, state) -> torch.Tensor:
         """Depthwise causal conv over time + SiLU. x [T, C]; w [C, 1, K]; state.conv holds the last
         K inputs [K, C] and is updated. Computed in the weight dtype with HF's operand shapes:

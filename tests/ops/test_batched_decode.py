@@ -1,0 +1,68 @@
+"""The batched decode kernels (one launch for B requests whose states are slots of a pool) give each
+row exactly what the one-request kernel gives it alone: the GDN step (y, conv and recurrent states)
+and split-KV attention (with and without the output gate), rows in any slot order, at ragged
+positions. Under Triton's interpreter on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kiln.ops.attention import kernels as attention_kernels  # noqa: E402
+from kiln.ops.gdn import kernels as gdn_kernels  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SLOTS = [3, 0, 2]           # rows take slots out of order; slot 1 is idle and must stay untouched
+
+
+def gdn_rows_case(dtype, hk=2, hv=4, dk=16, dv=32, seed=0):
+    s = gdn_kernels.GdnShape(len(SLOTS), hk, hv, dk, dv, 4)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    inp = gdn_kernels.gdn_inputs(s, dtype, DEVICE, gen)
+    conv = torch.randn(4, 4, s.conv_dim, generator=gen, device=DEVICE).to(dtype)
+    ssm = torch.randn(4, hv, dk, dv, generator=gen, device=DEVICE) * 0.1
+    return inp, conv, ssm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("form", [gdn_kernels.fused_variant(32, 4), gdn_kernels.fused_variant(16, 4),
+                                  gdn_kernels.fused_variant(16, 4, last=True)], ids=lambda v: v.name)
+def test_gdn_decode_rows_equal_each_row_alone(dtype, form):
+    inp, conv, ssm = gdn_rows_case(dtype)
+    weights = [inp[n] for n in gdn_kernels.ARGS[4:]]
+    want_conv, want_ssm = conv.clone(), ssm.clone()
+    want = [gdn_kernels.gdn_decode(*(inp[n][r:r + 1] for n in ("qkv", "z", "b", "a")), *weights, want_conv[s],
+                                   want_ssm[s], inp["dims"], form) for r, s in enumerate(SLOTS)]
+    slots = torch.tensor(SLOTS, dtype=torch.int32, device=DEVICE)
+    got = gdn_kernels.gdn_decode_rows(inp["qkv"], inp["z"], inp["b"], inp["a"], *weights, conv, ssm, slots,
+                                      inp["dims"], form)
+    assert torch.equal(got, torch.cat(want))
+    assert torch.equal(conv, want_conv) and torch.equal(ssm, want_ssm)   # slot 1 included: untouched by both
+
+
+def attention_rows_case(dtype, h=4, kv=2, d=32, cap=96, seed=1):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=gen, device=DEVICE).to(dtype)  # noqa: E731
+    qg = r(len(SLOTS), h, 2 * d)
+    return qg, r(4, cap, kv, d), r(4, cap, kv, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 24])
+def test_decode_attention_rows_equal_each_row_alone(dtype, window):
+    qg, k_pool, v_pool = attention_rows_case(dtype)
+    q, gate = qg.chunk(2, dim=-1)        # strided views, as the model splits Qwen3.5's q | gate
+    positions = [70, 0, 95]
+    pos = torch.tensor(positions, dtype=torch.int64, device=DEVICE)
+    slots = torch.tensor(SLOTS, dtype=torch.int32, device=DEVICE)
+    d = q.shape[-1]
+    for form in [attention_kernels.decode_trusted_variant(16), attention_kernels.decode_variant(32, 16, 4)]:
+        for g in (None, gate):
+            want = torch.cat([attention_kernels.decode_attention(
+                q[r:r + 1], k_pool[s], v_pool[s], pos[r:r + 1], d ** -0.5, window, None, form,
+                gate=None if g is None else g[r:r + 1]) for r, s in enumerate(SLOTS)])
+            got = attention_kernels.decode_attention_rows(q, k_pool, v_pool, pos, slots, d ** -0.5, window, None,
+                                                          form, gate=g)
+            assert torch.equal(got, want), (form.name, g is None)
