@@ -65,8 +65,11 @@ class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, R
         # The config gives every shape but the quantised weights' formats, which the weights give.
         base = workloads(type(model), model.cfg, m_values, off=self.off)
         buckets = tuple(b for b in batch_buckets(max_batch) if b not in m_values)
-        if buckets:
-            base = list(dict.fromkeys(base + workloads(type(model), model.cfg, buckets, ops=BATCH_OPS, off=self.off)))
+        if buckets:    # and the projections that run on one row only alone (the LM head) at every bucket
+            heads = [Workload(w.op, w.op.with_rows(w.shape, b)) for w in base if w.op.name == "gemm"
+                     and w.shape.rows == 1 for b in buckets]
+            base = list(dict.fromkeys(base + workloads(type(model), model.cfg, buckets, ops=BATCH_OPS, off=self.off)
+                                      + heads))
         extra = [Workload(op, s) for op, s in quant_workloads(model.w, base) if op.family not in self.off]
         if extra:
             base = dense_decode_workloads(model.w, base)

@@ -44,7 +44,8 @@ class Workload:
 
 class Plan:
     """The chosen variant of each measured (op, shape); other row counts take the choice of the
-    nearest measured one at or above them (else the largest), unmeasured shapes the op's default."""
+    nearest measured one at or above them (else the largest, unless only one row was measured),
+    unmeasured shapes the op's default."""
 
     def __init__(self, dev, dtype: torch.dtype):
         self.dev, self.dtype = dev, dtype
@@ -60,7 +61,7 @@ class Plan:
 
     def choose(self, op: Op, shape) -> Variant:
         bucket = self.rows.get((op.name, shape.key))
-        if not bucket:
+        if not bucket or bucket[-1][0] == 1 < shape.rows:   # a one-row form (a GEMV) would re-read per row
             return op.default(shape, self.dev)
         return next((v for r, v in bucket if r >= shape.rows), bucket[-1][1])
 

@@ -343,6 +343,21 @@ def test_plan_chooses_the_nearest_measured_rows_at_or_above():
     plan.set(Workload(gemm.OP, gemm.GemmShape(512, 48, 40)), b)
     assert [plan.choose(gemm.OP, gemm.GemmShape(m, 48, 40)) for m in (1, 2, 300, 512, 4096)] == [a, b, b, b, b]
     assert plan.choose(gemm.OP, gemm.GemmShape(7, 99, 40)) == gemm.OP.default(gemm.GemmShape(7, 99, 40), dev)
+    # measured at one row only (the LM head's GEMV, which re-reads its weights per row): more rows take
+    # the default, one row its choice
+    plan.set(Workload(gemm.OP, gemm.GemmShape(1, 64, 40)), a)
+    assert plan.choose(gemm.OP, gemm.GemmShape(32, 64, 40)) == gemm.OP.default(gemm.GemmShape(32, 64, 40), dev)
+    assert plan.choose(gemm.OP, gemm.GemmShape(1, 64, 40)) == a
+
+
+def test_batch_buckets_and_their_workloads():
+    from kiln.backends.cuda import batch_buckets
+
+    assert batch_buckets(1) == () and batch_buckets(2) == (2,) and batch_buckets(4) == (4,)
+    assert batch_buckets(32) == (4, 16, 32) and batch_buckets(64) == (4, 16, 64)
+    cls, cfg = model_config(synth_config("qwen3.5-0.8b"))
+    work = workloads(cls, cfg, (4, 16), ops=("gemm",))
+    assert {4, 16} <= {w.shape.rows for w in work}
 
 
 def test_workloads_of_qwen35_08b_are_its_projections():
