@@ -383,6 +383,7 @@ class Batch:
         self.engine, self.eos = engine, eos
         self.pool = engine.slot_pool(slots) if slots else None
         self.slots, self.lent = slots, 0
+        self.pending: tuple | None = None      # the decode step in flight: (its requests, its logits)
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
 
@@ -408,8 +409,8 @@ class Batch:
             self.waiting.remove(r)
 
     def __len__(self) -> int:
-        """Requests waiting or running."""
-        return len(self.waiting) + sum(not r.done for r in self.running)
+        """Requests waiting or running (a step in flight counts until its tokens are read)."""
+        return len(self.waiting) + sum(not r.done for r in self.running) + (self.pending is not None)
 
     def _tokens(self, r: BatchRequest):
         try:
@@ -424,12 +425,15 @@ class Batch:
 
     @torch.inference_mode()
     def step(self) -> None:
+        """The tokens of the decode step in flight, then the next decode step launched for every running
+        request (not waited for: the caller's work on the tokens overlaps it on the GPU), then one
+        prefill chunk (a request whose prefill ends now decodes from the next step)."""
+        self._resolve()
         self.running = [r for r in self.running if not r.done]
-        live = list(self.running)             # a request whose prefill ends now decodes from the next step
+        if self.running:
+            self._launch(self.running)
         if self.waiting:
             self._prefill_chunk(self.waiting[0])
-        if live:
-            self._decode(live)
 
     def _prefill_chunk(self, r: BatchRequest) -> None:
         eng = self.engine
@@ -465,14 +469,22 @@ class Batch:
             self.lent -= 1
         r.state = None
 
-    def _decode(self, live: list[BatchRequest]) -> None:
-        live = [r for r in live if not r.done]
-        if not live:
-            return
+    def _launch(self, live: list[BatchRequest]) -> None:
         logits = self.engine.decode_batch([r.token for r in live], [r.pos for r in live], [r.state for r in live])
+        self.pending = (list(live), logits)
+
+    def _resolve(self) -> None:
+        """Each row's token from the step in flight (its logits are valid until the next step); a
+        request cancelled since its launch is skipped."""
+        if self.pending is None:
+            return
+        live, logits = self.pending
+        self.pending = None
         # the greedy rows' choices in one launch and one read
         greedy = logits.argmax(-1).tolist() if any(r.sampler is None for r in live) else None
         for j, (r, row) in enumerate(zip(live, logits)):
+            if r.done:
+                continue
             r.pos += 1
             if r.history is not None:
                 r.history = torch.cat([r.history, r.history.new_tensor([r.token])])

@@ -111,9 +111,10 @@ def test_a_long_prompt_joins_in_chunks_while_the_running_streams_go_on():
     a = batch.add(short, SamplingParams(max_new_tokens=12))
     batch.step()                                                   # a's prompt: one chunk, its first token
     b = batch.add(long_, SamplingParams(max_new_tokens=12))
-    for k in range(5):                                             # b's five chunks, a decoding beside them
+    for k in range(5):                 # b's five chunks, a decoding beside them (its step's token read at the next)
         batch.step()
-        assert len(a.out) == 2 + k and (len(b.out) == 1) == (k == 4)
+        assert len(a.out) == 1 + k and (len(b.out) == 1) == (k == 4)
+        assert batch.pending is not None and batch.pending[0] == [a]
     while batch.running and not all(r.done for r in (a, b)):
         batch.step()
     assert [list(a.out), list(b.out)] == want
