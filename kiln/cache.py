@@ -221,3 +221,32 @@ class SlotPool:
 
 def _pool_of(layer):
     return layer.pool_ssm if isinstance(layer, SlotGDN) else layer.pool_k
+
+
+def snapshot(state: list) -> list | None:
+    """Copies of what a request's per-layer state holds (attention K/V of its positions, GDN conv and
+    recurrent states): what `restore` puts into another request's fresh state. None for states
+    holding a ring cache (it keeps a window, not the positions a later request would need)."""
+    out = []
+    for layer in state:
+        if isinstance(layer, GDNState):
+            out.append((layer.length, layer.conv.clone(), layer.ssm.clone()))
+        elif isinstance(layer, KVCache):
+            out.append((layer.length, layer.k[:layer.length].clone(), layer.v[:layer.length].clone()))
+        else:
+            return None
+    return out
+
+
+def restore(state: list, saved: list) -> None:
+    """A fresh state made to hold a snapshot's tokens, copied into its own buffers (in place: a pooled
+    slot or a captured graph keeps its addresses)."""
+    for layer, (n, a, b) in zip(state, saved):
+        if isinstance(layer, GDNState):
+            layer.conv.copy_(a)
+            layer.ssm.copy_(b)
+        else:
+            layer.reserve(n)
+            layer.k[:n].copy_(a)
+            layer.v[:n].copy_(b)
+        layer.length = n

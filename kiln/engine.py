@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 
 from .backends.graphs import BatchGraphs, DecodeGraph, graphable
-from .cache import SlotPool, StateBatch
+from .cache import SlotPool, StateBatch, restore, snapshot
 from .errors import KilnError
 from .sampling import Sampler, SamplingParams
 
@@ -58,6 +58,8 @@ MIN_BUCKET = 2048   # smallest KV reservation when decode runs as a CUDA graph
 POOL_CONTEXT = 32768    # a pooled batch slot's KV positions at most (a longer request gets its own state)
 POOL_MEMORY = 0.6       # share of the free device memory a batch's slot pool may take
 MAX_POOL = 64           # slots for LLM.generate's batches (more prompts wait for a free one)
+PREFIX_BLOCK = 64       # a batch's prefix cache keeps state at multiples of this many prompt tokens
+PREFIX_ENTRIES = 8      # ... for this many prefixes, the least recently used dropped first
 
 
 class Engine:
@@ -368,6 +370,40 @@ class BatchRequest:
     done: bool = False
     cancelled: bool = False
     t0: float = 0.0
+    keep_at: int = 0                    # the prompt position whose state the prefix cache keeps (0: none)
+
+
+class PrefixCache:
+    """States of prompt prefixes that later requests may start from: a copy of the state after the
+    first n tokens (n a multiple of PREFIX_BLOCK), keyed by those token ids, the least recently used
+    of PREFIX_ENTRIES dropped. A request that shares a cached prefix copies its state and prefills
+    only the rest (attention K/V and, for hybrid models, the GDN states alike)."""
+
+    def __init__(self, entries: int = PREFIX_ENTRIES, block: int = PREFIX_BLOCK):
+        self.entries, self.block = entries, block
+        self.items: OrderedDict[tuple, list] = OrderedDict()
+
+    def boundary(self, ids: list[int]) -> int:
+        """Where a prompt's state is kept: its last block boundary before its last token (one token
+        must be left to prefill, for the logits)."""
+        return (len(ids) - 1) // self.block * self.block
+
+    def lookup(self, ids: list[int]) -> tuple[int, list | None]:
+        """The longest cached prefix of ids, as (tokens, snapshot), or (0, None)."""
+        for n in range(self.boundary(ids), 0, -self.block):
+            saved = self.items.get(key := tuple(ids[:n]))
+            if saved is not None:
+                self.items.move_to_end(key)
+                return n, saved
+        return 0, None
+
+    def keep(self, ids: list[int], state: list) -> None:
+        key = tuple(ids)
+        if key in self.items or (saved := snapshot(state)) is None:
+            return
+        self.items[key] = saved
+        while len(self.items) > self.entries:
+            self.items.popitem(last=False)
 
 
 class Batch:
@@ -377,10 +413,12 @@ class Batch:
     one chunk's time a step, never the whole prompt's. Tokens follow the single-request loop's rules
     (Engine._loop): the same token choice, the same eos, length and max-context stops."""
 
-    def __init__(self, engine: "Engine", eos: set[int], slots: int | None = None):
+    def __init__(self, engine: "Engine", eos: set[int], slots: int | None = None, prefix_cache: bool = False):
         """`slots`: the most requests running at once, when the engine pools their state (Engine.slot_pool);
-        a request waits for a free slot before its prefill."""
+        a request waits for a free slot before its prefill. `prefix_cache`: requests start from the
+        state of a cached prompt prefix they share (PrefixCache)."""
         self.engine, self.eos = engine, eos
+        self.prefixes = PrefixCache() if prefix_cache else None
         self.pool = engine.slot_pool(slots) if slots else None
         self.slots, self.lent = slots, 0
         self.pending: tuple | None = None      # the decode step in flight: (its requests, its logits)
@@ -442,9 +480,14 @@ class Batch:
             r.state = self._new_state(r)
             if r.state is None:
                 return              # every slot is lent: it waits for one
+            self._start_from_prefix(r)
         end = min(r.pos + eng.prefill_chunk, len(r.ids))
+        if r.pos < r.keep_at < end:
+            end = r.keep_at         # the chunk ends where the prefix cache keeps the state
         logits = eng.prefill(r.ids[r.pos:end], r.state, offset=r.pos)
         r.pos = end
+        if end == r.keep_at:
+            self.prefixes.keep(r.ids[:end], r.state)
         if end < len(r.ids):
             return
         self.waiting.popleft()
@@ -452,6 +495,18 @@ class Batch:
             r.sampler, r.history = Sampler(r.params, eng.device), torch.tensor(r.ids, device=eng.device)
         self.running.append(r)
         self._emit(r, self._choose(r, logits))
+
+    def _start_from_prefix(self, r: BatchRequest) -> None:
+        """With a prefix cache: the state of the longest cached prefix of the prompt copied in (those
+        tokens are not prefilled), and where this prompt's own state will be kept."""
+        if self.prefixes is None:
+            return
+        n, saved = self.prefixes.lookup(r.ids)
+        if saved is not None:
+            restore(r.state, saved)
+            r.pos = r.stream.times.cached_tokens = n
+        at = self.prefixes.boundary(r.ids)
+        r.keep_at = at if at > r.pos else 0
 
     def _new_state(self, r: BatchRequest) -> list | None:
         """A pool slot's state (None while all are lent), or its own where there is no pool or the

@@ -118,3 +118,24 @@ def test_a_long_prompt_joins_in_chunks_while_the_running_streams_go_on():
     while batch.running and not all(r.done for r in (a, b)):
         batch.step()
     assert [list(a.out), list(b.out)] == want
+
+
+@pytest.mark.parametrize("spec", ["synth:tiny-qwen3.5", "synth:tiny-llama"])
+def test_a_prefix_cached_in_the_batch_gives_each_request_its_tokens_alone(spec):
+    """A batch with a prefix cache: requests sharing 64+ prompt tokens start from the kept state (the
+    GDN states of a hybrid model too) and prefill the rest, with the tokens each gets alone."""
+    from kiln.engine import PREFIX_BLOCK, Batch
+    llm = kiln.load(spec, device="cpu")
+    shared = [(5 * j) % 300 + 1 for j in range(PREFIX_BLOCK + 9)]
+    prompts = [shared + [7, 8, 9], shared + [11], shared[:PREFIX_BLOCK - 1] + [4, 4], shared + [7, 8, 9, 10, 12]]
+    want = [llm.generate(p, max_new_tokens=6).token_ids for p in prompts]
+    batch = Batch(llm.engine, set(), prefix_cache=True)
+    one_by_one = []
+    for p in prompts:                   # one after another: each finds what the ones before kept
+        r = batch.add(p, SamplingParams(max_new_tokens=6))
+        one_by_one.append((list(r.stream.ids), r.stream.times.cached_tokens))
+    assert one_by_one == list(zip(want, [0, PREFIX_BLOCK, 0, PREFIX_BLOCK]))
+    together = Batch(llm.engine, set(), prefix_cache=True)       # all at once: prefilled in turn
+    got = [together.add(p, SamplingParams(max_new_tokens=6)) for p in prompts]
+    assert [list(r.stream.ids) for r in got] == want
+    assert [r.stream.times.cached_tokens for r in got] == [0, PREFIX_BLOCK, 0, PREFIX_BLOCK]

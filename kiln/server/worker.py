@@ -149,7 +149,7 @@ class Worker:
         """Jobs join the running batch between steps (up to max_batch prompts running; more wait in the
         queue) and leave it when they finish or their client goes: each step prefills one newcomer or
         decodes every running prompt at once (kiln.engine.Batch)."""
-        batch = Batch(self.llm.engine, set(self.llm.eos_ids), slots=self.max_batch)
+        batch = Batch(self.llm.engine, set(self.llm.eos_ids), slots=self.max_batch, prefix_cache=True)
         slots: list[_Slot] = []
         while self._admit(batch, slots):
             self.running = bool(slots)
@@ -230,7 +230,8 @@ class Worker:
     def _done(self, slot: _Slot) -> bool:
         gen = slot.gen
         finish = OPENAI_FINISH.get(gen.finish_reason, "length")
-        self.stats.done(finish, len(gen.prompt_ids))
+        cached = slot.request.stream.times.cached_tokens
+        self.stats.done(finish, len(gen.prompt_ids), cached)
         self.stats.running -= 1             # before the client hears it is done
-        slot.job.emit("done", (slot.index, Outcome(finish, len(gen.prompt_ids), len(gen.token_ids), 0)))
+        slot.job.emit("done", (slot.index, Outcome(finish, len(gen.prompt_ids), len(gen.token_ids), cached)))
         return False

@@ -165,6 +165,22 @@ def test_metrics_show_the_prefix_reused_by_the_default_server():
     assert sum(v for k, v in m.items() if k.startswith("kiln_requests_total")) == 2, m
 
 
+def test_a_shared_system_prompt_is_prefilled_once_in_the_batch(server, client, alone):
+    """The batched server keeps the state of prompt prefixes (at multiples of 64 tokens): a request
+    sharing one copies it and prefills only the rest, with the answer it gets alone."""
+    system = "You are a careful assistant. Answer each question in one short sentence, and never guess. " * 4
+    questions = ("What is the capital of France?", "Name a primary colour.", "How many legs has a cat?")
+    before = _metrics(server.port)
+    rs = [client.completions.create(model=MODEL, prompt=system + q, max_tokens=4, temperature=0) for q in questions]
+    after = _metrics(server.port)
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in rs]
+    shared = len(alone.tokenizer.encode(system))
+    assert shared > 64 and cached[0] == 0 and all(64 <= c <= shared for c in cached[1:]), (cached, shared)
+    assert after["kiln_prefix_cached_tokens_total"] - before["kiln_prefix_cached_tokens_total"] == sum(cached)
+    assert after["kiln_prefix_hit_rate"] > before["kiln_prefix_hit_rate"]
+    assert [r.choices[0].text for r in rs] == [alone.generate(system + q, max_new_tokens=4).text for q in questions]
+
+
 def test_sixteen_concurrent_streams_on_a_tiny_hybrid_model_equal_sixteen_sequential_runs():
     from .support import request
     spec = "synth:tiny-qwen3.5"
