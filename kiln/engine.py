@@ -250,7 +250,7 @@ class Engine:
         self.check_prompt(prompt_ids)
         params.validate()
         stream = TokenStream(iter(()))
-        stream.ids = self._loop(prompt_ids, params, set(eos_ids), stream,
+        stream.ids = self._loop(prompt_ids, params, set() if params.ignore_eos else set(eos_ids), stream,
                                 self.reuse_prefix if reuse is None else reuse)
         return stream
 
@@ -556,7 +556,7 @@ class Batch:
         times.decode_s = now - r.t0
         r.out.append(token)
         r.token = token
-        if token in self.eos:
+        if token in self.eos and not r.params.ignore_eos:
             r.stream.finish_reason = "eos"
         elif times.generated_tokens <= r.steps:
             return

@@ -52,6 +52,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 => off
     seed: int | None = None  # None => a fresh random seed per Sampler
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings
+    ignore_eos: bool = False  # generate past end-of-sequence tokens (benchmarks: a fixed output length)
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -90,6 +91,8 @@ class SamplingParams:
             )
         if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed <= _MAX_SEED)):
             raise KilnError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise KilnError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         for s in self.stop:
             if not isinstance(s, str):
                 raise KilnError(f"stop strings must be strings, got {s!r}")

@@ -139,3 +139,17 @@ def test_a_prefix_cached_in_the_batch_gives_each_request_its_tokens_alone(spec):
     got = [together.add(p, SamplingParams(max_new_tokens=6)) for p in prompts]
     assert [list(r.stream.ids) for r in got] == want
     assert [r.stream.times.cached_tokens for r in got] == [0, PREFIX_BLOCK, 0, PREFIX_BLOCK]
+
+
+def test_ignore_eos_runs_to_max_new_tokens_alone_and_batched(hybrid, monkeypatch):
+    """ignore_eos (vLLM's field, for fixed-length benchmarks): an end-of-sequence token no longer ends
+    the request, alone or in a batch; without it the same token does."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    free = hybrid.generate(prompt, max_new_tokens=6).token_ids
+    monkeypatch.setattr(hybrid, "eos_ids", [free[1]])
+    stopped = hybrid.generate(prompt, max_new_tokens=6)
+    assert stopped.token_ids == free[:2] and stopped.finish_reason == "eos"
+    assert hybrid.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids == free
+    both = hybrid.generate_batch([prompt, prompt], [SamplingParams(max_new_tokens=6),
+                                                    SamplingParams(max_new_tokens=6, ignore_eos=True)])
+    assert [c.token_ids for c in both] == [free[:2], free]

@@ -91,7 +91,7 @@ _OFF = {
 # Fields that never change the answer: accepted and ignored.
 _IGNORED = {"user", "metadata", "store", "service_tier", "model"}
 
-_COMMON = {"model", "stream", "stream_options", "stop", *_SAMPLING, *_OFF, *_IGNORED}
+_COMMON = {"model", "stream", "stream_options", "stop", "ignore_eos", *_SAMPLING, *_OFF, *_IGNORED}
 CHAT_FIELDS = _COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 
@@ -166,6 +166,10 @@ def _common(body: dict, allowed: set[str]) -> Request:
     sampling = {k: (_DEFAULTS[k] if v is None else v) for k, v in values.items()}
     if sampling["temperature"] < 1e-5:  # as vLLM: below this it is greedy (and 1e-320 would be 0/0 in f32)
         sampling["temperature"] = 0.0
+    ignore = body.get("ignore_eos", False)    # vLLM's extension: a fixed output length for benchmarks
+    if not isinstance(ignore, bool):
+        raise bad(f"ignore_eos must be true or false, got {json.dumps(ignore)}", "ignore_eos")
+    sampling["ignore_eos"] = ignore
     stream, usage = _stream(body)
     return Request(sampling, b if b is not None else a, _stop(body), stream, usage, body.get("model"))
 

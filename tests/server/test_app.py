@@ -335,6 +335,7 @@ MALFORMED = [
     (CHAT, _c(repetition_penalty=0), 400, "repetition_penalty"),
     (CHAT, _c(repetition_penalty=1e-300, temperature=1), 400, "repetition_penalty"),
     (CHAT, _c(seed=-1), 400, "seed"),
+    (CHAT, _c(ignore_eos="yes"), 400, "ignore_eos"),
     (CHAT, _c(seed=True), 400, "seed"),
     (CHAT, _c(max_tokens=0), 400, "max_tokens"),
     (CHAT, _c(max_tokens="ten"), 400, "max_tokens"),
