@@ -411,13 +411,23 @@ class Batch:
     chunks fall where a single request's do) of the oldest waiting request, then runs one decode step
     for every running request (Engine.decode_batch): a long prompt joining costs the running streams
     one chunk's time a step, never the whole prompt's. Tokens follow the single-request loop's rules
-    (Engine._loop): the same token choice, the same eos, length and max-context stops."""
+    (Engine._loop): the same token choice, the same eos, length and max-context stops.
 
-    def __init__(self, engine: "Engine", eos: set[int], slots: int | None = None, prefix_cache: bool = False):
+    With `interleave` (on by default on a GPU) more decode steps run inside a prefill chunk: after any
+    layer of the chunk where the step in flight has finished, its tokens are read and the next step
+    launched. A short prompt's prefill is bound by the host issuing its kernels, not by the GPU; the
+    decode steps fill the GPU meanwhile instead of waiting for the chunk to end."""
+
+    def __init__(self, engine: "Engine", eos: set[int], slots: int | None = None, prefix_cache: bool = False,
+                 interleave: bool | None = None):
         """`slots`: the most requests running at once, when the engine pools their state (Engine.slot_pool);
         a request waits for a free slot before its prefill. `prefix_cache`: requests start from the
-        state of a cached prompt prefix they share (PrefixCache)."""
+        state of a cached prompt prefix they share (PrefixCache). `interleave`: decode steps inside
+        prefill chunks (default: on a CUDA device)."""
         self.engine, self.eos = engine, eos
+        self.cuda = torch.device(engine.device).type == "cuda"
+        self.interleave = self.cuda if interleave is None else interleave
+        self._in_step = False                  # a decode step is being launched (the layer hook stays out)
         self.prefixes = PrefixCache() if prefix_cache else None
         self.pool = engine.slot_pool(slots) if slots else None
         self.slots, self.lent = slots, 0
@@ -484,7 +494,12 @@ class Batch:
         end = min(r.pos + eng.prefill_chunk, len(r.ids))
         if r.pos < r.keep_at < end:
             end = r.keep_at         # the chunk ends where the prefix cache keeps the state
-        logits = eng.prefill(r.ids[r.pos:end], r.state, offset=r.pos)
+        model = eng.model
+        model.between_layers = self._between_layers if self.interleave else None
+        try:
+            logits = eng.prefill(r.ids[r.pos:end], r.state, offset=r.pos)
+        finally:
+            model.between_layers = None
         r.pos = end
         if end == r.keep_at:
             self.prefixes.keep(r.ids[:end], r.state)
@@ -524,19 +539,53 @@ class Batch:
             self.lent -= 1
         r.state = None
 
+    def _between_layers(self) -> None:
+        """A prefill chunk's layer hook: when the decode step in flight has finished on the GPU, its
+        tokens are read and the next step launched (queued behind the layers issued so far)."""
+        if self._in_step or self.pending is None:
+            return
+        done = self.pending[3]
+        if done is not None and not done.query():
+            return
+        self._in_step = True
+        try:
+            self._resolve()
+            self.running = [r for r in self.running if not r.done]
+            if self.running:
+                self._launch(self.running)
+        finally:
+            self._in_step = False
+
     def _launch(self, live: list[BatchRequest]) -> None:
-        logits = self.engine.decode_batch([r.token for r in live], [r.pos for r in live], [r.state for r in live])
-        self.pending = (list(live), logits)
+        """The decode step launched; on a GPU the greedy rows' argmax too, copied to the host behind
+        it, and an event marking its end (read without waiting for work queued after it)."""
+        self._in_step = True
+        try:
+            logits = self.engine.decode_batch([r.token for r in live], [r.pos for r in live],
+                                              [r.state for r in live])
+        finally:
+            self._in_step = False
+        greedy = done = None
+        if self.cuda:
+            if any(r.sampler is None for r in live):
+                greedy = torch.empty(len(live), dtype=torch.long, pin_memory=True)
+                greedy.copy_(logits.argmax(-1), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self.pending = (list(live), logits, greedy, done)
 
     def _resolve(self) -> None:
         """Each row's token from the step in flight (its logits are valid until the next step); a
         request cancelled since its launch is skipped."""
         if self.pending is None:
             return
-        live, logits = self.pending
+        live, logits, greedy, done = self.pending
         self.pending = None
-        # the greedy rows' choices in one launch and one read
-        greedy = logits.argmax(-1).tolist() if any(r.sampler is None for r in live) else None
+        if done is not None:
+            done.synchronize()
+            greedy = None if greedy is None else greedy.tolist()
+        elif any(r.sampler is None for r in live):
+            greedy = logits.argmax(-1).tolist()     # the greedy rows' choices in one launch and one read
         for j, (r, row) in enumerate(zip(live, logits)):
             if r.done:
                 continue

@@ -120,6 +120,32 @@ def test_a_long_prompt_joins_in_chunks_while_the_running_streams_go_on():
     assert [list(a.out), list(b.out)] == want
 
 
+@pytest.mark.parametrize("spec", ["synth:tiny-qwen3.5", "synth:tiny-gemma4"])
+def test_decode_steps_interleaved_in_a_prefill_give_each_request_its_tokens_alone(spec):
+    """With `interleave`, decode steps run between the layers of a prompt's prefill chunk (on the CPU
+    the step in flight is always finished: one after every layer): the running streams advance
+    several tokens a step, and every request still gets its tokens alone, greedy and seeded."""
+    from kiln.engine import Batch
+    llm = kiln.load(spec, device="cpu")
+    llm.engine.prefill_chunk = 8
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(10, 50))]
+    params = [SamplingParams(max_new_tokens=20), SamplingParams(max_new_tokens=20, temperature=0.8, seed=7),
+              SamplingParams(max_new_tokens=12)]
+    want = [llm.generate(p, **vars(q)).token_ids for p, q in zip(prompts, params)]
+    batch = Batch(llm.engine, set(llm.eos_ids), interleave=True)
+    a, b = batch.add(prompts[0], params[0]), batch.add(prompts[1], params[1])
+    batch.step()
+    batch.step()                                   # both prefilled: a decoding, b's first token
+    c = batch.add(prompts[2], params[2])
+    before = len(a.out)
+    batch.step()                                   # c's first chunk: a decode step after each layer
+    assert len(a.out) - before >= 2 and len(b.out) >= 2
+    while not all(r.done for r in (a, b, c)):
+        batch.step()
+    assert [list(r.out) for r in (a, b, c)] == want
+    assert llm.model.between_layers is None
+
+
 @pytest.mark.parametrize("spec", ["synth:tiny-qwen3.5", "synth:tiny-llama"])
 def test_a_prefix_cached_in_the_batch_gives_each_request_its_tokens_alone(spec):
     """A batch with a prefix cache: requests sharing 64+ prompt tokens start from the kept state (the

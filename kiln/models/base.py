@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -240,9 +240,16 @@ class Model:
     # name within a layer -> the checkpoint names it packs, in row order. A layer lacking a part keeps
     # its weights apart.
     packed: dict[str, tuple[str, ...]] = {}
+    # Called after each layer of a forward when set: kiln.engine.Batch launches a decode step of its
+    # running requests there while the host is still issuing a prompt's prefill.
+    between_layers: Callable[[], None] | None = None
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], ops):
         self.cfg, self.w, self.ops = cfg, weights, ops
+
+    def layer_done(self) -> None:
+        if self.between_layers is not None:
+            self.between_layers()
 
     @classmethod
     def weight_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:

@@ -126,6 +126,7 @@ class Gemma3(Model):
             h = ops.rmsnorm(x, w[p + "pre_feedforward_layernorm.weight"], eps, style)
             h = ops.gated_mlp(h, w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"], c.hidden_activation)
             x = x + ops.rmsnorm(h, w[p + "post_feedforward_layernorm.weight"], eps, style)
+            self.layer_done()
         if last_only:
             x = x[-last_only:]
         x = ops.rmsnorm(x, w["model.norm.weight"], eps, style)

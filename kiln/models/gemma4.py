@@ -332,6 +332,7 @@ class Gemma4(Model):
                 x, positions, ple = x[-1:], positions[-1:], None if ple is None else ple[-1:]
                 ropes = {t: (cos[-1:], sin[-1:]) for t, (cos, sin) in ropes.items()}
             x = self.layer(i, x, positions, state[i], ropes[c.layer_types[i]], None if ple is None else ple[:, i])
+            self.layer_done()
         if last_only:
             x = x[-last_only:]
         x = ops.rmsnorm(x, w["model.norm.weight"], c.rms_norm_eps, style)

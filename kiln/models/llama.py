@@ -107,6 +107,7 @@ class Llama(Model):
             m = ops.gated_mlp(h, w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"], c.hidden_act)
             if i + 1 < n:
                 x, h = ops.add_rmsnorm(x, m, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, style)
+            self.layer_done()
         if last_only:
             x, m = x[-last_only:], m[-last_only:]  # the LM head only for the rows whose logits are needed
         return ops.logits(ops.add_rmsnorm(x, m, w["model.norm.weight"], eps, style)[1], self.lm_head)

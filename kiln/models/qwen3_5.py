@@ -254,6 +254,7 @@ class Qwen35(Model):
             x, m = self.norm_mlp(i, x, a)
             if i + 1 < len(c.layer_types):
                 x, proj = self.norm_next(i + 1, x, m)
+            self.layer_done()
         if last_only:
             x, m = x[-last_only:], m[-last_only:]
         return ops.logits(ops.add_rmsnorm(x, m, w["model.norm.weight"], eps, self.norm_style)[1], self.lm_head)
