@@ -8,6 +8,7 @@ its state.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import OrderedDict, deque
@@ -16,7 +17,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .backends.graphs import BatchGraphs, DecodeGraph, graphable
+from .backends.graphs import BatchGraphs, DecodeGraph, graphable, upload
 from .cache import SlotPool, StateBatch, restore, snapshot
 from .errors import KilnError
 from .sampling import Sampler, SamplingParams
@@ -160,7 +161,7 @@ class Engine:
         holds the first `offset` tokens); logits of the last position."""
         logits = None
         for start in range(0, len(ids), self.prefill_chunk):
-            chunk = torch.tensor(ids[start:start + self.prefill_chunk], device=self.device)
+            chunk = upload(ids[start:start + self.prefill_chunk], self.device)
             pos = torch.arange(offset + start, offset + start + len(chunk), device=self.device)
             logits = self.model.forward(chunk, pos, state)
         return logits[-1]
@@ -426,7 +427,9 @@ class Batch:
         prefill chunks (default: on a CUDA device)."""
         self.engine, self.eos = engine, eos
         self.cuda = torch.device(engine.device).type == "cuda"
-        self.interleave = self.cuda if interleave is None else interleave
+        if interleave is None:
+            interleave = self.cuda and os.environ.get("KILN_INTERLEAVE", "1") != "0"
+        self.interleave = interleave
         self._in_step = False                  # a decode step is being launched (the layer hook stays out)
         self.prefixes = PrefixCache() if prefix_cache else None
         self.pool = engine.slot_pool(slots) if slots else None
