@@ -427,9 +427,11 @@ class Batch:
         prefill chunks (default: on a CUDA device)."""
         self.engine, self.eos = engine, eos
         self.cuda = torch.device(engine.device).type == "cuda"
-        if interleave is None:
-            interleave = self.cuda and os.environ.get("KILN_INTERLEAVE", "1") != "0"
+        if interleave is None:   # KILN_INTERLEAVE=1 or 0 overrides the default
+            interleave = {"1": True, "0": False}.get(os.environ.get("KILN_INTERLEAVE", ""), self.cuda)
         self.interleave = interleave
+        # called after the tokens of a step run inside a prefill are read: a server streams them then
+        self.on_tokens: Callable[[], None] | None = None
         self._in_step = False                  # a decode step is being launched (the layer hook stays out)
         self.prefixes = PrefixCache() if prefix_cache else None
         self.pool = engine.slot_pool(slots) if slots else None
@@ -503,6 +505,8 @@ class Batch:
             logits = eng.prefill(r.ids[r.pos:end], r.state, offset=r.pos)
         finally:
             model.between_layers = None
+        if r.done:
+            return                  # cancelled during its prefill (a server drains between layers)
         r.pos = end
         if end == r.keep_at:
             self.prefixes.keep(r.ids[:end], r.state)
@@ -556,6 +560,8 @@ class Batch:
             self.running = [r for r in self.running if not r.done]
             if self.running:
                 self._launch(self.running)
+            if self.on_tokens is not None:
+                self.on_tokens()
         finally:
             self._in_step = False
 

@@ -136,14 +136,41 @@ def test_decode_steps_interleaved_in_a_prefill_give_each_request_its_tokens_alon
     a, b = batch.add(prompts[0], params[0]), batch.add(prompts[1], params[1])
     batch.step()
     batch.step()                                   # both prefilled: a decoding, b's first token
+    seen = []
+    batch.on_tokens = lambda: seen.append(len(a.out))   # a server streams the tokens here
     c = batch.add(prompts[2], params[2])
     before = len(a.out)
     batch.step()                                   # c's first chunk: a decode step after each layer
     assert len(a.out) - before >= 2 and len(b.out) >= 2
+    assert len(seen) == len(a.out) - before - 1 and seen == sorted(seen)
     while not all(r.done for r in (a, b, c)):
         batch.step()
     assert [list(r.out) for r in (a, b, c)] == want
     assert llm.model.between_layers is None
+
+
+def test_a_request_cancelled_while_it_prefills_leaves_the_batch_whole(hybrid):
+    """A server drains tokens between a prefill's layers and may cancel there the very request that
+    is prefilling (its client left): the batch drops it, frees its slot, and the others run on."""
+    from kiln.engine import Batch
+    eng = hybrid.engine
+    chunk, eng.prefill_chunk = eng.prefill_chunk, 8
+    try:
+        prompts = [[3, 1, 4, 1, 5], list(range(10, 50)), [2, 7, 1, 8]]
+        want = [hybrid.generate(p, max_new_tokens=10).token_ids for p in (prompts[0], prompts[2])]
+        batch = Batch(eng, set(hybrid.eos_ids), slots=2, interleave=True)
+        a = batch.add(prompts[0], SamplingParams(max_new_tokens=10))
+        batch.step()
+        b, c = (batch.add(p, SamplingParams(max_new_tokens=10)) for p in prompts[1:])
+        batch.on_tokens = lambda: batch.cancel(b)
+        batch.step()                               # b's first chunk: cancelled inside it
+        batch.on_tokens = None
+        assert b.done and b.cancelled and b.state is None and list(batch.waiting) == [c]
+        while not (a.done and c.done):
+            batch.step()
+        assert [list(a.out), list(c.out)] == want and b not in batch.running
+    finally:
+        eng.prefill_chunk = chunk
 
 
 @pytest.mark.parametrize("spec", ["synth:tiny-qwen3.5", "synth:tiny-llama"])

@@ -151,6 +151,12 @@ class Worker:
         decodes every running prompt at once (kiln.engine.Batch)."""
         batch = Batch(self.llm.engine, set(self.llm.eos_ids), slots=self.max_batch, prefix_cache=True)
         slots: list[_Slot] = []
+
+        def drain() -> None:        # the slots' new tokens out; the finished ones leave the list
+            slots[:] = [slot for slot in slots if self._drain(batch, slot)]
+            self.running = bool(slots)
+            self.stats.running = len(slots)
+        batch.on_tokens = drain     # also between the layers of a prefill, where decode steps run too
         while self._admit(batch, slots):
             self.running = bool(slots)
             self.stats.running = len(slots)
@@ -166,12 +172,10 @@ class Worker:
                     job.emit("error", e)
                 for _ in slots:
                     self.stats.done("error")
-                slots = []
+                slots.clear()
                 continue
             self.stats.state_bytes = sum(state_bytes(slot.request.state) for slot in slots)
-            slots = [slot for slot in slots if self._drain(batch, slot)]
-            self.running = bool(slots)
-            self.stats.running = len(slots)
+            drain()
         for slot in slots:          # shutting down
             slot.job.cancelled.set()
 

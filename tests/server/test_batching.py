@@ -193,13 +193,16 @@ def _kept_alone(llm, prompt: str, n: int) -> str:
     return Generation(llm, ids, params, stream=r.stream).complete().text
 
 
-def test_sixteen_concurrent_streams_on_a_tiny_hybrid_model_equal_sixteen_sequential_runs():
+@pytest.mark.parametrize("interleave", ["", "1"])
+def test_sixteen_concurrent_streams_on_a_tiny_hybrid_model_equal_sixteen_sequential_runs(interleave):
+    """Also with decode steps run (and their tokens streamed) between the layers of each prefill, as
+    on a GPU (KILN_INTERLEAVE=1)."""
     from .support import request
     spec = "synth:tiny-qwen3.5"
     llm = kiln.load(spec, device="cpu")
     prompts = [[(7 * i + j) % 500 + 1 for j in range(3 + i)] for i in range(16)]
     want = [llm.generate(p, max_new_tokens=8).token_ids for p in prompts]
-    srv = Server(spec, "--quiet", "--device", "cpu", "--max-batch", "16")
+    srv = Server(spec, "--quiet", "--device", "cpu", "--max-batch", "16", env={"KILN_INTERLEAVE": interleave})
     try:
         srv.wait()
         model = request(srv.port, "GET", "/v1/models")[1]["data"][0]["id"]
