@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..errors import KilnError
-from . import gate, timing
+from . import gate, shipped, timing
 from .cache import DTYPE_NAMES, TuneCache, make_key
 from .device import device_info
 from .gate import fault_error
@@ -73,12 +73,14 @@ class Report:
     tune_s: float = 0.0
     hit: bool = False
     path: Path | None = None
+    shipped: int = 0            # choices taken from kiln's shipped ones (gated, not timed)
     rows: list = field(default_factory=list)   # (label, variant name, ms or None, how)
 
     def summary(self) -> str:
         state = "hit" if self.hit else "miss"
+        ship = f"; {self.shipped} shipped choices gated, not timed" if self.shipped else ""
         return (f"[kiln] {self.compiled} kernels compiled in {self.compile_s:.1f} s, tuned in {self.tune_s:.1f} s "
-                f"(cache {state}: {self.path})")
+                f"(cache {state}: {self.path}{ship})")
 
 
 def fmt_ms(ms: float) -> str:
@@ -119,11 +121,14 @@ class Tuner:
                      f"versions and kernels")
         pinned = {w: self.pinned(w) for w in workloads if w.op.name in self.pins}
         cached = {w: v for w in workloads if w not in pinned and (v := self.cached(w, entries)) is not None}
-        todo = [w for w in workloads if w not in pinned and w not in cached]
-        report.hit = not todo
+        left = {w.label for w in workloads if w not in pinned and w not in cached}
+        ships = {} if self.retune else shipped.lookup(key, left)
+        ship = {w: v for w in workloads if w.label in left and (v := self.cached(w, ships)) is not None}
+        todo = [w for w in workloads if w.label in left and w not in ship]
+        report.hit, report.shipped = not todo and not ship, len(ship)
 
         t0 = time.perf_counter()
-        measure_jobs, load_jobs = self.compile_jobs(todo, cached, pinned)
+        measure_jobs, load_jobs = self.compile_jobs(todo, cached, pinned, ship)
         failed = self.compile_all(measure_jobs, parallel=True)
         failed.update(self.compile_all({k: j for k, j in load_jobs.items() if k not in measure_jobs}, parallel=False))
         report.compiled, report.compile_s = len(measure_jobs.keys() | load_jobs.keys()), time.perf_counter() - t0
@@ -133,6 +138,18 @@ class Tuner:
         for w, v in cached.items():
             plan.set(w, v, entries[w.label].get("ms"))
             how[w] = "cached"
+        retry = []
+        for w, v in ship.items():     # a shipped choice is gated, not timed; a wrong one is measured
+            if failed.get((w.op.name, w.shape.key, v.name)) is None and self.gated(w, v, plan):
+                ms = ships[w.label].get("ms")
+                plan.set(w, v, ms)
+                entries[w.label], how[w] = {"variant": v.name, "ms": ms, "shipped": True}, "shipped"
+            else:
+                retry.append(w)
+        if retry:
+            jobs = self.compile_jobs(retry, {}, {}, {})[0]
+            failed.update(self.compile_all({k: j for k, j in jobs.items() if k not in measure_jobs}, parallel=True))
+            todo = [w for w in workloads if w in set(todo) | set(retry)]
         for w in todo:
             spent = time.perf_counter() - t0 + report.compile_s
             entry = self.measure(w, plan, failed, over_budget=spent > self.budget_s)
@@ -144,7 +161,7 @@ class Tuner:
             how[w] = "pinned"
         report.rows = [(w.label, plan.choices[w.label].name, plan.times.get(w.label), how[w]) for w in workloads]
         report.tune_s = time.perf_counter() - t0
-        if todo or borrowed:
+        if todo or borrowed or ship:
             report.path = self.cache.save(key, {k: e for k, e in entries.items() if k in {w.label for w in workloads}})
         self.log(report.summary())
         return plan, report
@@ -170,9 +187,11 @@ class Tuner:
         return list(dict.fromkeys([trusted] + candidates(w.op, w.shape, self.dev)))
 
     # -- compiling -----------------------------------------------------------------------------------
-    def compile_jobs(self, todo, cached, pinned) -> tuple[dict, dict]:
+    def compile_jobs(self, todo, cached, pinned, ship) -> tuple[dict, dict]:
         """Unique (op, compile-time shape, variant) -> (op, shape, variant), rows left out: the
-        candidates of what is measured, and the choices that are only loaded (cached, pinned)."""
+        candidates of what is measured and the shipped choices with their trusted variants (compiled
+        in workers: on a cold start nothing of theirs is in Triton's cache), and the choices that
+        are only loaded (cached, pinned)."""
         def unique(pairs):
             jobs = {}
             for w, v in pairs:
@@ -180,7 +199,9 @@ class Tuner:
             return jobs
         load = [(w, v) for w, v in cached.items()] + [(w, v) for w, v in pinned.items()]
         load += [(w, w.op.trusted(w.shape, self.dev)) for w in pinned]
-        return unique((w, v) for w in todo for v in self.candidates(w)), unique(load)
+        measure = [(w, v) for w in todo for v in self.candidates(w)]
+        measure += [(w, x) for w, v in ship.items() for x in (v, w.op.trusted(w.shape, self.dev))]
+        return unique(measure), unique(load)
 
     def compile_all(self, jobs: dict, parallel: bool) -> dict[tuple, str]:
         """Compile every job; returns the ones that failed, with why. To measure on a GPU, worker
@@ -288,6 +309,13 @@ class Tuner:
 
     def use_pinned(self, w: Workload, v: Variant, plan: Plan) -> None:
         """A pinned variant is not measured, but it is still gated: a wrong one is never run."""
+        if not self.gated(w, v, plan):
+            v = w.op.trusted(w.shape, self.dev)
+        self.log(f"[autotune] {w.label}: pinned -> {v.name}")
+        plan.set(w, v)
+
+    def gated(self, w: Workload, v: Variant, plan: Plan) -> bool:
+        """Whether v passes the correctness gate against the trusted variant (logged when not)."""
         gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(w.label.encode()))
         trusted = w.op.trusted(w.shape, self.dev)
         cases = gate.trusted_cases(w.op, w.shape, trusted, self.dtype, self.device, gen, plan)
@@ -296,9 +324,7 @@ class Tuner:
             self.log(f"[autotune] {w.label}: wrong against trusted, never picked: {v.name} "
                      f"(max err {verdict.err:.1e} of {verdict.scale:.1e})" if not verdict.reason else
                      f"[autotune] {w.label}: cannot run, never picked: {v.name} ({verdict.reason})")
-            v = trusted
-        self.log(f"[autotune] {w.label}: pinned -> {v.name}")
-        plan.set(w, v)
+        return verdict.ok
 
 
 def compile_job(op: Op, shape, variant_name: str, dtype: str, device: str) -> str | None:

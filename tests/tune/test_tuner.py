@@ -430,3 +430,89 @@ def test_compiled_kernels_default_to_the_kiln_cache_dir(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "mine")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(tmp_path / "mine")
+
+
+# -- shipped choices (kiln/tune/shipped) ------------------------------------------------------------
+
+def _ship(tmp_path, monkeypatch, variant_name: str | None = None, work=WORK):
+    """A shipped file for this device made from a real tune (tools/ship_tune.py's merge), its
+    choice replaced by `variant_name` when given; kiln's shipped folder pointed at it."""
+    from kiln.tune import shipped
+    _, report, _ = tune(tmp_path / "measured", [work])
+    data = json.loads(report.path.read_text())
+    made = shipped.merge([data], tune_cache.sources_hash([work.op]))
+    if variant_name is not None:
+        made["entries"][work.label]["variant"] = variant_name
+    monkeypatch.setattr(shipped, "ROOT", tmp_path / "shipped")
+    target = shipped.path(made["key"])
+    target.parent.mkdir(parents=True)
+    target.write_text(json.dumps(made))
+    return made["entries"][work.label]["variant"]
+
+
+def test_a_shipped_choice_is_gated_not_timed_and_kept_in_the_users_cache(tmp_path, monkeypatch):
+    chosen = _ship(tmp_path, monkeypatch)
+    gated = []
+    check = gate.check
+    monkeypatch.setattr(gate, "check", lambda op, v, *a, **k: gated.append(v.name) or check(op, v, *a, **k))
+
+    def boom(*a, **k):
+        raise AssertionError("a shipped choice must not be timed")
+    monkeypatch.setattr(timing, "time_ms", boom)
+    plan, report, lines = tune(tmp_path / "cold")
+    assert plan.choices[WORK.label].name == chosen and gated == [chosen]
+    assert report.shipped == 1 and not report.hit and report.rows[0][3] == "shipped"
+    assert SUMMARY.match(lines[-1]) and "1 shipped choices gated, not timed" in lines[-1]
+    saved = json.loads(report.path.read_text())["entries"][WORK.label]
+    assert saved["variant"] == chosen and saved["shipped"] is True
+    gated.clear()
+    _, again, _ = tune(tmp_path / "cold")              # the next load: a plain cache hit
+    assert again.hit and again.shipped == 0 and gated == []
+
+
+def test_a_wrong_shipped_choice_is_never_run_and_the_shape_is_measured(tmp_path, monkeypatch):
+    with extra_variant("gemm", WRONG):
+        _ship(tmp_path, monkeypatch, WRONG.name)
+        measured = _measured(monkeypatch)
+        plan, report, lines = tune(tmp_path / "cold")
+    assert any(f"never picked: {WRONG.name}" in line for line in lines)
+    assert measured == [WORK.label] and plan.choices[WORK.label] != WRONG
+    assert report.rows[0][3] == "measured" and report.shipped == 1
+
+
+def test_shipped_choices_of_another_triton_or_changed_kernels_or_retune_are_not_used(tmp_path, monkeypatch):
+    src = tmp_path / "kernel.py"
+    src.write_text("# version 1\n")
+    op = EditableGemm()
+    op.sources = (str(src),)
+    work = Workload(op, SHAPE)
+    _ship(tmp_path, monkeypatch, work=work)
+    _, report, _ = tune(tmp_path / "a", [work])
+    assert report.shipped == 1
+    _, report, _ = tune(tmp_path / "b", [work], retune=True)         # --retune measures everything
+    assert report.shipped == 0 and report.rows[0][3] == "measured"
+    env = tune_cache.environment
+    monkeypatch.setattr(tune_cache, "environment", lambda dev: {**env(dev), "triton": "0.0.0-test"})
+    _, report, _ = tune(tmp_path / "c", [work])
+    assert report.shipped == 0 and report.rows[0][3] == "measured"
+    monkeypatch.setattr(tune_cache, "environment", lambda dev: {**env(dev), "driver": "0.0-test", "torch": "0.0-test"})
+    _, report, _ = tune(tmp_path / "d", [work])                      # versions that move timings only
+    assert report.shipped == 1
+    src.write_text("# version 2\n")
+    _, report, _ = tune(tmp_path / "e", [work])
+    assert report.shipped == 0 and report.rows[0][3] == "measured"
+
+
+def test_merging_tune_caches_keeps_only_choices_of_todays_kernels():
+    from kiln.tune import shipped
+    key = {"format": tune_cache.FORMAT, "gpu": "G", "sms": 2, "capability": "9.0", "driver": "1", "cuda": "13",
+           "torch": "2", "triton": "3", "dtype": "bf16", "model": "m1", "sources": {"gemm": "a", "rmsnorm": "old"}}
+    one = {"key": key, "entries": {"gemm 1x8x8": {"variant": "v1", "ms": 0.1, "measured": {"v1": 0.1}},
+                                   "rmsnorm 1x8": {"variant": "n1", "ms": 0.2}}}
+    two = {"key": {**key, "model": "m2", "torch": "2.1"}, "entries": {"gemm 1x8x8": {"variant": "v2", "ms": 0.09}}}
+    made = shipped.merge([one, two], {"gemm": "a", "rmsnorm": "new"})
+    assert made["entries"] == {"gemm 1x8x8": {"variant": "v2", "ms": 0.09}}
+    assert made["key"] == {"format": tune_cache.FORMAT, "gpu": "G", "sms": 2, "capability": "9.0", "triton": "3",
+                           "dtype": "bf16", "sources": {"gemm": "a"}}
+    with pytest.raises(ValueError, match="another GPU"):
+        shipped.merge([one, {**two, "key": {**two["key"], "gpu": "H"}}], {"gemm": "a"})
