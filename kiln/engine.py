@@ -551,7 +551,7 @@ class Batch:
         tokens are read and the next step launched (queued behind the layers issued so far)."""
         if self._in_step or self.pending is None:
             return
-        done = self.pending[3]
+        done = self.pending[2]
         if done is not None and not done.query():
             return
         self._in_step = True
@@ -566,42 +566,40 @@ class Batch:
             self._in_step = False
 
     def _launch(self, live: list[BatchRequest]) -> None:
-        """The decode step launched; on a GPU the greedy rows' argmax too, copied to the host behind
-        it, and an event marking its end (read without waiting for work queued after it)."""
+        """The decode step launched, each row's token chosen on the device behind it (the greedy
+        rows' argmax in one launch, a sampled row by its own sampler and history), and on a GPU the
+        tokens copied to pinned memory and an event marking the end: read without waiting for work
+        queued after it, such as a prefill's layers."""
         self._in_step = True
         try:
             logits = self.engine.decode_batch([r.token for r in live], [r.pos for r in live],
                                               [r.state for r in live])
         finally:
             self._in_step = False
-        greedy = done = None
+        chosen = logits.argmax(-1)
+        for j, r in enumerate(live):
+            if r.sampler is not None:
+                r.history = torch.cat([r.history, upload([r.token], r.history.device)])
+                chosen[j:j + 1] = r.sampler.draw(logits[j], r.history)
+        done = None
         if self.cuda:
-            if any(r.sampler is None for r in live):
-                greedy = torch.empty(len(live), dtype=torch.long, pin_memory=True)
-                greedy.copy_(logits.argmax(-1), non_blocking=True)
+            chosen = torch.empty(len(live), dtype=torch.long, pin_memory=True).copy_(chosen, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        self.pending = (list(live), logits, greedy, done)
+        self.pending = (list(live), chosen, done)
 
     def _resolve(self) -> None:
-        """Each row's token from the step in flight (its logits are valid until the next step); a
-        request cancelled since its launch is skipped."""
+        """Each row's token from the step in flight; a request cancelled since its launch is skipped."""
         if self.pending is None:
             return
-        live, logits, greedy, done = self.pending
+        live, chosen, done = self.pending
         self.pending = None
         if done is not None:
             done.synchronize()
-            greedy = None if greedy is None else greedy.tolist()
-        elif any(r.sampler is None for r in live):
-            greedy = logits.argmax(-1).tolist()     # the greedy rows' choices in one launch and one read
-        for j, (r, row) in enumerate(zip(live, logits)):
-            if r.done:
-                continue
-            r.pos += 1
-            if r.history is not None:
-                r.history = torch.cat([r.history, r.history.new_tensor([r.token])])
-            self._emit(r, greedy[j] if r.sampler is None else self._choose(r, row))
+        for r, token in zip(live, chosen.tolist()):
+            if not r.done:
+                r.pos += 1
+                self._emit(r, token)
 
     def _choose(self, r: BatchRequest, logits: torch.Tensor) -> int:
         return int(torch.argmax(logits)) if r.sampler is None else r.sampler(logits, r.history)

@@ -200,11 +200,16 @@ class Sampler:
         return x
 
     def __call__(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> int:
+        return int(self.draw(logits, history).item())
+
+    def draw(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
+        """The chosen token as a one-element tensor on the device, without waiting for it (a batch
+        queues its rows' draws behind the decode step and reads them all at once)."""
         scores = self.process(logits, history)
         if self.params.greedy:
-            return int(torch.argmax(scores).item())
+            return torch.argmax(scores).reshape(1)
         probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+        return torch.multinomial(probs, 1, generator=self.generator)
 
 
 # --------------------------------------------------------------------------------------------
