@@ -15,8 +15,8 @@ import torch
 
 from . import hub
 from .backends import get_ops
-from .cache import KVCache, RingKVCache
-from .engine import Engine, TokenStream
+from .cache import KVCache, RingKVCache, SlotPool
+from .engine import POOL_CONTEXT, Engine, TokenStream
 from .errors import KilnError
 from .models import build_model, model_config
 from .models.base import eos_ids
@@ -291,12 +291,13 @@ def expert_plan(slots: int | None, policy: str | None, home: str, host_memory: f
 # -- the device memory budget (docs/streaming.md): sized before any weight reaches the device ----------
 
 def memory_plan(ckpt, ops, dtype, limit: int, gpu_memory: float | None, slots: int | None = None,
-                policy: str | None = None, free: int | None = None) -> MemoryPlan | None:
+                policy: str | None = None, free: int | None = None, batch: int = 1) -> MemoryPlan | None:
     """The plan a budget asks for: `gpu_memory` GB, or (automatic streaming) `free` device bytes when
     a resident load (weights, cache, workspace) does not fit in auto_budget(free) and the model has
     routed experts; None: load as asked. MemoryPlan.slots
     is the expert slots a layer that fit (None: every expert resident); KilnError when the core,
-    cache and workspace do not fit, or not the `slots` asked for."""
+    cache and workspace do not fit, or not the `slots` asked for. With `gpu_memory` and `batch` > 1
+    (--max-batch) the budget holds the batch state pool too (batch_pool)."""
     if gpu_memory is None and free is None:
         return None
     if gpu_memory is not None and gpu_memory <= 0:
@@ -323,7 +324,37 @@ def memory_plan(ckpt, ops, dtype, limit: int, gpu_memory: float | None, slots: i
     _expert_sizes(plan, view.shapes, held, stacks)
     if auto and plan.need + plan.experts <= plan.budget:
         return None         # a resident load fits: automatic streaming stays off
+    if not auto:
+        batch_pool(plan, cls, cfg, ops, dtype, limit, batch, slots)
     return fit(plan, slots)
+
+
+def batch_pool(plan: MemoryPlan, cls, cfg, ops, dtype, limit: int, batch: int, slots: int | None) -> None:
+    """The batch state pool inside an explicit budget (--max-batch > 1 on a backend that pools batched
+    requests' state): slots of the max context (up to POOL_CONTEXT), as many as --max-batch asks or
+    as fit after the core, cache and workspace and the experts (all of them where they fit beside the
+    whole pool, else their slots: `slots`, or one a layer). The slots that fit are the concurrent
+    requests the budget allows; not one is a one-line KilnError."""
+    if batch <= 1 or not getattr(ops, "pooled", False) or plan.budget < plan.need:
+        return                      # (a budget below the core: fit's error says so)
+    stand_in = cls.__new__(cls)     # make_state reads the config and the backend, no weight
+    stand_in.cfg, stand_in.ops = cfg, ops
+    template = stand_in.make_state(dtype, "cpu")
+    if not SlotPool.poolable(template):
+        return
+    context = min(limit, POOL_CONTEXT)
+    one = SlotPool.bytes_per_slot(template, context)
+    room = plan.budget - plan.need
+    if plan.count:
+        whole = plan.experts + (batch + 1) * one <= room
+        room -= plan.experts if whole else (slots or 1) * plan.per_slot
+    fits = room // one - 1          # one slot is the spare a captured batch step pads with
+    if fits < 1:
+        raise KilnError(f"--gpu-memory {plan.budget / GB:.2f} GB leaves {max(room, 0) / GB:.2f} GB after the core, "
+                        f"cache, workspace{' and expert slots' if plan.count else ''}: not two batch slots of "
+                        f"{context} tokens ({2 * one / GB:.2f} GB) for --max-batch {batch} (a lower "
+                        f"--max-context shrinks them)")
+    plan.batch, plan.batch_slot, plan.batch_context = min(batch, fits), one, context
 
 
 def _numel(shape) -> int:
@@ -443,7 +474,7 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
         limit = min(limit, max_context)
     flags = (expert_cache_slots, expert_policy, host_memory, expert_profile) != (None,) * 4
     free = None if flags or direct_io or expert_home != "auto" or gpu_memory is not None else free_memory(dev)
-    memory = memory_plan(ckpt, ops, dt, limit, gpu_memory, expert_cache_slots, expert_policy, free)
+    memory = memory_plan(ckpt, ops, dt, limit, gpu_memory, expert_cache_slots, expert_policy, free, max_batch)
     if memory is not None and not quiet:
         print(memory.line(), file=sys.stderr)
     if memory is not None and memory.count and memory.slots is None:
@@ -467,6 +498,8 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     engine = Engine(net, dt, dev, limit, prefill_chunk=ops.prefill_chunk,
                     graphs=ops.graphs and not enforce_eager and not streamed,
                     quiet=quiet)
+    if memory is not None and memory.batch:
+        engine.pool_limit = (memory.batch, memory.batch_context)    # the budget's batch slots
     stage("engine")
     llm = LLM(path, net, tokenizer, engine, eos, time.perf_counter() - t0)
     llm.load_stages, llm.memory = stages, memory

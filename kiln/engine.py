@@ -78,6 +78,7 @@ class Engine:
         self._state: GraphState | None = None
         self._owner: _Request | None = None
         self._pool: SlotPool | None = None
+        self.pool_limit: tuple[int, int] | None = None    # (slots, context) a --gpu-memory budget planned
         self._batch_graphs: BatchGraphs | None = None      # the pool's batched steps as graphs
         self.batch_graphs_on = graphs and self.device.type == "cuda"
         if graphs and self.device.type == "cuda":   # dropped at the first state if it is not graphable
@@ -108,6 +109,9 @@ class Engine:
         layer's state cannot be pooled (ring caches). Made at the first batch that asks."""
         if not getattr(self.model.ops, "pooled", False):
             return None
+        asked = slots
+        if self.pool_limit is not None:         # a --gpu-memory budget planned the pool (kiln.api.batch_pool)
+            slots = min(slots, self.pool_limit[0])
         if self._pool is not None and self._pool.count >= slots:
             return self._pool
         template = self.model.make_state(self.dtype, self.device)
@@ -117,12 +121,16 @@ class Engine:
         self._batch_graphs = BatchGraphs(self.model, self.device, self._pool) if self.batch_graphs_on else None
         if not self.quiet:
             gb = (slots + 1) * SlotPool.bytes_per_slot(template, cap) / 1e9
-            print(f"[kiln] batch state: {slots} slots of up to {cap} tokens each ({gb:.1f} GB)", file=sys.stderr)
+            why = f": the concurrent requests --gpu-memory allows ({asked} asked)" if slots < asked else ""
+            print(f"[kiln] batch state: {slots} slots of up to {cap} tokens each ({gb:.1f} GB){why}", file=sys.stderr)
         return self._pool
 
     def _pool_capacity(self, template: list, slots: int) -> int | None:
         """KV positions a slot holds: the max context up to POOL_CONTEXT, fewer where `slots` of them
-        would pass POOL_MEMORY of the free device memory (None: not even 256 fit)."""
+        would pass POOL_MEMORY of the free device memory (None: not even 256 fit); under a --gpu-memory
+        budget the context it planned."""
+        if self.pool_limit is not None:
+            return self.pool_limit[1]
         cap = min(self.max_context, POOL_CONTEXT)
         if self.device.type == "cuda":
             fixed = SlotPool.bytes_per_slot(template, 0)

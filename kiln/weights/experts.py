@@ -596,10 +596,18 @@ class MemoryPlan:
     slots: int | None = None
     policy: str = "lfu"
     auto: bool = False              # chosen because the weights did not fit in the free memory
+    batch: int = 0                  # --max-batch: the batch state pool's slots (0: no pool planned)
+    batch_slot: int = 0             # bytes a pool slot holds (its requests' state at batch_context)
+    batch_context: int = 0
+
+    @property
+    def pool(self) -> int:
+        """The batch state pool's bytes: its slots and the spare one (kiln.cache.SlotPool)."""
+        return (self.batch + 1) * self.batch_slot if self.batch else 0
 
     @property
     def need(self) -> int:
-        return self.core + self.cache + self.workspace
+        return self.core + self.cache + self.workspace + self.pool
 
     @property
     def per_slot(self) -> int:
@@ -614,7 +622,9 @@ class MemoryPlan:
         return {"gb": round(self.budget / GB, 6), "auto": self.auto, "slots": self.slots,
                 "experts_per_layer": self.count or None, "core_bytes": self.core, "cache_bytes": self.cache,
                 "workspace_bytes": self.workspace, "expert_slot_bytes": self.slot_bytes,
-                "resident_expert_bytes": self.experts if self.slots is None else 0}
+                "resident_expert_bytes": self.experts if self.slots is None else 0,
+                "batch_slots": self.batch or None, "batch_context": self.batch_context or None,
+                "batch_bytes": self.pool}
 
     def line(self) -> str:
         """The plan on one line (stderr at load)."""
@@ -627,8 +637,10 @@ class MemoryPlan:
                        f"({_gb(self.slot_bytes)}, {self.policy})")
         head = (f"the model ({_gb(self.need + self.experts)} resident) passes the free device memory less a "
                 f"margin ({_gb(self.budget)})" if self.auto else f"--gpu-memory {_gb(self.budget)}")
+        batch = (f"; batch state {self.batch} slots of {self.batch_context} tokens ({_gb(self.pool)}): "
+                 f"{self.batch} concurrent requests" if self.batch else "")
         return (f"[kiln] {head}: {experts}; core {_gb(self.core)}, cache {_gb(self.cache)}, "
-                f"workspace {_gb(self.workspace)}")
+                f"workspace {_gb(self.workspace)}{batch}")
 
 
 def _gb(n: int) -> str:

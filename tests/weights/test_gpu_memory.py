@@ -160,3 +160,44 @@ def test_the_cli_prints_the_plan_and_the_bench_json_carries_the_budget(packed, m
     s = json.loads(out.read_text())["expert_store"]
     assert s["slots"] == 3 and s["gpu_memory"]["slots"] == 3 and s["gpu_memory"]["gb"] == round(float(gb), 6)
     assert s["gpu_memory"]["core_bytes"] == measured["core"]
+
+
+def _pool_bytes(pool) -> int:
+    """What a slot pool holds, counted from its tensors' storage (each pooled tensor once)."""
+    seen = {}
+    for layer in pool.states[0]:
+        for t in vars(layer).values():
+            if isinstance(t, torch.Tensor):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def test_a_budget_sizes_the_batch_pool_and_says_how_many_requests_it_allows(capsys):
+    """--gpu-memory with --max-batch on the cuda backend (its batched steps pool the requests' state):
+    the budget holds the pool too, as many slots of the max context as --max-batch asks or as fit,
+    and the load says how many concurrent requests that is; below two slots, a one-line error."""
+    from kiln.cache import SlotPool
+    spec, context = "synth:tiny-qwen3.5", 512
+
+    def load_with(gb, batch=64):
+        return kiln.load(spec, device="cpu", backend="cuda", dtype="f32", max_context=context, gpu_memory=gb,
+                         max_batch=batch, quiet=False)
+
+    roomy = load_with(1.0)
+    one = _pool_bytes(SlotPool(roomy.model.make_state(torch.float32, "cpu"), 1, context)) // 2   # a slot and the spare
+    plan = roomy.memory
+    assert plan.batch == 64 and plan.batch_context == context and plan.pool == 65 * one
+    rest = plan.need - plan.pool                          # the core, cache and workspace
+    tight = load_with((rest + 6 * one + one // 2) / GB)   # room for 5 slots and the spare
+    assert tight.memory.batch == 5 and "5 concurrent requests" in tight.memory.line()
+    capsys.readouterr()
+    pool = tight.engine.slot_pool(64)
+    assert pool.count == 5 and pool.capacity == context and _pool_bytes(pool) == tight.memory.pool
+    assert "batch state: 5 slots of up to 512 tokens each" in capsys.readouterr().err
+    prompts = [[3, 1, 4], [1, 5, 9, 2], [6, 5], [3, 5, 8, 9, 7], [9, 3], [2, 3, 8, 4]]
+    want = [tight.generate(p, max_new_tokens=3).token_ids for p in prompts]
+    assert [c.token_ids for c in tight.generate(prompts, max_new_tokens=3)] == want   # 6 requests, 5 slots
+    with pytest.raises(KilnError, match="not two batch slots of 512 tokens") as e:
+        load_with((rest + one + one // 2) / GB)
+    assert "\n" not in str(e.value)
+    assert load_with((rest + one + one // 2) / GB, batch=1).memory.batch == 0     # no batch: no pool planned
