@@ -27,6 +27,7 @@ from .weights.experts import GB, STACKS, WORKSPACE_FIXED, ExpertPlan, MemoryPlan
 from .weights.synth import parse_spec
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+EXPERT_SLOTS = 16     # expert slots a layer when streaming and not told (--expert-cache-slots)
 
 
 @dataclass
@@ -284,8 +285,8 @@ def expert_plan(slots: int | None, policy: str | None, home: str, host_memory: f
             counts = json.loads(Path(profile).read_text())
         except (OSError, ValueError) as e:
             raise KilnError(f"--expert-profile {profile}: not a readable JSON routing profile ({e})") from None
-    return ExpertPlan(policy or "lfu", 16 if slots is None else slots, home, host_memory, io_threads, counts, verify,
-                      direct_io)
+    return ExpertPlan(policy or "lfu", EXPERT_SLOTS if slots is None else slots, home, host_memory, io_threads,
+                      counts, verify, direct_io)
 
 
 # -- the device memory budget (docs/streaming.md): sized before any weight reaches the device ----------
@@ -345,9 +346,13 @@ def batch_pool(plan: MemoryPlan, cls, cfg, ops, dtype, limit: int, batch: int, s
     context = min(limit, POOL_CONTEXT)
     one = SlotPool.bytes_per_slot(template, context)
     room = plan.budget - plan.need
-    if plan.count:
-        whole = plan.experts + (batch + 1) * one <= room
-        room -= plan.experts if whole else (slots or 1) * plan.per_slot
+    if plan.count and plan.experts + (batch + 1) * one <= room:
+        room -= plan.experts        # every expert resident beside the whole pool
+    elif plan.count:                # streamed: their slots first (as asked, else the default's 16 a layer)
+        keep = (slots or min(EXPERT_SLOTS, plan.count)) * plan.per_slot
+        if keep > room:
+            return                  # (fit says what the experts lack)
+        room -= keep
     fits = room // one - 1          # one slot is the spare a captured batch step pads with
     if fits < 1:
         raise KilnError(f"--gpu-memory {plan.budget / GB:.2f} GB leaves {max(room, 0) / GB:.2f} GB after the core, "

@@ -221,11 +221,10 @@ class Engine:
         if (slots is not None and graphs is not None and states[0][0] is self._pool.states[slots[0]][0]
                 and (logits := graphs.step(tokens, positions, slots, states, self.quiet)) is not None):
             return logits
-        ids = torch.tensor(tokens, device=self.device)
-        pos = torch.tensor(positions, device=self.device)
+        ids, pos = upload(tokens, self.device), upload(positions, self.device)   # not waiting for the stream
         layers = [StateBatch(layer) for layer in zip(*states)]
         if slots is not None:     # one launch a layer reads every request's slot
-            slot_ids = torch.tensor(slots, dtype=torch.int32, device=self.device)
+            slot_ids = upload(slots, self.device, torch.int32)
             for layer in layers:
                 layer.slots = slot_ids
         ops = self.model.ops
@@ -444,7 +443,7 @@ class Batch:
         self.prefixes = PrefixCache() if prefix_cache else None
         self.pool = engine.slot_pool(slots) if slots else None
         self.slots, self.lent = slots, 0
-        self.pending: tuple | None = None      # the decode step in flight: (its requests, its logits)
+        self.pending: tuple | None = None      # the step in flight: (its requests, their tokens, its end event)
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
 
@@ -489,6 +488,8 @@ class Batch:
         """The tokens of the decode step in flight, then the next decode step launched for every running
         request (not waited for: the caller's work on the tokens overlaps it on the GPU), then one
         prefill chunk (a request whose prefill ends now decodes from the next step)."""
+        if self._in_step:   # e.g. on_tokens reading a stream: it would prefill the same chunk again
+            raise RuntimeError("Batch.step called from inside a step (on_tokens must only read request.out)")
         self._resolve()
         self.running = [r for r in self.running if not r.done]
         if self.running:
@@ -578,12 +579,12 @@ class Batch:
         rows' argmax in one launch, a sampled row by its own sampler and history), and on a GPU the
         tokens copied to pinned memory and an event marking the end: read without waiting for work
         queued after it, such as a prefill's layers."""
-        self._in_step = True
+        inside, self._in_step = self._in_step, True
         try:
             logits = self.engine.decode_batch([r.token for r in live], [r.pos for r in live],
                                               [r.state for r in live])
         finally:
-            self._in_step = False
+            self._in_step = inside
         chosen = logits.argmax(-1)
         for j, r in enumerate(live):
             if r.sampler is not None:

@@ -149,28 +149,29 @@ def test_decode_steps_interleaved_in_a_prefill_give_each_request_its_tokens_alon
     assert llm.model.between_layers is None
 
 
-def test_a_request_cancelled_while_it_prefills_leaves_the_batch_whole(hybrid):
+def test_a_request_cancelled_while_it_prefills_leaves_the_batch_whole():
     """A server drains tokens between a prefill's layers and may cancel there the very request that
-    is prefilling (its client left): the batch drops it, frees its slot, and the others run on."""
+    is prefilling (its client left): the batch drops it, gives its pool slot back (the cuda backend
+    pools batched state, here under the interpreter), and the others run on with their tokens."""
     from kiln.engine import Batch
-    eng = hybrid.engine
-    chunk, eng.prefill_chunk = eng.prefill_chunk, 8
-    try:
-        prompts = [[3, 1, 4, 1, 5], list(range(10, 50)), [2, 7, 1, 8]]
-        want = [hybrid.generate(p, max_new_tokens=10).token_ids for p in (prompts[0], prompts[2])]
-        batch = Batch(eng, set(hybrid.eos_ids), slots=2, interleave=True)
-        a = batch.add(prompts[0], SamplingParams(max_new_tokens=10))
+    llm = kiln.load("synth:tiny-qwen3.5", device="cpu", backend="cuda", dtype="f32")
+    eng = llm.engine
+    eng.prefill_chunk = 8
+    prompts = [[3, 1, 4, 1, 5], list(range(10, 50)), [2, 7, 1, 8]]
+    want = [llm.generate(p, max_new_tokens=n).token_ids for p, n in ((prompts[0], 12), (prompts[2], 3))]
+    batch = Batch(eng, set(llm.eos_ids), slots=2, interleave=True)
+    a = batch.add(prompts[0], SamplingParams(max_new_tokens=12))
+    batch.step()
+    b, c = (batch.add(p, SamplingParams(max_new_tokens=3)) for p in prompts[1:])
+    batch.on_tokens = lambda: batch.cancel(b)
+    batch.step()                                   # b's first chunk: cancelled inside it
+    batch.on_tokens = None
+    assert b.done and b.cancelled and b.state is None and list(batch.waiting) == [c]
+    assert batch.lent == 1 and len(batch.pool.free) == 1      # a's slot lent, b's back
+    while not (a.done and c.done):
         batch.step()
-        b, c = (batch.add(p, SamplingParams(max_new_tokens=10)) for p in prompts[1:])
-        batch.on_tokens = lambda: batch.cancel(b)
-        batch.step()                               # b's first chunk: cancelled inside it
-        batch.on_tokens = None
-        assert b.done and b.cancelled and b.state is None and list(batch.waiting) == [c]
-        while not (a.done and c.done):
-            batch.step()
-        assert [list(a.out), list(c.out)] == want and b not in batch.running
-    finally:
-        eng.prefill_chunk = chunk
+    assert [list(a.out), list(c.out)] == want and b not in batch.running
+    assert batch.lent == 0 and len(batch.pool.free) == 2
 
 
 @pytest.mark.parametrize("spec", ["synth:tiny-qwen3.5", "synth:tiny-llama"])

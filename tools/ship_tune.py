@@ -11,6 +11,7 @@ models stay; a later file wins where two measured one shape. Prints what each fi
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -34,12 +35,17 @@ def main(dirs: list[str]) -> None:
                 continue
             groups[shipped.path(data["key"])].append(data)
     for target, files in groups.items():
-        if target.exists():
-            files.insert(0, read(target))
+        if target.exists():      # kept unless made under another Triton (or format): then replaced
+            old = read(target)
+            if differ := shipped.differs(old["key"], files[-1]["key"]):
+                print(f"{target}: replacing choices made under another {', '.join(differ)}", file=sys.stderr)
+            else:
+                files.insert(0, old)
         made = shipped.merge(files, sources)
         target.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(made, indent=1, sort_keys=True).encode()
         write_atomic(target, lambda f: f.write(text))
+        os.chmod(target, 0o644)     # package data: readable by everyone (the temporary file was 0600)
         ops = sorted({label.split(" ", 1)[0] for label in made["entries"]})
         print(f"{target}: {len(made['entries'])} choices ({', '.join(ops)}) from {len(files)} files")
 

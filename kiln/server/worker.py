@@ -153,7 +153,22 @@ class Worker:
         slots: list[_Slot] = []
 
         def drain() -> None:        # the slots' new tokens out; the finished ones leave the list
-            slots[:] = [slot for slot in slots if self._drain(batch, slot)]
+            kept, failed = [], set()
+            for slot in slots:
+                if id(slot.job) in failed:
+                    continue
+                try:
+                    if self._drain(batch, slot):
+                        kept.append(slot)
+                except Exception as e:  # noqa: BLE001 - a bug in one job's text: it fails, the rest run on
+                    traceback.print_exc(file=sys.stderr)
+                    failed.add(id(slot.job))
+                    slot.job.emit("error", e)
+            for slot in slots:      # a failed job's unfinished prompts end with it
+                if id(slot.job) in failed and not slot.request.done:
+                    batch.cancel(slot.request)
+                    self.stats.done("error")
+            slots[:] = [slot for slot in kept if id(slot.job) not in failed]
             self.running = bool(slots)
             self.stats.running = len(slots)
         batch.on_tokens = drain     # also between the layers of a prefill, where decode steps run too

@@ -22,6 +22,14 @@ ROOT = Path(__file__).parent / "shipped"
 IGNORED = ("driver", "cuda", "torch", "model", "sources")
 
 
+KEY = ("format", "gpu", "sms", "capability", "triton", "dtype")     # what a shipped file's choices hold for
+
+
+def differs(a: dict, b: dict) -> list[str]:
+    """The KEY fields two keys disagree on."""
+    return [k for k in KEY if a.get(k) != b.get(k)]
+
+
 def path(key: dict, root: Path | None = None) -> Path:
     return (root or ROOT) / f"{_slug(key['gpu'])}_{key['dtype']}.json"
 
@@ -48,12 +56,11 @@ def merge(files: list[dict], sources: dict[str, str]) -> dict:
     only {variant, ms} kept."""
     if not files:
         raise ValueError("no tune cache files to ship")
-    first = files[0]["key"]
-    key = {k: first.get(k) for k in ("format", "gpu", "sms", "capability", "triton", "dtype")}
+    key = {k: files[0]["key"].get(k) for k in KEY}
     entries: dict = {}
     for data in files:
-        if key_changes(data["key"], {**data["key"], **key}, ignore=()):
-            raise ValueError(f"tune cache of another GPU or version: {data['key'].get('gpu')}")
+        if differ := differs(data["key"], key):
+            raise ValueError(f"tune caches of another {', '.join(differ)} ({data['key'].get('gpu')})")
         stale = changed_ops(data["key"].get("sources") or {}, sources)
         for label, e in without_ops(data["entries"], stale).items():
             entries[label] = {"variant": e["variant"], "ms": e.get("ms")}

@@ -125,7 +125,7 @@ class Tuner:
         ships = {} if self.retune else shipped.lookup(key, left)
         ship = {w: v for w in workloads if w.label in left and (v := self.cached(w, ships)) is not None}
         todo = [w for w in workloads if w.label in left and w not in ship]
-        report.hit, report.shipped = not todo and not ship, len(ship)
+        report.hit = not todo and not ship
 
         t0 = time.perf_counter()
         measure_jobs, load_jobs = self.compile_jobs(todo, cached, pinned, ship)
@@ -138,24 +138,24 @@ class Tuner:
         for w, v in cached.items():
             plan.set(w, v, entries[w.label].get("ms"))
             how[w] = "cached"
-        retry = []
-        for w, v in ship.items():     # a shipped choice is gated, not timed; a wrong one is measured
-            if failed.get((w.op.name, w.shape.key, v.name)) is None and self.gated(w, v, plan):
-                ms = ships[w.label].get("ms")
-                plan.set(w, v, ms)
-                entries[w.label], how[w] = {"variant": v.name, "ms": ms, "shipped": True}, "shipped"
-            else:
-                retry.append(w)
-        if retry:
-            jobs = self.compile_jobs(retry, {}, {}, {})[0]
-            failed.update(self.compile_all({k: j for k, j in jobs.items() if k not in measure_jobs}, parallel=True))
-            todo = [w for w in workloads if w in set(todo) | set(retry)]
-        for w in todo:
+        todo_set, retried = set(todo), 0
+        for w in [w for w in workloads if w in ship or w in todo_set]:   # in ORDER: composites read earlier choices
+            v = ship.get(w)
+            if v is not None:       # a shipped choice is gated, not timed; a wrong one is measured
+                if failed.get((w.op.name, w.shape.key, v.name)) is None and self.gated(w, v, plan):
+                    ms = ships[w.label].get("ms")
+                    plan.set(w, v, ms)
+                    entries[w.label], how[w] = {"variant": v.name, "ms": ms, "shipped": True}, "shipped"
+                    continue
+                retried += 1
+                jobs = self.compile_jobs([w], {}, {}, {})[0]
+                failed.update(self.compile_all({k: j for k, j in jobs.items() if k not in measure_jobs}, parallel=True))
             spent = time.perf_counter() - t0 + report.compile_s
             entry = self.measure(w, plan, failed, over_budget=spent > self.budget_s)
             if entry is not None:
                 entries[w.label] = entry
             how[w] = "measured" if entry is not None else "default"
+        report.shipped = len(ship) - retried
         for w, v in pinned.items():
             self.use_pinned(w, v, plan)
             how[w] = "pinned"

@@ -201,3 +201,24 @@ def test_a_budget_sizes_the_batch_pool_and_says_how_many_requests_it_allows(caps
         load_with((rest + one + one // 2) / GB)
     assert "\n" not in str(e.value)
     assert load_with((rest + one + one // 2) / GB, batch=1).memory.batch == 0     # no batch: no pool planned
+
+
+def test_a_budget_keeps_the_experts_before_the_batch_pool(packed):
+    """An MoE under --gpu-memory with --max-batch: every expert resident where they fit beside the
+    whole pool; else the experts keep their slots (as asked, else up to 16 a layer) and the pool
+    takes what is left; where not even the experts' slots fit, the experts' own error, not the pool's."""
+    ckpt, ops, dtype = open_checkpoint(packed), get_ops("cuda", torch.device("cpu")), torch.float32
+
+    def plan(gb, slots=None):
+        return memory_plan(ckpt, ops, dtype, CONTEXT, gb, slots, None, None, 8)
+
+    roomy = plan(10.0)
+    assert roomy.slots is None and roomy.batch == 8 and roomy.pool == 9 * roomy.batch_slot
+    one, rest, experts = roomy.batch_slot, roomy.need - roomy.pool, roomy.experts
+    assert roomy.count == 8 and experts == 8 * roomy.per_slot        # 8 experts a layer: min(16, 8) kept
+    tight = plan((rest + experts + 4 * one + one // 2) / GB)         # the whole pool does not fit beside them
+    assert tight.batch == 3 and tight.slots is None                  # the experts first, 3 slots and the spare
+    asked = plan((rest + 2 * roomy.per_slot + 6 * one + one // 2) / GB, slots=2)
+    assert asked.batch == 5 and asked.slots == 2                     # the 2 slots asked, then 5 batch slots
+    with pytest.raises(KilnError, match="less than one expert slot"):
+        plan((rest + roomy.per_slot // 2) / GB)
