@@ -414,6 +414,10 @@ class PrefixCache:
             self.items.popitem(last=False)
 
 
+class _Abandoned(Exception):
+    """The request being prefilled was cancelled from inside its own prefill: the rest is not run."""
+
+
 class Batch:
     """Requests decoded together. Each step prefills one chunk (the engine's prefill chunk, so the
     chunks fall where a single request's do) of the oldest waiting request, then runs one decode step
@@ -440,6 +444,7 @@ class Batch:
         # called after the tokens of a step run inside a prefill are read: a server streams them then
         self.on_tokens: Callable[[], None] | None = None
         self._in_step = False                  # a decode step is being launched (the layer hook stays out)
+        self._prefilling: BatchRequest | None = None     # the request whose prefill chunk is running
         self.prefixes = PrefixCache() if prefix_cache else None
         self.pool = engine.slot_pool(slots) if slots else None
         self.slots, self.lent = slots, 0
@@ -510,10 +515,13 @@ class Batch:
             end = r.keep_at         # the chunk ends where the prefix cache keeps the state
         model = eng.model
         model.between_layers = self._between_layers if self.interleave else None
+        self._prefilling = r
         try:
             logits = eng.prefill(r.ids[r.pos:end], r.state, offset=r.pos)
+        except _Abandoned:
+            logits = None
         finally:
-            model.between_layers = None
+            model.between_layers, self._prefilling = None, None
         if r.done:
             return                  # cancelled during its prefill (a server drains between layers)
         r.pos = end
@@ -573,6 +581,8 @@ class Batch:
                 self.on_tokens()
         finally:
             self._in_step = False
+        if self._prefilling is not None and self._prefilling.done:
+            raise _Abandoned        # its client left: the rest of its layers would be wasted
 
     def _launch(self, live: list[BatchRequest]) -> None:
         """The decode step launched, each row's token chosen on the device behind it (the greedy

@@ -163,9 +163,11 @@ def test_a_request_cancelled_while_it_prefills_leaves_the_batch_whole():
     a = batch.add(prompts[0], SamplingParams(max_new_tokens=12))
     batch.step()
     b, c = (batch.add(p, SamplingParams(max_new_tokens=3)) for p in prompts[1:])
-    batch.on_tokens = lambda: batch.cancel(b)
-    batch.step()                                   # b's first chunk: cancelled inside it
+    calls = []
+    batch.on_tokens = lambda: (calls.append(1), batch.cancel(b))
+    batch.step()                                   # b's first chunk: cancelled inside it, after its first layer
     batch.on_tokens = None
+    assert len(calls) == 1                         # its other layers (and their decode steps) never ran
     assert b.done and b.cancelled and b.state is None and list(batch.waiting) == [c]
     assert batch.lent == 1 and len(batch.pool.free) == 1      # a's slot lent, b's back
     while not (a.done and c.done):

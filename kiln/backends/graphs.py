@@ -217,7 +217,6 @@ class BatchGraphs:
             return None
         spare = bucket - b
         host = torch.tensor([tokens + [0] * spare, positions + [0] * spare, slots + [self.pool.count] * spare])
-        host = host.pin_memory()        # copied below without waiting for the stream (upload)
         if bucket not in self.warm:
             self.warm.add(bucket)
             self._warm(bucket)
@@ -227,6 +226,7 @@ class BatchGraphs:
                 return None
         else:
             graph, logits, ids, pos, slot_ids = self.graphs[bucket]
+            host = host.pin_memory()    # copied without waiting for the stream (upload)
             for dst, src in zip((ids, pos, slot_ids), host):
                 dst.copy_(src, non_blocking=True)
             graph.replay()
