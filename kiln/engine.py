@@ -495,10 +495,7 @@ class Batch:
         prefill chunk (a request whose prefill ends now decodes from the next step)."""
         if self._in_step:   # e.g. on_tokens reading a stream: it would prefill the same chunk again
             raise RuntimeError("Batch.step called from inside a step (on_tokens must only read request.out)")
-        self._resolve()
-        self.running = [r for r in self.running if not r.done]
-        if self.running:
-            self._launch(self.running)
+        self._advance()
         if self.waiting:
             self._prefill_chunk(self.waiting[0])
 
@@ -571,12 +568,9 @@ class Batch:
         done = self.pending[2]
         if done is not None and not done.query():
             return
-        self._in_step = True
+        self._in_step = True        # the decode forward and a bucket's capture call this hook too
         try:
-            self._resolve()
-            self.running = [r for r in self.running if not r.done]
-            if self.running:
-                self._launch(self.running)
+            self._advance()
             if self.on_tokens is not None:
                 self.on_tokens()
         finally:
@@ -584,17 +578,19 @@ class Batch:
         if self._prefilling is not None and self._prefilling.done:
             raise _Abandoned        # its client left: the rest of its layers would be wasted
 
+    def _advance(self) -> None:
+        """The step in flight's tokens read, the next step launched for the requests still running."""
+        self._resolve()
+        self.running = [r for r in self.running if not r.done]
+        if self.running:
+            self._launch(self.running)
+
     def _launch(self, live: list[BatchRequest]) -> None:
         """The decode step launched, each row's token chosen on the device behind it (the greedy
         rows' argmax in one launch, a sampled row by its own sampler and history), and on a GPU the
         tokens copied to pinned memory and an event marking the end: read without waiting for work
         queued after it, such as a prefill's layers."""
-        inside, self._in_step = self._in_step, True
-        try:
-            logits = self.engine.decode_batch([r.token for r in live], [r.pos for r in live],
-                                              [r.state for r in live])
-        finally:
-            self._in_step = inside
+        logits = self.engine.decode_batch([r.token for r in live], [r.pos for r in live], [r.state for r in live])
         chosen = logits.argmax(-1)
         for j, r in enumerate(live):
             if r.sampler is not None:
