@@ -488,8 +488,15 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
         slots = expert_cache_slots if memory is None else memory.slots
         plan = expert_plan(slots, expert_policy, expert_home, host_memory, io_threads, expert_profile, verify,
                            direct_io)
+    if hasattr(ops, "precompile"):      # a cold start compiles its kernels while the weights load
+        ops.precompile(*model_config(ckpt.config), dt, retune=retune, pins=tune, quiet=quiet, max_batch=max_batch)
     stage("budget")
-    net = build_model(ckpt, ops, dt, dev, progress=not quiet, experts=plan)
+    try:
+        net = build_model(ckpt, ops, dt, dev, progress=not quiet, experts=plan)
+    except BaseException:
+        if hasattr(ops, "drop_precompile"):
+            ops.drop_precompile()
+        raise
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)     # the weights' copies are done: their time is theirs
     stage("weights")

@@ -54,22 +54,46 @@ class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, R
             self.prefill_chunk = 512
         self.tune_s: float | None = None
         self.tune_cache: str | None = None
+        self._tuner: Tuner | None = None     # precompile's tuner, taken by prepare
+
+    def precompile(self, model_class, cfg, dtype: torch.dtype, *, retune: bool = False, pins=None,
+                   budget_s: float | None = None, quiet: bool = True, max_batch: int = 1) -> None:
+        """Before the weights load: start compiling, in worker processes, the kernels prepare() will
+        need for this config's shapes (nothing on a warm start), so a cold start compiles while the
+        weights are read. prepare() takes the same arguments and waits for them."""
+        if self.device.type != "cuda":      # no worker processes under the interpreter
+            return
+        self._tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
+        self._tuner.precompile(self.dense_workloads(model_class, cfg, max_batch))
+
+    def drop_precompile(self) -> None:
+        """The load failed before prepare(): stop precompile's workers (queued jobs cancelled)."""
+        tuner, self._tuner = self._tuner, None
+        if tuner is not None:
+            tuner.cancel()
+
+    def dense_workloads(self, model_class, cfg, max_batch: int = 1, m_values=None) -> list[Workload]:
+        """Every (op, shape) the config gives (all but the quantised weights' formats, which the
+        weights give): prefill chunks, one-row decode, and the batched decode buckets."""
+        m_values = m_values or tuple(dict.fromkeys((PREFILL_CHUNK, self.prefill_chunk, DECODE_ROWS)))
+        base = workloads(model_class, cfg, m_values, off=self.off)
+        buckets = tuple(b for b in batch_buckets(max_batch) if b not in m_values)
+        if buckets:    # and the projections that run on one row only alone (the LM head) at every bucket
+            heads = [Workload(w.op, w.op.with_rows(w.shape, b)) for w in base if w.op.name == "gemm"
+                     and w.shape.rows == 1 for b in buckets]
+            base = list(dict.fromkeys(base + workloads(model_class, cfg, buckets, ops=BATCH_OPS, off=self.off)
+                                      + heads))
+        return base
 
     def prepare(self, model, dtype: torch.dtype, *, m_values=None, retune: bool = False, pins=None,
                 budget_s: float | None = None, quiet: bool = True, max_batch: int = 1):
         """Compile and tune the kernels for `model`'s shapes (a cache hit measures nothing); with
         `max_batch` > 1 the projections also at the batched decode steps' row buckets (batch_buckets)."""
         t0 = time.perf_counter()
-        m_values = m_values or tuple(dict.fromkeys((PREFILL_CHUNK, self.prefill_chunk, DECODE_ROWS)))
-        tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
-        # The config gives every shape but the quantised weights' formats, which the weights give.
-        base = workloads(type(model), model.cfg, m_values, off=self.off)
-        buckets = tuple(b for b in batch_buckets(max_batch) if b not in m_values)
-        if buckets:    # and the projections that run on one row only alone (the LM head) at every bucket
-            heads = [Workload(w.op, w.op.with_rows(w.shape, b)) for w in base if w.op.name == "gemm"
-                     and w.shape.rows == 1 for b in buckets]
-            base = list(dict.fromkeys(base + workloads(type(model), model.cfg, buckets, ops=BATCH_OPS, off=self.off)
-                                      + heads))
+        tuner, self._tuner = getattr(self, "_tuner", None), None    # precompile's, its jobs under way
+        if tuner is None or tuner.dtype != dtype:
+            tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
+        base = self.dense_workloads(type(model), model.cfg, max_batch, m_values)
         extra = [Workload(op, s) for op, s in quant_workloads(model.w, base) if op.family not in self.off]
         if extra:
             base = dense_decode_workloads(model.w, base)

@@ -74,11 +74,13 @@ class Report:
     hit: bool = False
     path: Path | None = None
     shipped: int = 0            # choices taken from kiln's shipped ones (gated, not timed)
+    early: int = 0              # kernels compiled by precompile, while the weights loaded
     rows: list = field(default_factory=list)   # (label, variant name, ms or None, how)
 
     def summary(self) -> str:
         state = "hit" if self.hit else "miss"
         ship = f"; {self.shipped} shipped choices gated, not timed" if self.shipped else ""
+        ship += f"; {self.early} compiled while the weights loaded" if self.early else ""
         return (f"[kiln] {self.compiled} kernels compiled in {self.compile_s:.1f} s, tuned in {self.tune_s:.1f} s "
                 f"(cache {state}: {self.path}{ship})")
 
@@ -105,29 +107,20 @@ class Tuner:
         self.workers = workers
         self.log = log or ((lambda line: None) if quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
         self.cache = cache if cache is not None else TuneCache(warn=self.log)
+        self._pool, self._early = None, {}       # precompile's worker pool and its jobs
 
     # -- the whole flow ------------------------------------------------------------------------
     def tune(self, workloads: list[Workload]) -> tuple[Plan, Report]:
         workloads = sorted(dict.fromkeys(workloads), key=lambda w: ORDER.get(w.op.name, 9))
         plan, report = Plan(self.dev, self.dtype), Report()
-        key = make_key(self.dev, self.dtype, {w.op for w in workloads}, [w.label for w in workloads])
+        key, entries, borrowed, pinned, cached, ships, ship, todo = self._split(workloads)
         report.path = self.cache.path(key)
-        entries = {} if self.retune else (self.cache.load(key) or {})
-        missing = set() if self.retune else {w.label for w in workloads if w.label not in entries}
-        borrowed = self.cache.borrow(key, missing) if missing else {}
         if borrowed:
-            entries.update(borrowed)
             self.log(f"[kiln] {len(borrowed)} choices from other models' tune caches with the same GPU, "
                      f"versions and kernels")
-        pinned = {w: self.pinned(w) for w in workloads if w.op.name in self.pins}
-        cached = {w: v for w in workloads if w not in pinned and (v := self.cached(w, entries)) is not None}
-        left = {w.label for w in workloads if w not in pinned and w not in cached}
-        ships = {} if self.retune else shipped.lookup(key, left)
-        ship = {w: v for w in workloads if w.label in left and (v := self.cached(w, ships)) is not None}
-        todo = [w for w in workloads if w.label in left and w not in ship]
         report.hit = not todo and not ship
 
-        t0 = time.perf_counter()
+        t0, report.early = time.perf_counter(), len(self._early)
         measure_jobs, load_jobs = self.compile_jobs(todo, cached, pinned, ship)
         failed = self.compile_all(measure_jobs, parallel=True)
         failed.update(self.compile_all({k: j for k, j in load_jobs.items() if k not in measure_jobs}, parallel=False))
@@ -165,6 +158,78 @@ class Tuner:
             report.path = self.cache.save(key, {k: e for k, e in entries.items() if k in {w.label for w in workloads}})
         self.log(report.summary())
         return plan, report
+
+    def _split(self, workloads: list[Workload]):
+        """What tune(workloads) does with each: the cache key, the cache's entries (borrowed ones
+        added), the pinned, cached and shipped choices (with the shipped entries), and the rest to
+        measure."""
+        key = make_key(self.dev, self.dtype, {w.op for w in workloads}, [w.label for w in workloads])
+        entries = {} if self.retune else (self.cache.load(key) or {})
+        missing = set() if self.retune else {w.label for w in workloads if w.label not in entries}
+        borrowed = self.cache.borrow(key, missing) if missing else {}
+        entries.update(borrowed)
+        pinned = {w: self.pinned(w) for w in workloads if w.op.name in self.pins}
+        cached = {w: v for w in workloads if w not in pinned and (v := self.cached(w, entries)) is not None}
+        left = {w.label for w in workloads if w not in pinned and w not in cached}
+        ships = {} if self.retune else shipped.lookup(key, left)
+        ship = {w: v for w in workloads if w.label in left and (v := self.cached(w, ships)) is not None}
+        todo = [w for w in workloads if w.label in left and w not in ship]
+        return key, entries, borrowed, pinned, cached, ships, ship, todo
+
+    def precompile(self, workloads: list[Workload]) -> int:
+        """Start compiling, in worker processes, the kernels tune(workloads) would compile there, and
+        return at once (how many): a load calls this before its weights, so that a cold start's
+        compiling runs while they are read. tune() then waits for these instead of compiling them."""
+        workloads = sorted(dict.fromkeys(workloads), key=lambda w: ORDER.get(w.op.name, 9))
+        _, _, _, pinned, cached, _, ship, todo = self._split(workloads)
+        work = {k: j for k, j in self.compile_jobs(todo, cached, pinned, ship)[0].items() if j[2].run is None}
+        workers = self._workers(len(work))
+        if workers <= 1:
+            return 0
+        import multiprocessing
+        try:
+            self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+            dtype = DTYPE_NAMES[self.dtype]
+            self._early = {self._pool.submit(compile_job, op, shape, v.name, dtype, str(self.device)): k
+                           for k, (op, shape, v) in work.items()}
+        except Exception as e:  # noqa: BLE001  (no worker processes here: tune() compiles as before)
+            self.log(f"[kiln] warning: early compile not started ({type(e).__name__}: {e})")
+            self._early = {}
+            return 0
+        return len(work)
+
+    def _collect_early(self) -> tuple[set, dict[tuple, str]]:
+        """Wait for precompile's jobs: (the keys they covered, the ones that failed with why). A pool
+        that broke covers nothing (tune() compiles those itself)."""
+        early, self._early = self._early, {}
+        if not early:
+            return set(), {}
+        failed = {}
+        try:
+            for f in as_completed(early):
+                if err := f.result():
+                    failed[early[f]] = err
+        except Exception as e:  # noqa: BLE001
+            self.log(f"[kiln] warning: early compile failed ({type(e).__name__}: {e}); compiling again")
+            return set(), {}
+        finally:
+            self._pool.shutdown(wait=True)
+        return set(early.values()), failed
+
+    def cancel(self) -> None:
+        """Drop precompile's jobs: queued ones cancelled, running ones finish in their workers."""
+        if self._early:
+            self._early = {}
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _workers(self, jobs: int) -> int:
+        """Worker processes for `jobs` compile jobs: none off the GPU or for fewer than 8."""
+        workers = self.workers
+        if workers is None:
+            workers = int(os.environ.get("KILN_COMPILE_WORKERS", os.cpu_count() or 1))
+        if self.device.type != "cuda" or jobs < 8:
+            return 1
+        return max(1, min(workers, jobs, 32))
 
     # -- choosing what to run --------------------------------------------------------------------
     def pinned(self, w: Workload) -> Variant:
@@ -209,11 +274,11 @@ class Tuner:
         from; choices read from the tune cache are loaded here (no workers to start)."""
         failed: dict[tuple, str] = {}
         work = {k: j for k, j in jobs.items() if j[2].run is None}
-        workers = self.workers
-        if workers is None:
-            workers = int(os.environ.get("KILN_COMPILE_WORKERS", os.cpu_count() or 1))
-        if parallel and self.device.type == "cuda" and workers > 1 and len(work) >= 8:
-            failed.update(self.compile_in_workers(work, min(workers, len(work), 32)))
+        if parallel:
+            done, failed = self._collect_early()   # precompile's jobs, compiled while the weights loaded
+            rest = {k: j for k, j in work.items() if k not in done}
+            if (workers := self._workers(len(rest))) > 1:
+                failed.update(self.compile_in_workers(rest, workers))
         for k, (op, shape, v) in work.items():
             if k in failed:
                 continue
@@ -327,6 +392,18 @@ class Tuner:
         return verdict.ok
 
 
+def warm_launcher(kernel) -> None:
+    """Load a compiled kernel here, which builds its launcher (a C stub Triton compiles with the
+    system's compiler, ~0.3 s each, cached on disk beside the kernel): done in a worker, the loading
+    process's first launch finds it built. Best effort: a Triton without this hook skips it."""
+    init = getattr(kernel, "_init_handles", None)
+    if init is not None:
+        try:
+            init()
+        except Exception:  # noqa: BLE001  (the loading process builds it then)
+            pass
+
+
 def compile_job(op: Op, shape, variant_name: str, dtype: str, device: str) -> str | None:
     """Runs in a worker process (the op arrives pickled, its module imported there): compile one
     variant into Triton's on-disk cache. Returns why it failed, or None."""
@@ -334,7 +411,8 @@ def compile_job(op: Op, shape, variant_name: str, dtype: str, device: str) -> st
         dt = {v: k for k, v in DTYPE_NAMES.items()}[dtype]
         dev = device_info(device)
         v = next(v for v in op.catalogue(shape, dev) + [op.trusted(shape, dev)] if v.name == variant_name)
-        op.compile(v, shape, dt, torch.device(device))
+        for kernel in op.compile(v, shape, dt, torch.device(device)) or []:
+            warm_launcher(kernel)
         return None
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"

@@ -516,3 +516,38 @@ def test_merging_tune_caches_keeps_only_choices_of_todays_kernels():
                            "dtype": "bf16", "sources": {"gemm": "a"}}
     with pytest.raises(ValueError, match="another gpu"):
         shipped.merge([one, {**two, "key": {**two["key"], "gpu": "H"}}], {"gemm": "a"})
+
+
+# -- compiling while the weights load (Tuner.precompile) --------------------------------------------
+def test_precompile_submits_what_tune_compiles_in_workers_and_tune_waits_for_it(tmp_path, monkeypatch):
+    """kiln.load calls precompile before the weights: it submits to worker processes exactly the
+    jobs tune() would compile there (each candidate, its kernels loaded there too), and tune() then
+    collects them instead of compiling them again; the summary line counts them."""
+    lines: list[str] = []
+    tuner = Tuner(DEVICE, DTYPE, log=lines.append, budget_s=0,
+                  cache=tune_cache.TuneCache(tmp_path / "tune", warn=lines.append))
+    monkeypatch.setattr(tuner, "_workers", lambda jobs: 2 if jobs else 1)     # off a GPU: no workers
+    _, _, _, pinned, cached, _, ship, todo = tuner._split([WORK])
+    want = {k for k, j in tuner.compile_jobs(todo, cached, pinned, ship)[0].items() if j[2].run is None}
+    assert tuner.precompile([WORK]) == len(want) > 0 and set(tuner._early.values()) == want
+    again: list = []
+    monkeypatch.setattr(tuner, "compile_in_workers", lambda work, workers: again.append(work) or {})
+    plan, report = tuner.tune([WORK])
+    assert again == [], again
+    assert report.early == len(want) and not tuner._early and WORK.label in plan.choices
+    assert f"; {len(want)} compiled while the weights loaded)" in lines[-1]
+
+
+def test_a_cancelled_precompile_leaves_tune_compiling_everything(tmp_path, monkeypatch):
+    """A load that fails in its weights drops precompile's jobs: a later tune() compiles as if none
+    had been started."""
+    tuner = Tuner(DEVICE, DTYPE, log=lambda line: None, budget_s=0,
+                  cache=tune_cache.TuneCache(tmp_path / "tune"))
+    monkeypatch.setattr(tuner, "_workers", lambda jobs: 2 if jobs else 1)
+    assert tuner.precompile([WORK]) > 0
+    tuner.cancel()
+    assert not tuner._early
+    seen: list = []
+    monkeypatch.setattr(tuner, "compile_in_workers", lambda work, workers: seen.append(set(work)) or {})
+    _, report = tuner.tune([WORK])
+    assert report.early == 0 and len(seen) == 1 and seen[0]
