@@ -1,6 +1,7 @@
 """Ship tuning choices with kiln: merge tune cache files of one GPU (a machine's $KILN_CACHE_DIR/tune,
 or a `gpu_run.sh tunecache` archive unpacked) into kiln/tune/shipped/<gpu>_<dtype>.json, keeping each
-op's choices only where its kernel sources hash as they do now (kiln/tune/shipped.py).
+op's choices only where its kernel sources hash as they do now (kiln/tune/shipped.py), and the pruning
+of every measured shape (variants within 5% of a best, of all measured: kept per op in the file).
 
     python3 tools/ship_tune.py DIR [DIR ...]     # every *_<dtype>.json tune file under the DIRs
 

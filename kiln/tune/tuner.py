@@ -108,6 +108,7 @@ class Tuner:
         self.log = log or ((lambda line: None) if quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
         self.cache = cache if cache is not None else TuneCache(warn=self.log)
         self._pool, self._early = None, {}       # precompile's worker pool and its jobs
+        self.never: dict[str, set[str]] = {}     # variants this GPU class does not measure (_split sets it)
 
     # -- the whole flow ------------------------------------------------------------------------
     def tune(self, workloads: list[Workload]) -> tuple[Plan, Report]:
@@ -164,6 +165,7 @@ class Tuner:
         added), the pinned, cached and shipped choices (with the shipped entries), and the rest to
         measure."""
         key = make_key(self.dev, self.dtype, {w.op for w in workloads}, [w.label for w in workloads])
+        self.never = {} if self.retune else shipped.never(key)
         entries = {} if self.retune else (self.cache.load(key) or {})
         missing = set() if self.retune else {w.label for w in workloads if w.label not in entries}
         borrowed = self.cache.borrow(key, missing) if missing else {}
@@ -248,8 +250,12 @@ class Tuner:
         return next((v for v in catalogue(w.op, w.shape, self.dev) if v.name == e["variant"]), None)
 
     def candidates(self, w: Workload) -> list[Variant]:
-        trusted = w.op.trusted(w.shape, self.dev)
-        return list(dict.fromkeys([trusted] + candidates(w.op, w.shape, self.dev)))
+        """The trusted variant and the op's candidates, less those this GPU class never found near a
+        shape's best (kiln.tune.shipped.never; all of them under --retune)."""
+        trusted, default = w.op.trusted(w.shape, self.dev), w.op.default(w.shape, self.dev)
+        never = set() if self.retune else self.never.get(w.op.name, set())
+        forms = [v for v in candidates(w.op, w.shape, self.dev) if v.name not in never or v == default]
+        return list(dict.fromkeys([trusted] + forms))
 
     # -- compiling -----------------------------------------------------------------------------------
     def compile_jobs(self, todo, cached, pinned, ship) -> tuple[dict, dict]:

@@ -551,3 +551,51 @@ def test_a_cancelled_precompile_leaves_tune_compiling_everything(tmp_path, monke
     monkeypatch.setattr(tuner, "compile_in_workers", lambda work, workers: seen.append(set(work)) or {})
     _, report = tuner.tune([WORK])
     assert report.early == 0 and len(seen) == 1 and seen[0]
+
+
+def test_shipped_pruning_keeps_what_came_near_a_best_and_holds_for_the_gpu_class(tmp_path):
+    from kiln.tune import shipped
+    key = {"format": tune_cache.FORMAT, "gpu": "G", "sms": 2, "capability": "9.0", "triton": "3", "dtype": "bf16",
+           "sources": {"gemm": "a"}}
+    one = {"key": key, "entries": {
+        "gemm 1x8x8": {"variant": "v1", "ms": 0.1, "measured": {"v1": 0.1, "v2": 0.104, "v3": 0.2}},
+        "gemm 64x8x8": {"variant": "v3", "ms": 0.3, "measured": {"v3": 0.3, "v4": 0.5}}}}
+    made = shipped.merge([one], {"gemm": "a"})
+    assert made["pruning"] == {"gemm": {"near": ["v1", "v2", "v3"], "seen": ["v1", "v2", "v3", "v4"]}}
+    (tmp_path / "g_bf16.json").write_text(json.dumps(made))
+    other = {**key, "gpu": "Another GPU", "sms": 114, "sources": {"gemm": "a", "rmsnorm": "x"}}
+    assert shipped.never(other, tmp_path) == {"gemm": {"v4"}}
+    assert shipped.never({**other, "capability": "8.0"}, tmp_path) == {}        # another class
+    assert shipped.never({**other, "sources": {"gemm": "b"}}, tmp_path) == {}   # gemm's kernels changed
+    # shipped again over the earlier file: its pruning carries over, a new choice joins "near"
+    again = shipped.merge([made, {"key": key, "entries": {"gemm 1x8x8": {"variant": "v4", "ms": 0.05}}}],
+                          {"gemm": "a"})
+    assert again["pruning"]["gemm"] == {"near": ["v1", "v2", "v3", "v4"], "seen": ["v1", "v2", "v3", "v4"]}
+
+
+def _measured_names(report) -> set[str]:
+    return set(json.loads(report.path.read_text())["entries"][WORK.label]["measured"])
+
+
+def test_a_cold_tune_skips_what_its_gpu_class_never_found_near_a_best(tmp_path, monkeypatch):
+    """A shape without a shipped choice (an unknown GPU, a new model) measures the trusted and default
+    variants and those the class's pruning kept; --retune measures every candidate."""
+    chosen = _ship(tmp_path, monkeypatch)
+    target = next((tmp_path / "shipped").glob("*.json"))
+    made = json.loads(target.read_text())
+    everything = {v.name for v in Tuner(DEVICE, DTYPE).candidates(WORK)}
+    made["entries"] = {}
+    made["pruning"] = {"gemm": {"near": [chosen], "seen": sorted(everything)}}
+    target.write_text(json.dumps(made))
+    kept = {gemm.OP.trusted(SHAPE, device_info(DEVICE)).name, gemm.OP.default(SHAPE, device_info(DEVICE)).name, chosen}
+    _, report, _ = tune(tmp_path / "pruned")
+    assert _measured_names(report) == kept and len(everything) > len(kept)
+    _, report, _ = tune(tmp_path / "all", retune=True)
+    assert _measured_names(report) == everything
+
+
+def test_kiln_shipped_0_leaves_the_choices_out(tmp_path, monkeypatch):
+    _ship(tmp_path, monkeypatch)
+    monkeypatch.setenv("KILN_SHIPPED", "0")
+    _, report, _ = tune(tmp_path / "cold")
+    assert report.shipped == 0 and report.rows[0][3] == "measured"
