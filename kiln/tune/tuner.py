@@ -9,15 +9,17 @@ the choice. Log lines on stderr (tests and users grep them):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
 import time
+import types
 import zlib
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -188,12 +190,8 @@ class Tuner:
         workers = self._workers(len(work))
         if workers <= 1:
             return 0
-        import multiprocessing
         try:
-            self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-            dtype = DTYPE_NAMES[self.dtype]
-            self._early = {self._pool.submit(compile_job, op, shape, v.name, dtype, str(self.device)): k
-                           for k, (op, shape, v) in work.items()}
+            self._pool, self._early = self._start(work, workers)
         except Exception as e:  # noqa: BLE001  (no worker processes here: tune() compiles as before)
             self.log(f"[kiln] warning: early compile not started ({type(e).__name__}: {e})")
             self._early = {}
@@ -299,14 +297,10 @@ class Tuner:
         return failed
 
     def compile_in_workers(self, work: dict, workers: int) -> dict[tuple, str]:
-        import multiprocessing
-
         failed = {}
-        dtype = DTYPE_NAMES[self.dtype]
         try:
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-                futures = {pool.submit(compile_job, op, shape, v.name, dtype, str(self.device)): k
-                           for k, (op, shape, v) in work.items()}
+            pool, futures = self._start(work, workers)
+            with pool:
                 for f in as_completed(futures):
                     err = f.result()
                     if err:
@@ -315,6 +309,16 @@ class Tuner:
             self.log(f"[kiln] warning: parallel compile failed ({type(e).__name__}: {e}); compiling serially")
             return {}
         return failed
+
+    def _start(self, work: dict, workers: int) -> tuple[ProcessPoolExecutor, dict]:
+        """A pool of spawned workers with every job of `work` submitted: (pool, future -> key)."""
+        import multiprocessing
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        dtype = DTYPE_NAMES[self.dtype]
+        with bare_main():       # the workers start inside submit
+            futures = {pool.submit(compile_job, op, shape, v.name, dtype, str(self.device)): k
+                       for k, (op, shape, v) in work.items()}
+        return pool, futures
 
     # -- gate and measure ------------------------------------------------------------------------
     def measure(self, w: Workload, plan: Plan, failed: dict, over_budget: bool) -> dict | None:
@@ -396,6 +400,21 @@ class Tuner:
                      f"(max err {verdict.err:.1e} of {verdict.scale:.1e})" if not verdict.reason else
                      f"[autotune] {w.label}: cannot run, never picked: {v.name} ({verdict.reason})")
         return verdict.ok
+
+
+@contextlib.contextmanager
+def bare_main() -> Iterator[None]:
+    """While worker processes are spawned, __main__ is a bare module: a spawned worker otherwise
+    re-runs the parent's main script, all of it when the script has no `if __name__ == "__main__"`
+    guard (a user's script calling kiln.load would load the model again in every worker). The
+    workers need only kiln's modules."""
+    real = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if real is not None:
+            sys.modules["__main__"] = real
 
 
 def warm_launcher(kernel) -> None:

@@ -599,3 +599,28 @@ def test_kiln_shipped_0_leaves_the_choices_out(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_SHIPPED", "0")
     _, report, _ = tune(tmp_path / "cold")
     assert report.shipped == 0 and report.rows[0][3] == "measured"
+
+
+def test_compile_workers_do_not_rerun_a_users_unguarded_script(tmp_path):
+    """A user's script without `if __name__ == "__main__"` that loads a model: the spawned compile
+    workers must not run it again (each would load the model)."""
+    import subprocess
+    import sys
+    script = tmp_path / "user.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from kiln.ops.gemm import gemm\n"
+        "from kiln.tune.cache import TuneCache\n"
+        "from kiln.tune.tuner import Tuner, Workload\n"
+        "print('MAIN RAN', flush=True)\n"
+        "t = Tuner('cpu', torch.float32, cache=TuneCache(sys.argv[1]), budget_s=0, log=lambda line: None)\n"
+        "t._workers = lambda jobs: 2 if jobs else 1\n"
+        "w = Workload(gemm.OP, gemm.GemmShape(100, 100, 40))\n"
+        "n = t.precompile([w])\n"
+        "print('EARLY', n, t.tune([w])[1].early, flush=True)\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "tune")], env=env, capture_output=True,
+                         text=True, timeout=300).stdout
+    assert out.count("MAIN RAN") == 1, out
+    early = out.split("EARLY")[1].split()
+    assert early[0] == early[1] and int(early[0]) > 0, out
