@@ -7,6 +7,8 @@ returns False when it cannot rewind that far (the engine then prefills from scra
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .errors import KilnError
@@ -120,6 +122,14 @@ class StateBatch(list):
     projections, norms and MLPs run on all rows at once, reading each weight once for the batch."""
 
     slots: torch.Tensor | None = None   # each request's pool slot (int32, on the device), when all are pooled
+    rows: list[int] | None = None       # several prompts prefilled together: each request's row count
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Each request's rows [a, b) among the step's."""
+        if self.rows is None:
+            return [(j, j + 1) for j in range(len(self))]
+        ends = list(itertools.accumulate(self.rows))
+        return [(e - n, e) for n, e in zip(self.rows, ends)]
     # A step being captured as a CUDA graph: its per-layer objects stand in for the rows' states (the
     # slots say whose), so an op that would run request by request cannot be captured.
     whole_only = False

@@ -8,6 +8,7 @@ its state.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -173,6 +174,22 @@ class Engine:
             pos = torch.arange(offset + start, offset + start + len(chunk), device=self.device)
             logits = self.model.forward(chunk, pos, state)
         return logits[-1]
+
+    @torch.inference_mode()
+    def prefill_rows(self, parts: list[tuple[list[int], list, int]]) -> torch.Tensor:
+        """Several prompts' chunks in one forward: part j feeds ids_j from position offset_j into
+        state_j (its own per-layer state); the logits of each part's last row, [J, V]. Projections,
+        norms and MLPs run once over every row, attention and the GDN scan per request
+        (StateBatch.rows): a short prompt's prefill is bound by the host issuing its kernels, and
+        this issues most of them once for all. The parts should fit one prefill chunk together."""
+        rows = [len(ids) for ids, _, _ in parts]
+        layers = [StateBatch(layer) for layer in zip(*(state for _, state, _ in parts))]
+        for layer in layers:
+            layer.rows = rows
+        ids = upload([t for p in parts for t in p[0]], self.device)
+        pos = upload([off + k for p, off in ((p, p[2]) for p in parts) for k in range(len(p[0]))], self.device)
+        last = upload([a + n - 1 for a, n in zip(itertools.accumulate([0] + rows), rows)], self.device)
+        return self.model.forward(ids, pos, layers, last_only=last)
 
     @torch.inference_mode()
     def decode_step(self, token: int, pos: int, state) -> torch.Tensor:
@@ -428,14 +445,20 @@ class Batch:
     With `interleave` (on by default on a GPU) more decode steps run inside a prefill chunk: after any
     layer of the chunk where the step in flight has finished, its tokens are read and the next step
     launched. A short prompt's prefill is bound by the host issuing its kernels, not by the GPU; the
-    decode steps fill the GPU meanwhile instead of waiting for the chunk to end."""
+    decode steps fill the GPU meanwhile instead of waiting for the chunk to end.
+
+    With `group_prefill` the prompts waiting behind the oldest one join its forward while their next
+    part fits the chunk's token budget whole (Engine.prefill_rows): a burst of short prompts issues
+    its kernels once, not once a prompt."""
 
     def __init__(self, engine: "Engine", eos: set[int], slots: int | None = None, prefix_cache: bool = False,
-                 interleave: bool | None = None):
+                 interleave: bool | None = None, group_prefill: bool | None = None):
         """`slots`: the most requests running at once, when the engine pools their state (Engine.slot_pool);
         a request waits for a free slot before its prefill. `prefix_cache`: requests start from the
         state of a cached prompt prefix they share (PrefixCache). `interleave`: decode steps inside
-        prefill chunks (default: on a CUDA device)."""
+        prefill chunks (default: on a CUDA device). `group_prefill`: several waiting prompts prefilled in
+        one forward (Engine.prefill_rows) where the model can (default: on backends that are not
+        batch-invariant, whose prefill products change with the row count anyway)."""
         self.engine, self.eos = engine, eos
         self.cuda = torch.device(engine.device).type == "cuda"
         if interleave is None:   # KILN_INTERLEAVE=1 or 0 overrides the default
@@ -444,7 +467,11 @@ class Batch:
         # called after the tokens of a step run inside a prefill are read: a server streams them then
         self.on_tokens: Callable[[], None] | None = None
         self._in_step = False                  # a decode step is being launched (the layer hook stays out)
-        self._prefilling: BatchRequest | None = None     # the request whose prefill chunk is running
+        self._prefilling: list[BatchRequest] = []      # the requests whose prefill forward is running
+        if group_prefill is None:   # KILN_GROUP_PREFILL=1 or 0 overrides the default
+            group_prefill = {"1": True, "0": False}.get(os.environ.get("KILN_GROUP_PREFILL", ""),
+                                                        not getattr(engine.model.ops, "batch_invariant", False))
+        self.group_prefill = group_prefill and engine.model.several_prompts
         self.prefixes = PrefixCache() if prefix_cache else None
         self.pool = engine.slot_pool(slots) if slots else None
         self.slots, self.lent = slots, 0
@@ -492,41 +519,84 @@ class Batch:
     def step(self) -> None:
         """The tokens of the decode step in flight, then the next decode step launched for every running
         request (not waited for: the caller's work on the tokens overlaps it on the GPU), then one
-        prefill chunk (a request whose prefill ends now decodes from the next step)."""
+        prefill forward (a request whose prefill ends now decodes from the next step)."""
         if self._in_step:   # e.g. on_tokens reading a stream: it would prefill the same chunk again
             raise RuntimeError("Batch.step called from inside a step (on_tokens must only read request.out)")
         self._advance()
         if self.waiting:
-            self._prefill_chunk(self.waiting[0])
+            self._prefill_next()
 
-    def _prefill_chunk(self, r: BatchRequest) -> None:
-        eng = self.engine
+    def _prefill_next(self) -> None:
+        """One prefill forward: the oldest waiting request's next chunk and, with group_prefill, the
+        next parts of the requests after it while they fit the same chunk's token budget whole."""
+        parts, budget = [], self.engine.prefill_chunk
+        for r in list(self.waiting):
+            if parts and self._shares_prefix(r, parts):
+                break               # it starts from the state one of them keeps: after them
+            if not self._prepare(r):
+                break               # every slot is lent: it waits for one
+            end = self._part_end(r, budget)
+            if parts and end < len(r.ids) and end != r.keep_at:
+                break               # cut by the budget: its own chunk comes next
+            parts.append((r, end))
+            budget -= end - r.pos
+            if not self.group_prefill or budget <= 0:
+                break
+        if parts:
+            self._prefill(parts)
+
+    def _shares_prefix(self, r: BatchRequest, parts: list) -> bool:
+        """With a prefix cache: whether r, not started, shares a first prefix block with a request of
+        the forward being gathered (prefilled beside it, it could not start from the state kept)."""
+        block = None if self.prefixes is None or r.state is not None else self.prefixes.block
+        return block is not None and len(r.ids) > block and any(q.ids[:block] == r.ids[:block] for q, _ in parts)
+
+    def _prepare(self, r: BatchRequest) -> bool:
+        """A waiting request's state, taken at its first chunk (from the cached prefix it shares);
+        False while no slot is free."""
         if r.state is None:
             r.t0 = time.perf_counter()
             r.state = self._new_state(r)
             if r.state is None:
-                return              # every slot is lent: it waits for one
+                return False
             self._start_from_prefix(r)
-        end = min(r.pos + eng.prefill_chunk, len(r.ids))
-        if r.pos < r.keep_at < end:
-            end = r.keep_at         # the chunk ends where the prefix cache keeps the state
+        return True
+
+    def _part_end(self, r: BatchRequest, budget: int) -> int:
+        """Where r's next prefill part ends: `budget` tokens on, or the prompt's end, or where the
+        prefix cache keeps its state."""
+        end = min(r.pos + budget, len(r.ids))
+        return r.keep_at if r.pos < r.keep_at < end else end
+
+    def _prefill(self, parts: list[tuple[BatchRequest, int]]) -> None:
+        """Each request's prompt from r.pos to its end in one forward (several: Engine.prefill_rows),
+        decode steps run between its layers when interleaving."""
+        eng = self.engine
         model = eng.model
         model.between_layers = self._between_layers if self.interleave else None
-        self._prefilling = r
+        self._prefilling = [r for r, _ in parts]
         try:
-            logits = eng.prefill(r.ids[r.pos:end], r.state, offset=r.pos)
+            if len(parts) == 1:
+                (r, end), = parts
+                logits = eng.prefill(r.ids[r.pos:end], r.state, offset=r.pos)[None]
+            else:
+                logits = eng.prefill_rows([(r.ids[r.pos:end], r.state, r.pos) for r, end in parts])
         except _Abandoned:
-            logits = None
+            logits = None           # every one of them cancelled inside it
         finally:
-            model.between_layers, self._prefilling = None, None
-        if r.done:
-            return                  # cancelled during its prefill (a server drains between layers)
+            model.between_layers, self._prefilling = None, []
+        for j, (r, end) in enumerate(parts):
+            if not r.done:          # not cancelled during its prefill (a server drains between layers)
+                self._prefilled(r, end, logits[j])
+
+    def _prefilled(self, r: BatchRequest, end: int, logits: torch.Tensor) -> None:
         r.pos = end
         if end == r.keep_at:
             self.prefixes.keep(r.ids[:end], r.state)
         if end < len(r.ids):
             return
-        self.waiting.popleft()
+        self.waiting.remove(r)
+        eng = self.engine
         if not (r.params.greedy and r.params.repetition_penalty == 1.0):
             r.sampler, r.history = Sampler(r.params, eng.device), torch.tensor(r.ids, device=eng.device)
         self.running.append(r)
@@ -575,8 +645,8 @@ class Batch:
                 self.on_tokens()
         finally:
             self._in_step = False
-        if self._prefilling is not None and self._prefilling.done:
-            raise _Abandoned        # its client left: the rest of its layers would be wasted
+        if self._prefilling and all(r.done for r in self._prefilling):
+            raise _Abandoned        # their clients left: the rest of the layers would be wasted
 
     def _advance(self) -> None:
         """The step in flight's tokens read, the next step launched for the requests still running."""

@@ -215,3 +215,100 @@ def test_ignore_eos_runs_to_max_new_tokens_alone_and_batched(hybrid, monkeypatch
     both = hybrid.generate_batch([prompt, prompt], [SamplingParams(max_new_tokens=6),
                                                     SamplingParams(max_new_tokens=6, ignore_eos=True)])
     assert [c.token_ids for c in both] == [free[:2], free]
+
+
+# -- several prompts in one prefill forward (Engine.prefill_rows, Batch(group_prefill=True)) ----------
+@pytest.mark.parametrize("spec,backend", [("synth:tiny-qwen3.5", "reference"), ("synth:tiny-llama", "reference"),
+                                          ("synth:tiny-gemma3", "reference"), ("synth:tiny-qwen3.5-moe", "reference"),
+                                          ("synth:tiny-qwen3.5", "cuda")])
+def test_prompts_prefilled_together_give_each_ones_logits_and_state_alone(spec, backend):
+    """Ragged prompts (one of a single token) prefilled in one forward, in two parts from their own
+    offsets: each one's last-row logits and the state it leaves (its next decode step) are those of
+    the prompt prefilled alone, to f32 rounding (the products' row count differs); on the reference
+    backend and the cuda backend's kernels (under the interpreter)."""
+    llm = kiln.load(spec, device="cpu", dtype="f32", backend=backend)
+    eng = llm.engine
+    prompts = _prompts(llm, 4, seed=5) + [[7]]
+    alone, states = [], []
+    for p in prompts:
+        states.append(eng.new_state(64))
+        alone.append(eng.prefill(p, states[-1]))
+    together = [eng.new_state(64) for _ in prompts]
+    half = [len(p) // 2 for p in prompts]
+    eng.prefill_rows([(p[:h], s, 0) for p, h, s in zip(prompts, half, together) if h])
+    got = eng.prefill_rows([(p[h:], s, h) for p, h, s in zip(prompts, half, together)])
+    assert got.shape == (len(prompts), llm.model.cfg.vocab_size)
+    for j, p in enumerate(prompts):
+        torch.testing.assert_close(got[j], alone[j], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(eng.decode_step(5, len(p), together[j]), eng.decode_step(5, len(p), states[j]),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def _counting_rows(monkeypatch, eng) -> list[int]:
+    calls: list[int] = []
+    rows = eng.prefill_rows
+    monkeypatch.setattr(eng, "prefill_rows", lambda parts: (calls.append(len(parts)), rows(parts))[1])
+    return calls
+
+
+def test_a_burst_of_prompts_is_prefilled_in_forwards_that_fit_the_chunk(hybrid, monkeypatch):
+    """Prompts waiting together join the oldest one's forward while their whole prompts fit the
+    chunk's token budget; one that does not waits for its own. Each gets its first token from it,
+    the one it gets alone, and runs to its length."""
+    from kiln.engine import Batch
+    eng = hybrid.engine
+    monkeypatch.setattr(eng, "prefill_chunk", 16)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8, 2, 8, 1], [4, 4]]
+    first = [hybrid.generate(p, max_new_tokens=1).token_ids for p in prompts]
+    calls = _counting_rows(monkeypatch, eng)
+    batch = Batch(eng, set(), group_prefill=True)
+    got = [batch.add(p, SamplingParams(max_new_tokens=5)) for p in prompts]
+    batch.step()                       # 5 + 9 tokens fit 16; the next 7 do not
+    assert calls == [2] and [len(r.out) for r in got] == [1, 1, 0, 0]
+    batch.step()                       # 7 + 2
+    assert calls == [2, 2] and [len(r.out) for r in got[2:]] == [1, 1]
+    while not all(r.done for r in got):
+        batch.step()
+    assert [list(r.out)[:1] for r in got] == first and all(len(r.out) == 5 for r in got)
+
+
+def test_requests_sharing_a_cached_prefix_are_not_prefilled_beside_each_other(monkeypatch):
+    """With the prefix cache, a prompt sharing a first block with one in the forward being gathered
+    waits for it, and starts from the state it keeps (a burst of chats with one system prompt)."""
+    from kiln.engine import PREFIX_BLOCK, Batch
+    llm = kiln.load("synth:tiny-qwen3.5", device="cpu")
+    shared = [(5 * j) % 300 + 1 for j in range(PREFIX_BLOCK + 9)]
+    prompts = [[8, 8, 8], shared + [7, 8, 9], [6, 6], shared + [11]]
+    calls = _counting_rows(monkeypatch, llm.engine)
+    batch = Batch(llm.engine, set(), prefix_cache=True, group_prefill=True)
+    got = [batch.add(p, SamplingParams(max_new_tokens=3)) for p in prompts]
+    while not all(r.done for r in got):
+        batch.step()
+    assert [r.stream.times.cached_tokens for r in got] == [0, 0, 0, PREFIX_BLOCK]
+    assert calls and all(len(r.out) == 3 for r in got)
+
+
+def test_a_request_cancelled_inside_a_shared_prefill_leaves_the_others_theirs():
+    """A server may cancel, between the layers of a forward prefilling several prompts, one of them:
+    the forward goes on for the others (it stops only when all of them are cancelled), which get
+    their first tokens; the cancelled one gets none and leaves the batch."""
+    from kiln.engine import Batch
+    llm = kiln.load("synth:tiny-qwen3.5", device="cpu")
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [2, 7, 1, 8]]
+    batch = Batch(llm.engine, set(), interleave=True, group_prefill=True)
+    a = batch.add(prompts[0], SamplingParams(max_new_tokens=20))
+    batch.step()
+    b, c = (batch.add(p, SamplingParams(max_new_tokens=3)) for p in prompts[1:])
+    batch.on_tokens = lambda: batch.cancel(b)
+    batch.step()                                   # b and c in one forward; b cancelled after its first layer
+    batch.on_tokens = None
+    assert b.cancelled and not b.out and len(c.out) == 1 and not batch.waiting
+    both = [batch.add(p, SamplingParams(max_new_tokens=3)) for p in prompts[1:]]
+    layers = []
+    batch.on_tokens = lambda: (layers.append(1), [batch.cancel(r) for r in both])
+    batch.step()                                   # both cancelled: the forward stops after one layer
+    assert len(layers) == 1 and all(r.cancelled and not r.out for r in both)
+    batch.on_tokens = None
+    while not (a.done and c.done):
+        batch.step()
+    assert len(a.out) == 20 and len(c.out) == 3

@@ -20,17 +20,27 @@ from ..weights.upload import Uploader, file_reads_on, pinned_upload_on, placed
 
 def per_request(state, fn, *rows, whole=None):
     """fn(state, *rows) for one request's state; for a StateBatch, whole(state, *rows) where it is given
-    and runs the batch at once (a backend's batched kernel; None where it cannot), else fn once per
-    request on its row of each row tensor (None passes through), the outputs concatenated along rows
-    in batch order."""
+    and runs the batch at once (a backend's batched decode kernel; None where it cannot), else fn once
+    per request on its rows of each row tensor (None passes through: one row each, or `state.rows`
+    of them for several prompts prefilled together), the outputs concatenated along rows in batch
+    order."""
     if not isinstance(state, StateBatch):
         return fn(state, *rows)
-    if whole is not None and (out := whole(state, *rows)) is not None:
+    if state.rows is None and whole is not None and (out := whole(state, *rows)) is not None:
         return out
     if state.whole_only:
         raise KilnError("an op of this batched step runs request by request: it cannot be captured")
-    outs = [fn(s, *(None if r is None else r[j:j + 1] for r in rows)) for j, s in enumerate(state)]
+    spans = state.spans()
+    outs = [fn(s, *(None if r is None else r[a:b] for r in rows)) for s, (a, b) in zip(state, spans)]
     return torch.cat(outs)
+
+
+def last_rows(x: torch.Tensor, last_only) -> torch.Tensor:
+    """The rows whose logits are asked for: the last `last_only` (True: the last one), the rows a
+    tensor of indices names (each prompt's last, several prefilled together), or all (False)."""
+    if isinstance(last_only, torch.Tensor):
+        return x.index_select(0, last_only)
+    return x[-last_only:] if last_only else x
 
 
 def config_from_dict(cls, d: dict[str, Any]):
@@ -243,6 +253,8 @@ class Model:
     # Called after each layer of a forward when set: kiln.engine.Batch launches a decode step of its
     # running requests there while the host is still issuing a prompt's prefill.
     between_layers: Callable[[], None] | None = None
+    # forward takes several prompts' rows at once (StateBatch.rows; last_only a tensor of row indices)
+    several_prompts = False
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], ops):
         self.cfg, self.w, self.ops = cfg, weights, ops

@@ -6,7 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..cache import RingKVCache
-from .base import Model, decoder_layer_shapes, gated_mlp_shapes, gemms, lm_head_shapes, norms, per_request
+from .base import (
+    Model,
+    decoder_layer_shapes,
+    gated_mlp_shapes,
+    gemms,
+    last_rows,
+    lm_head_shapes,
+    norms,
+    per_request,
+)
 from .rope import inv_freq
 
 
@@ -49,6 +58,7 @@ class Gemma3Config:
 
 class Gemma3(Model):
     config_class = Gemma3Config
+    several_prompts = True   # prompts prefilled together: per_request slices each one's rows
     norm_style = "offset"
     packed = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                             "self_attn.v_proj.weight"),
@@ -127,7 +137,5 @@ class Gemma3(Model):
             h = ops.gated_mlp(h, w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"], c.hidden_activation)
             x = x + ops.rmsnorm(h, w[p + "post_feedforward_layernorm.weight"], eps, style)
             self.layer_done()
-        if last_only:
-            x = x[-last_only:]
-        x = ops.rmsnorm(x, w["model.norm.weight"], eps, style)
+        x = ops.rmsnorm(last_rows(x, last_only), w["model.norm.weight"], eps, style)
         return ops.logits(x, self.lm_head, c.final_logit_softcapping)

@@ -10,6 +10,7 @@ from .base import (
     decoder_layer_shapes,
     gated_mlp_shapes,
     gemms,
+    last_rows,
     lm_head_shapes,
     norms,
     per_request,
@@ -42,6 +43,7 @@ class LlamaConfig:
 
 class Llama(Model):
     config_class = LlamaConfig
+    several_prompts = True   # prompts prefilled together: per_request slices each one's rows
     norm_style = "llama"
     packed = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                             "self_attn.v_proj.weight"),
@@ -108,6 +110,6 @@ class Llama(Model):
             if i + 1 < n:
                 x, h = ops.add_rmsnorm(x, m, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, style)
             self.layer_done()
-        if last_only:
-            x, m = x[-last_only:], m[-last_only:]  # the LM head only for the rows whose logits are needed
+        # the LM head only for the rows whose logits are needed
+        x, m = last_rows(x, last_only), last_rows(m, last_only)
         return ops.logits(ops.add_rmsnorm(x, m, w["model.norm.weight"], eps, style)[1], self.lm_head)

@@ -12,7 +12,17 @@ from dataclasses import dataclass, field
 
 from ..cache import GDNState
 from ..errors import KilnError
-from .base import Model, attention_shapes, gated_mlp_shapes, gemms, kernel, lm_head_shapes, norms, per_request
+from .base import (
+    Model,
+    attention_shapes,
+    gated_mlp_shapes,
+    gemms,
+    kernel,
+    last_rows,
+    lm_head_shapes,
+    norms,
+    per_request,
+)
 from .rope import default_scale, inv_freq
 
 
@@ -69,6 +79,7 @@ class Qwen35Config:
 
 class Qwen35(Model):
     config_class = Qwen35Config
+    several_prompts = True   # prompts prefilled together: per_request slices each one's rows
     norm_style = "offset"
     packed = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                             "self_attn.v_proj.weight"),
@@ -255,8 +266,7 @@ class Qwen35(Model):
             if i + 1 < len(c.layer_types):
                 x, proj = self.norm_next(i + 1, x, m)
             self.layer_done()
-        if last_only:
-            x, m = x[-last_only:], m[-last_only:]
+        x, m = last_rows(x, last_only), last_rows(m, last_only)
         return ops.logits(ops.add_rmsnorm(x, m, w["model.norm.weight"], eps, self.norm_style)[1], self.lm_head)
 
 
