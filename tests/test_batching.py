@@ -220,6 +220,7 @@ def test_ignore_eos_runs_to_max_new_tokens_alone_and_batched(hybrid, monkeypatch
 # -- several prompts in one prefill forward (Engine.prefill_rows, Batch(group_prefill=True)) ----------
 @pytest.mark.parametrize("spec,backend", [("synth:tiny-qwen3.5", "reference"), ("synth:tiny-llama", "reference"),
                                           ("synth:tiny-gemma3", "reference"), ("synth:tiny-qwen3.5-moe", "reference"),
+                                          ("synth:tiny-gemma4", "reference"), ("synth:tiny-gemma4-moe", "reference"),
                                           ("synth:tiny-qwen3.5", "cuda")])
 def test_prompts_prefilled_together_give_each_ones_logits_and_state_alone(spec, backend):
     """Ragged prompts (one of a single token) prefilled in one forward, in two parts from their own

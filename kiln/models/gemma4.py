@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import RingKVCache
+from ..cache import RingKVCache, StateBatch
 from ..errors import KilnError
 from .base import (
     Model,
@@ -20,6 +20,7 @@ from .base import (
     gated_mlp_shapes,
     gemms,
     kernel,
+    last_rows,
     lm_head_shapes,
     norms,
     per_request,
@@ -169,6 +170,7 @@ class KVShared:
 
 
 class Gemma4(Model):
+    several_prompts = True   # prompts prefilled together: per_request slices each one's rows
     config_class = Gemma4Config
     norm_style = "plain"
     packed = {"mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
@@ -327,13 +329,17 @@ class Gemma4(Model):
         x = ops.embed(ids, w["model.embed_tokens.weight"], scale=c.hidden_size ** 0.5)     # [T, H]
         ple = self.per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
         ropes = {t: ops.rope_tables(positions, f, x.dtype) for t, f in self.inv_freq.items()}
+        cut = False
         for i in range(c.num_hidden_layers):
-            if i == c.first_shared and last_only:  # KV-shared layers write no state: only the last row matters
-                x, positions, ple = x[-1:], positions[-1:], None if ple is None else ple[-1:]
-                ropes = {t: (cos[-1:], sin[-1:]) for t, (cos, sin) in ropes.items()}
+            if i == c.first_shared and last_only is not False:   # KV-shared layers write no state: only
+                x, positions = last_rows(x, last_only), last_rows(positions, last_only)   # the rows asked for
+                ple = None if ple is None else last_rows(ple, last_only)
+                ropes = {t: (last_rows(cos, last_only), last_rows(sin, last_only)) for t, (cos, sin) in ropes.items()}
+                for layer in state[i:]:         # several prompts: one row each from here
+                    if isinstance(layer, StateBatch) and layer.rows is not None:
+                        layer.rows = [1] * len(layer.rows)
+                cut = True
             x = self.layer(i, x, positions, state[i], ropes[c.layer_types[i]], None if ple is None else ple[:, i])
             self.layer_done()
-        if last_only:
-            x = x[-last_only:]
-        x = ops.rmsnorm(x, w["model.norm.weight"], c.rms_norm_eps, style)
+        x = ops.rmsnorm(x if cut else last_rows(x, last_only), w["model.norm.weight"], c.rms_norm_eps, style)
         return ops.logits(x, self.lm_head, c.final_logit_softcapping)

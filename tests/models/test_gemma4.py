@@ -361,3 +361,23 @@ def test_non_causal_config_is_rejected(tiny, tmp_path):
     _rewrite(bad, config=lambda c: {**c, "use_bidirectional_attention": "all"})
     with pytest.raises(KilnError, match="use_bidirectional_attention"):
         kiln.load(bad, device="cpu")
+
+
+def test_prompts_prefilled_together_give_each_ones_logits_alone(tiny):
+    """Several prompts in one forward (Engine.prefill_rows): the KV-shared layers of the E2B-like
+    model run on each prompt's last row only, and each prompt's logits and next step are its alone."""
+    family, _, path = tiny
+    llm = _load(path)
+    eng = llm.engine
+    prompts = [_ids(n, 10 + n).tolist() for n in (9, 1, 14)]
+    alone, states = [], []
+    for p in prompts:
+        states.append(eng.new_state(32))
+        alone.append(eng.prefill(p, states[-1]))
+    together = [eng.new_state(32) for _ in prompts]
+    got = eng.prefill_rows([(p, s, 0) for p, s in zip(prompts, together)])
+    for j, p in enumerate(prompts):
+        torch.testing.assert_close(got[j], alone[j], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(eng.decode_step(3, len(p), together[j]), eng.decode_step(3, len(p), states[j]),
+                                   rtol=1e-4, atol=1e-4)
+    assert llm.model.cfg.first_shared < llm.model.cfg.num_hidden_layers or family == "moe"
