@@ -186,8 +186,8 @@ class Engine:
         layers = [StateBatch(layer) for layer in zip(*(state for _, state, _ in parts))]
         for layer in layers:
             layer.rows = rows
-        ids = upload([t for p in parts for t in p[0]], self.device)
-        pos = upload([off + k for p, off in ((p, p[2]) for p in parts) for k in range(len(p[0]))], self.device)
+        ids = upload([t for part, _, _ in parts for t in part], self.device)
+        pos = upload([off + k for part, _, off in parts for k in range(len(part))], self.device)
         last = upload([a + n - 1 for a, n in zip(itertools.accumulate([0] + rows), rows)], self.device)
         return self.model.forward(ids, pos, layers, last_only=last)
 

@@ -260,7 +260,7 @@ def test_a_burst_of_prompts_is_prefilled_in_forwards_that_fit_the_chunk(hybrid, 
     eng = hybrid.engine
     monkeypatch.setattr(eng, "prefill_chunk", 16)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8, 2, 8, 1], [4, 4]]
-    first = [hybrid.generate(p, max_new_tokens=1).token_ids for p in prompts]
+    alone = [eng.prefill(p, eng.new_state(16)) for p in prompts]
     calls = _counting_rows(monkeypatch, eng)
     batch = Batch(eng, set(), group_prefill=True)
     got = [batch.add(p, SamplingParams(max_new_tokens=5)) for p in prompts]
@@ -270,7 +270,11 @@ def test_a_burst_of_prompts_is_prefilled_in_forwards_that_fit_the_chunk(hybrid, 
     assert calls == [2, 2] and [len(r.out) for r in got[2:]] == [1, 1]
     while not all(r.done for r in got):
         batch.step()
-    assert [list(r.out)[:1] for r in got] == first and all(len(r.out) == 5 for r in got)
+    assert all(len(r.out) == 5 for r in got)
+    for r, logits in zip(got, alone):     # its first token alone, unless the top two are within rounding
+        top2 = logits.topk(2)
+        near_tie = top2.values[0] - top2.values[1] < 1e-3
+        assert r.out[0] == int(top2.indices[0]) or (near_tie and r.out[0] == int(top2.indices[1]))
 
 
 def test_requests_sharing_a_cached_prefix_are_not_prefilled_beside_each_other(monkeypatch):

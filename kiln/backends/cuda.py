@@ -90,7 +90,7 @@ class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, R
         """Compile and tune the kernels for `model`'s shapes (a cache hit measures nothing); with
         `max_batch` > 1 the projections also at the batched decode steps' row buckets (batch_buckets)."""
         t0 = time.perf_counter()
-        tuner, self._tuner = getattr(self, "_tuner", None), None    # precompile's, its jobs under way
+        tuner, self._tuner = self._tuner, None     # precompile's, its jobs under way
         if tuner is None or tuner.dtype != dtype:
             tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
         base = self.dense_workloads(type(model), model.cfg, max_batch, m_values)
