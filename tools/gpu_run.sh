@@ -9,7 +9,8 @@
 #   bash tools/gpu_run.sh gputests [FILE...] pytest -m gpu, one process a file (default: every file with a
 #                                            test marked gpu): a fault poisons the CUDA context for the rest
 #   bash tools/gpu_run.sh models             the bundled models, carried in chunks (tools/stage_models.sh)
-#   bash tools/gpu_run.sh tunecache          $KILN_CACHE_DIR/tune as $OUT/tune_cache[_<TAG>].tgz
+#   bash tools/gpu_run.sh tunecache          $KILN_CACHE_DIR/tune as $OUT/tune_cache[_<TAG>].tgz (a call brings
+#                                            back at most 8 files of $OUT: count them)
 # Environment: TAG (names the results, e.g. issue18_after), KILN_COMMIT (the JSON's kiln_commit: the
 # machine's copy of the tree has no usable .git), STEP_TIMEOUT (seconds, default 540), GPU_TEST_TIMEOUT
 # (a test file's seconds, default 150), KILN_CACHE_DIR (default /tmp/kiln-cache: it lasts while the
