@@ -119,20 +119,21 @@ class StateBatch(list):
     """One layer's state of each request in a batched decode step, in the batch's row order (row j
     is request j's token). The ops that read a request's own state (attention over its cache, the
     GDN recurrence) run once per request on its row (`kiln.models.base.per_request`); the
-    projections, norms and MLPs run on all rows at once, reading each weight once for the batch."""
+    projections, norms and MLPs run on all rows at once, reading each weight once for the batch.
+    Several prompts prefilled together (Engine.prefill_rows) give each request `rows[j]` rows."""
 
     slots: torch.Tensor | None = None   # each request's pool slot (int32, on the device), when all are pooled
     rows: list[int] | None = None       # several prompts prefilled together: each request's row count
+    # A step being captured as a CUDA graph: its per-layer objects stand in for the rows' states (the
+    # slots say whose), so an op that would run request by request cannot be captured.
+    whole_only = False
 
     def spans(self) -> list[tuple[int, int]]:
-        """Each request's rows [a, b) among the step's."""
+        """Each request's rows [a, b) among the step's: one each, or `rows` of them."""
         if self.rows is None:
             return [(j, j + 1) for j in range(len(self))]
         ends = list(itertools.accumulate(self.rows))
         return [(e - n, e) for n, e in zip(self.rows, ends)]
-    # A step being captured as a CUDA graph: its per-layer objects stand in for the rows' states (the
-    # slots say whose), so an op that would run request by request cannot be captured.
-    whole_only = False
 
 
 class SlotKV(KVCache):
