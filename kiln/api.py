@@ -272,11 +272,13 @@ class Generation:
 
 
 def expert_plan(slots: int | None, policy: str | None, home: str, host_memory: float | None, io_threads: int,
-                profile: str | Path | None, verify: str, direct_io: bool = False) -> ExpertPlan | None:
+                profile: str | Path | None, verify: str, direct_io: bool = False,
+                zero_copy: str = "auto") -> ExpertPlan | None:
     """The ExpertPlan the expert_* arguments ask for (None: the experts load resident)."""
     if slots is None and policy is None:
-        if profile is not None or home != "auto" or host_memory is not None or direct_io:
-            raise KilnError("--expert-home, --host-memory, --expert-profile and --direct-io apply to expert streaming: "
+        if profile is not None or home != "auto" or host_memory is not None or direct_io or zero_copy != "auto":
+            raise KilnError("--expert-home, --host-memory, --expert-profile, --direct-io and --zero-copy apply to "
+                            "expert streaming: "
                             "give --expert-cache-slots N or --expert-policy P")
         return None
     counts = None
@@ -286,7 +288,7 @@ def expert_plan(slots: int | None, policy: str | None, home: str, host_memory: f
         except (OSError, ValueError) as e:
             raise KilnError(f"--expert-profile {profile}: not a readable JSON routing profile ({e})") from None
     return ExpertPlan(policy or "lfu", EXPERT_SLOTS if slots is None else slots, home, host_memory, io_threads,
-                      counts, verify, direct_io)
+                      counts, verify, direct_io, zero_copy)
 
 
 # -- the device memory budget (docs/streaming.md): sized before any weight reaches the device ----------
@@ -429,7 +431,8 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
          check: Callable[[Tokenizer | None], None] | None = None, verify: str = "lazy",
          expert_cache_slots: int | None = None, expert_policy: str | None = None, expert_home: str = "auto",
          host_memory: float | None = None, io_threads: int = 8, expert_profile: str | Path | None = None,
-         direct_io: bool = False, gpu_memory: float | None = None, max_batch: int = 1) -> LLM:
+         direct_io: bool = False, zero_copy: str = "auto", gpu_memory: float | None = None,
+         max_batch: int = 1) -> LLM:
     """Load a model: a path (HF folder or GGUF file), a bundled model's name, or None (the default).
     A compiling backend tunes its kernels for the model here (`retune` measures again; `tune` pins
     op -> variant). Backend "auto" is cuda on a CUDA device, cpu for a GGUF file on the CPU (its quantised
@@ -441,8 +444,9 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     model's routed experts stay in their home (`expert_home` host or disk; auto: host unless they pass
     `host_memory` GB) and `expert_cache_slots` of each layer's (default 16) are cached on the device under
     `expert_policy` (lfu, lru, static with `expert_profile`'s routing counts, os), misses read by
-    `io_threads` threads (`direct_io`: O_DIRECT reads past the page cache). Decode then runs eagerly
-    (the misses are found on the host).
+    `io_threads` threads (`direct_io`: O_DIRECT reads past the page cache). Decode then runs eagerly.
+    `zero_copy` (auto, on, off; auto: on a CUDA device): experts homed in host memory are read in
+    place by the decode kernels where not in a slot, no copy waited for.
     `gpu_memory` GB: the core, the KV cache and state for the max context, a workspace and the expert
     slots fit inside it (the slots a layer computed unless given; every expert resident if they all
     fit); KilnError if the core, cache and workspace do not. On CUDA with no expert argument, a MoE
@@ -487,7 +491,7 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     else:
         slots = expert_cache_slots if memory is None else memory.slots
         plan = expert_plan(slots, expert_policy, expert_home, host_memory, io_threads, expert_profile, verify,
-                           direct_io)
+                           direct_io, zero_copy)
     if hasattr(ops, "precompile"):      # a cold start compiles its kernels while the weights load
         ops.precompile(*model_config(ckpt.config), dt, retune=retune, pins=tune, quiet=quiet, max_batch=max_batch)
     stage("budget")

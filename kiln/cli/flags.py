@@ -123,6 +123,9 @@ def add_expert_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--io-threads", type=positive_int, default=8, metavar="N", help="parallel expert reads (default 8)")
     g.add_argument("--direct-io", action="store_true",
                    help="read experts homed on disk with O_DIRECT, past the page cache (default: through it)")
+    g.add_argument("--zero-copy", choices=["auto", "on", "off"], default="auto",
+                   help="experts homed in host memory: the decode kernels read misses there in place, no "
+                        "copy first (auto: on a CUDA device; off copies each miss into a slot)")
     g.add_argument("--expert-profile", default=None, metavar="FILE",
                    help="routing counts (JSON, as --save-expert-profile writes) for the static policy")
     g.add_argument("--save-expert-profile", default=None, metavar="FILE",
@@ -174,7 +177,7 @@ def load_from_flags(a, check=None) -> LLM:
                 check=check, verify=getattr(a, "verify", "lazy"), expert_cache_slots=a.expert_cache_slots,
                 expert_policy=a.expert_policy, expert_home=a.expert_home, host_memory=a.host_memory,
                 io_threads=a.io_threads, expert_profile=a.expert_profile, direct_io=a.direct_io,
-                gpu_memory=a.gpu_memory, max_batch=getattr(a, "max_batch", 1))
+                zero_copy=a.zero_copy, gpu_memory=a.gpu_memory, max_batch=getattr(a, "max_batch", 1))
 
 
 def save_expert_profile(llm: LLM, a) -> None:

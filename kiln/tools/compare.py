@@ -242,7 +242,8 @@ def main(a) -> int:
                enforce_eager=getattr(a, "enforce_eager", False), retune=getattr(a, "retune", False),
                tune=parse_pins(getattr(a, "tune", None) or []), expert_cache_slots=a.expert_cache_slots,
                expert_policy=a.expert_policy, expert_home=a.expert_home, host_memory=a.host_memory,
-               io_threads=a.io_threads, expert_profile=a.expert_profile, verify=a.verify, direct_io=a.direct_io)
+               io_threads=a.io_threads, expert_profile=a.expert_profile, verify=a.verify, direct_io=a.direct_io,
+               zero_copy=a.zero_copy, gpu_memory=a.gpu_memory)
     say(f"kiln {type(llm.model).__name__} loaded in {llm.load_s:.1f} s")
     # a backend whose products run coarser than the model's dtype (the cpu backend's bf16 forms) is
     # judged at that precision: the reference's near-ties are that precision's

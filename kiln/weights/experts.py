@@ -13,6 +13,12 @@ Policies (per layer, `slots` experts):
   `slots` scratch slots, reloaded every step.
 - os: no cache of kiln's own: every needed expert is copied every step (the page cache caches).
 A step needing more experts than the slots hold runs in batches of ascending ids.
+
+Zero-copy (experts homed in pinned host memory, a backend whose MoE kernels read a host stack in
+place, a few rows a call: decode): no copy waits before the kernels. A device table maps each expert
+to its slot, or to its place in host memory, which the kernels read over the link; the layer's ids
+reach the host without a sync, and at the layer's next call the policy counts them and promotes
+(`SlotCache.admit`): lru any miss, lfu a miss used more often than the least used cached expert.
 """
 
 from __future__ import annotations
@@ -108,6 +114,35 @@ class SlotCache:
             self.slot_of[e] = free.pop(0)
             loads.append((e, self.slot_of[e]))
         return {e: self.slot_of[e] for e in batch}, loads
+
+    def admit(self, needed: list[int]) -> tuple[int, list[tuple[int, int, int | None]]]:
+        """Zero-copy: a step that read its misses in place (one tick of the clock). Returns its hits and
+        the promotions (expert, slot, evicted expert or None) into slots for the steps after: a free
+        slot first; then lru any miss, evicting the least recent cached expert not needed this step;
+        lfu a miss used more often than the least used such expert (most used misses first); static
+        and os none."""
+        self.clock += 1
+        for e in needed:
+            self.uses[e] += 1
+            self.last[e] = self.clock
+        hits = sum(e in self.slot_of for e in needed)
+        if self.policy in ("static", "os"):
+            return hits, []
+        missing = [e for e in needed if e not in self.slot_of]
+        if self.policy == "lfu":
+            missing.sort(key=lambda e: (-self.uses[e], e))
+        free = sorted(set(range(self.slots)) - set(self.slot_of.values()))
+        promos = []
+        for e in missing:
+            victim = None
+            if not free:
+                victim = min((x for x in self.slot_of if x not in needed), key=self._rank, default=None)
+                if victim is None or (self.policy == "lfu" and self.uses[e] <= self.uses[victim]):
+                    break
+                free.append(self.slot_of.pop(victim))
+            self.slot_of[e] = free.pop(0)
+            promos.append((e, self.slot_of[e], victim))
+        return hits, promos
 
     def _rank(self, e: int) -> tuple:
         """The victim is the lowest: lru the oldest use, lfu the fewest uses then the oldest; ties
@@ -251,7 +286,8 @@ def _copy_into(slot_stack, s: int, w) -> None:
 class Stats:
     hits: int = 0
     misses: int = 0
-    bytes: int = 0
+    bytes: int = 0          # over the link: copies into slots, and (zero-copy) misses read in place
+    promoted: int = 0       # zero-copy: experts copied into slots after the step that read them in place
     io_s: float = 0.0       # from a layer's reads submitted to their copies done
     wait_s: float = 0.0     # of which the step waited (the rest overlapped its hits' compute)
 
@@ -279,8 +315,11 @@ class ExpertStore:
     """Every streamed layer's home (host or disk), its slots on `device` and their SlotCache."""
 
     def __init__(self, homes: dict[str, object], device, policy: str = "lfu", slots: int = 16,
-                 io_threads: int = 8, profile: dict | None = None):
+                 io_threads: int = 8, profile: dict | None = None, zero_copy: bool = False):
         self.homes, self.device, self.policy = homes, torch.device(device), policy
+        self.zero_copy = zero_copy and all(isinstance(h, HostHome) for h in homes.values())
+        self.tables: dict[str, torch.Tensor] = {}          # zero-copy: expert -> slot, or -1 - expert (in place)
+        self.pending: dict[str, list] = {}                  # zero-copy: ids of calls not yet counted
         self.slots = slots
         self.caches = {p: SlotCache(slots, policy, _hot(profile, p, slots)) for p in homes}
         self.stacks: dict[str, dict[str, object]] = {}
@@ -340,11 +379,81 @@ class ExpertStore:
     def moe(self, ops, x, idx, weights, gate_up: ExpertStack, down: ExpertStack, act: str,
             gate: tuple | None = None) -> torch.Tensor:
         """The routed experts of x through the slots (plus Qwen's gated shared expert, gate = (gate_w,
-        shared)): the needed experts in ascending id, in batches that fit the slots. When one batch
+        shared)). Zero-copy where it applies (_in_place); otherwise (_copied) the needed experts in
+        ascending id, in batches that fit the slots. When one batch
         holds them all and the backend has kernels for slots (`slot_kernels`), its resident kernels run
         on them (`ops.moe_from_slots`, rows mapping each pair to its slot). Otherwise a batch's misses
         are read while its hits compute (`ops.expert_out`), then the misses compute, and the outputs
         are added in id order, as the reference adds them."""
+        layer = gate_up.layer
+        self._settle(layer)
+        self.zero_copy = self.zero_copy and getattr(ops, "mapped_rows", 0) > 0      # the backend has the kernels
+        if self.zero_copy and x.shape[0] <= ops.mapped_rows:
+            y = self._in_place(ops, x, idx, weights, gate_up, down, act, gate)
+            if y is not None:
+                return y
+        try:
+            return self._copied(ops, x, idx, weights, gate_up, down, act, gate)
+        finally:
+            if layer in self.tables:
+                self.tables[layer].copy_(self._table_values(layer, self.tables[layer].shape[0]))
+
+    def _in_place(self, ops, x, idx, weights, gate_up: ExpertStack, down: ExpertStack, act: str, gate):
+        """Zero-copy: every pair's expert read from its slot or in place in host memory, by the table;
+        the ids sent to the host without a wait, counted at the layer's next call (_settle). None where
+        the backend's kernels do not apply."""
+        layer = gate_up.layer
+        stacks, home = self._slots(layer), self.homes[layer]
+        if layer not in self.tables:
+            self.tables[layer] = self._table_values(layer, gate_up.shape[0]).to(self.device)
+        rows = self.tables[layer][idx]
+        host = (home.stacks[gate_up.name], home.stacks[down.name])
+        y = ops.moe_from_slots(x, idx, rows, weights, stacks[gate_up.name], stacks[down.name], act, gate, host=host)
+        if y is None:
+            return None
+        self.tokens[layer] = self.tokens.get(layer, 0) + x.shape[0]
+        if idx.is_cuda:
+            ids = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
+            ids.copy_(idx, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            ids, done = idx.clone(), None
+        self.pending.setdefault(layer, []).append((ids, done))
+        return y
+
+    def _table_values(self, layer: str, count: int) -> torch.Tensor:
+        """Each expert's slot, or -1 - expert where it is read in place."""
+        table = -1 - torch.arange(count, dtype=torch.int32)
+        for e, s in self.caches[layer].slot_of.items():
+            table[e] = s
+        return table
+
+    def _settle(self, layer: str) -> None:
+        """Zero-copy: the layer's earlier calls counted (their ids are on the host by now), and the
+        policy's promotions copied into slots; the table's entries change around the copies, in stream
+        order: an evicted expert is read in place before its slot is overwritten."""
+        for ids, done in self.pending.pop(layer, []):
+            if done is not None:
+                done.synchronize()
+            needed = sorted(set(ids.reshape(-1).tolist()))
+            self.trace.append((layer, needed))
+            hits, promos = self.caches[layer].admit(needed)
+            stats, home, table = self.stats[layer], self.homes[layer], self.tables[layer]
+            stats.hits += hits
+            stats.misses += len(needed) - hits
+            stats.promoted += len(promos)
+            stats.bytes += (len(needed) - hits + len(promos)) * home.nbytes()
+            for _, _, victim in promos:
+                if victim is not None:
+                    table[victim: victim + 1].fill_(-1 - victim)
+            for e, slot, _ in promos:
+                for n, w in home.read(e).items():
+                    _copy_into(self.stacks[layer][n], slot, w)
+                table[e: e + 1].fill_(slot)
+
+    def _copied(self, ops, x, idx, weights, gate_up: ExpertStack, down: ExpertStack, act: str, gate):
+        """The misses copied into slots before they compute (batches of ascending ids)."""
         layer = gate_up.layer
         needed = torch.unique(idx).tolist()
         self.trace.append((layer, needed))
@@ -381,6 +490,19 @@ class ExpertStore:
                 out.index_add_(0, tok, y.to(out.dtype))
         return out if gate is None else ops.shared_gate_add(out, x, *gate)
 
+    def reset(self, policy: str | None = None, profile: dict | None = None, zero_copy: bool | None = None) -> None:
+        """Empty slots and fresh counts, under another policy (and profile) or zero-copy choice if given:
+        one load measured under several (bench/stream_policies.py)."""
+        self.policy = policy or self.policy
+        if self.policy == "static" and not profile:
+            raise KilnError("expert policy static needs a routing profile (--expert-profile FILE)")
+        self.caches = {p: SlotCache(self.slots, self.policy, _hot(profile, p, self.slots)) for p in self.homes}
+        self.stats = {p: Stats() for p in self.homes}
+        self.stacks, self.tables, self.pending, self.tokens = {}, {}, {}, {}
+        self.trace.clear()
+        if zero_copy is not None:
+            self.zero_copy = zero_copy and all(isinstance(h, HostHome) for h in self.homes.values())
+
     def summary(self) -> dict:
         """Hit rate, misses and bytes moved per tier, summed over the layers (the bench's expert_store)."""
         tot = Stats()
@@ -389,7 +511,9 @@ class ExpertStore:
             tot.io_s, tot.wait_s = tot.io_s + s.io_s, tot.wait_s + s.wait_s
         seen = tot.hits + tot.misses
         tokens = sum(self.tokens.values()) / max(1, len(self.homes))      # rows through a layer
+        tot.promoted = sum(s.promoted for s in self.stats.values())
         return {"policy": self.policy, "slots": self.slots, "home": self.home_tier, "layers": len(self.homes),
+                "zero_copy": self.zero_copy, "promoted": tot.promoted,
                 "hits": tot.hits, "misses": tot.misses, "hit_rate": tot.hits / seen if seen else None,
                 "bytes": tot.bytes, "tokens": tokens, "bytes_per_token": tot.bytes / tokens if tokens else None,
                 "io_s": round(tot.io_s, 4), "wait_s": round(tot.wait_s, 4)}
@@ -423,6 +547,7 @@ def _hot(profile: dict | None, layer: str, slots: int) -> list[int]:
 # -- the plan: which layers stream, from where ------------------------------------------------------
 
 HOMES = ("auto", "host", "disk")
+ZERO_COPY = ("auto", "on", "off")
 
 
 @dataclass
@@ -439,6 +564,7 @@ class ExpertPlan:
     profile: dict | None = None
     verify: str = "lazy"            # a packed directory's expert files hashed at first use unless "off"
     direct_io: bool = False         # disk home: O_DIRECT reads, past the page cache
+    zero_copy: str = "auto"         # host home: misses read in place by the kernels (auto: on a CUDA device)
 
     def store(self, ckpt, shapes: dict, dtype, device) -> tuple[ExpertStore, dict[str, ExpertStack]]:
         """The store and one handle a routed-expert stack of the model (its weight names)."""
@@ -465,7 +591,12 @@ class ExpertPlan:
             for n in names:
                 w = convert(ckpt.load(n))
                 homes.setdefault(prefix[n], HostHome({})).stacks[n] = _pinned(w) if pin else w
-        store = ExpertStore(homes, device, self.policy, self.slots, self.io_threads, self.profile)
+        if self.zero_copy not in ZERO_COPY:
+            raise KilnError(f"zero copy must be one of {', '.join(ZERO_COPY)}, not {self.zero_copy!r}")
+        if self.zero_copy == "on" and home != "host":
+            raise KilnError("--zero-copy on reads experts homed in host memory (--expert-home host)")
+        zero = self.zero_copy == "on" or (self.zero_copy == "auto" and torch.device(device).type == "cuda")
+        store = ExpertStore(homes, device, self.policy, self.slots, self.io_threads, self.profile, zero)
         return store, {n: store.handle(prefix[n], n, shapes[n]) for n in names}
 
 

@@ -304,3 +304,86 @@ def test_a_saved_profile_drives_the_static_policy(packed, resident, tmp_path):
         assert cache.hot == [int(e) for e, _ in top]
     assert cli_main(["run", str(packed), "--device", "cpu", "--prompt-ids", ids, "--quiet",
                      "--save-expert-profile", str(prof)]) == 2         # not streamed: refused before the load
+
+
+# -- zero-copy: misses read in place by the cuda backend's decode kernels -----------------------------
+
+def simulate_in_place(policy: str, slots: int, steps: list[list[int]], hot: list[int]) -> tuple[int, int, int]:
+    """(hits, misses, promotions) of one layer whose misses are read in place, by docs/streaming.md's
+    rules: the clock ticks once a step; after it, free slots take misses first, then lru promotes any
+    miss over the least recent cached expert not needed, lfu a miss used more often than the least
+    used such expert (most used misses first); static (its hot set fixed) and os never promote."""
+    cache, uses, last, hits, misses, promoted = set(hot), Counter(), {}, 0, 0, 0
+    for clock, needed in enumerate(steps, 1):
+        for e in needed:
+            uses[e] += 1
+            last[e] = clock
+        missing = [e for e in needed if e not in cache]
+        hits, misses = hits + len(needed) - len(missing), misses + len(missing)
+        if policy in ("static", "os"):
+            continue
+        rank = (lambda x: (last[x], x)) if policy == "lru" else (lambda x: (uses[x], last[x], x))
+        for e in sorted(missing, key=lambda e: (-uses[e], e)) if policy == "lfu" else missing:
+            if len(cache) == slots:
+                others = cache - set(needed)
+                victim = min(others, key=rank) if others else None
+                if victim is None or (policy == "lfu" and uses[e] <= uses[victim]):
+                    break
+                cache.remove(victim)
+            cache.add(e)
+            promoted += 1
+    return hits, misses, promoted
+
+
+@pytest.mark.parametrize("policy", ("lfu", "lru", "static", "os"))
+def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(policy):
+    """One token a call, 2 of 8 quantised experts, 3 slots, the cuda backend's MoE op (Triton's
+    interpreter on CPU) with zero-copy on: each pair's expert is read from its slot or in place in the
+    host stack (a negative row), so every output is the resident op's bit for bit, plain and gated;
+    the hits, misses, promotions and bytes equal simulate_in_place over the recorded routing."""
+    pytest.importorskip("triton")
+    from kiln.backends.cuda import CudaOps
+    from kiln.ops.quant import kernels
+    from kiln.ops.quant.reference import quantize
+    from kiln.weights.experts import ExpertStore, HostHome
+
+    e, k, h, i, dt, slots = 8, 2, 64, 64, torch.bfloat16, 3
+    g = torch.Generator().manual_seed(1)
+    gate_up = quantize((torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(dt), 4, 64)
+    down = quantize((torch.randn(e, h, i, generator=g) * i ** -0.5).to(dt), 4, 64)
+    profile = {"l.": {"3": 9, "1": 5, "6": 2, "0": 1}}
+    store = ExpertStore({"l.": HostHome({"l.gu": gate_up, "l.dn": down})}, "cpu", policy, slots,
+                        profile=profile if policy == "static" else None, zero_copy=True)
+    gu_h, dn_h = store.handle("l.", "l.gu", gate_up.shape), store.handle("l.", "l.dn", down.shape)
+    ops, hosts, real = CudaOps(torch.device("cpu")), [], kernels.qgemv_pairs
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "qgemv_pairs", lambda *a, **kw: hosts.append(int((a[2] < 0).sum())) or real(*a, **kw))
+        for step, pick in enumerate([3, 1, 5, 3, 1, 0, 7, 3, 2, 1]):    # a popular expert, then another
+            x = torch.randn(1, h, generator=g).to(dt)
+            idx = torch.tensor([[pick, (pick + 1 + step) % e]])
+            w = torch.rand(1, k, generator=g).to(dt)
+            if step % 2:
+                gate_w, shared = torch.randn(1, h, generator=g).to(dt), torch.randn(1, h, generator=g).to(dt)
+                assert torch.equal(ops.moe_experts_gated(x, idx, w, gu_h, dn_h, "silu", gate_w, shared),
+                                   ops.moe_experts_gated(x, idx, w, gate_up, down, "silu", gate_w, shared)), step
+            else:
+                assert torch.equal(ops.moe_experts(x, idx, w, gu_h, dn_h, "silu"),
+                                   ops.moe_experts(x, idx, w, gate_up, down, "silu")), step
+    store.moe(ops, x, idx, w, gu_h, dn_h, "silu")          # settles the last call's ids
+    assert sum(hosts) > 0 and store.zero_copy           # some pairs were read in place
+    steps = [needed for _, needed in store.trace]       # every call but the last, still pending
+    assert len(steps) == 10
+    stats = store.stats["l."]
+    hits, misses, promoted = simulate_in_place(policy, slots, steps, store.caches["l."].hot)
+    assert (stats.hits, stats.misses, stats.promoted) == (hits, misses, promoted), policy
+    assert stats.bytes == (misses + promoted) * store.homes["l."].nbytes()
+    assert (promoted > 0) == (policy in ("lfu", "lru"))
+
+
+def test_the_in_place_simulation_counts_a_known_sequence():
+    """lru, 2 slots: 1,2 fill the slots; 1 hits; 3 evicts 2 (older); 2 evicts 1. lfu: 3 (one use) is
+    not promoted over 2 (one use); 2 hits; 3's second use is not promoted over 1 (two uses)."""
+    assert simulate_in_place("lru", 2, [[1, 2], [1], [3], [2]], []) == (1, 4, 4)
+    assert simulate_in_place("lfu", 2, [[1, 2], [1], [3], [2], [3]], []) == (2, 4, 2)
+    assert simulate_in_place("os", 2, [[1, 2], [1]], []) == (0, 3, 0)
+    assert simulate_in_place("static", 1, [[1, 2, 3]], [2]) == (1, 2, 0)

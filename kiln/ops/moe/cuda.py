@@ -9,7 +9,7 @@ import torch
 from ...weights.experts import ExpertStack
 from ..dispatch import TunedOps
 from ..gemm.reference import ACTIVATIONS
-from ..quant.cuda import dequantised_stacks, quant_moe
+from ..quant.cuda import GEMV_ROWS, dequantised_stacks, quant_moe
 from . import kernels
 from .reference import MoeReference
 
@@ -26,6 +26,8 @@ def dense(*ws) -> bool:
 
 class MoeCuda(TunedOps, MoeReference):
     slot_kernels = True       # streamed experts: moe_from_slots runs the resident decode kernels
+    mapped_rows = GEMV_ROWS   # ... and up to this many rows reads host experts in place (zero-copy)
+
     def router_topk(self, logits, k, renormalize=True):
         if (self.on("moe", logits) and logits.dim() == 2 and logits.dtype in kernels.SUPPORTED
                 and logits.shape[1] <= kernels.ROUTER_MAX_EXPERTS and k <= logits.shape[1]):
@@ -73,13 +75,14 @@ class MoeCuda(TunedOps, MoeReference):
             return self._moe_one_token(x, idx, weights, gate_up, down, act)
         return super().moe_experts(x, idx, weights, gate_up, down, act)
 
-    def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act, gate=None):
-        """Streamed experts whose every needed one sits in a slot: the resident decode's kernels, the
-        weights read from slot rows[pair] (quant_moe), the combine in expert id order. None where
-        those kernels do not apply (the store then adds expert by expert)."""
+    def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act, gate=None, host=None):
+        """Streamed experts whose every needed one sits in a slot (or, with `host`, the gate_up and down
+        stacks in mapped host memory, in place there: a negative row names expert -1 - row): the
+        resident decode's kernels, the weights read from slot rows[pair] (quant_moe), the combine in
+        expert id order. None where those kernels do not apply (the store then adds expert by expert)."""
         if gate is not None and not (dense(gate[0]) and gate[0].shape[0] == 1 and gate[1].shape == x.shape):
             return None
-        return quant_moe(self, x, idx, weights, gate_up, down, act, gate, rows=rows)
+        return quant_moe(self, x, idx, weights, gate_up, down, act, gate, rows=rows, host=host)
 
     def _dequantised(self, x, gate_up, down):
         """Quantised stacks past the routed GEMVs (a prefill chunk): both dequantised whole, one launch

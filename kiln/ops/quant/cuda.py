@@ -41,19 +41,21 @@ def quant_embed(ops, ids, table: QuantizedWeight):
 
 
 def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWeight, act: str, gate=None,
-              rows: torch.Tensor | None = None):
+              rows: torch.Tensor | None = None, host: tuple | None = None):
     """The routed experts on quantised [E, rows, cols] stacks in three launches: every (token, slot)
     pair's gate|up GEMV, the down GEMV computing act(g) * u as it loads and weighting its output, then
     the MoE family's combine (with Qwen's gated shared expert: gate = (gate_w, shared)). The same
     roundings as MoeReference. None where the family is off or the stacks do not fit (an activation
     the prologue lacks, bits that cross words): the caller's reference then runs. `rows` (idx's shape):
     the stack row holding each pair's expert where it is not the expert's id (streamed experts' slots);
-    the combine still adds in expert id order."""
+    the combine still adds in expert id order. `host` (gate_up, down stacks in mapped host memory): a
+    negative row names expert -1 - row there, read in place (streamed experts' misses)."""
     if not (ops.on("quant", x) and isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
             and gate_up.packed.dim() == down.packed.dim() == 3 and x.dim() == 2 and act in kernels.ACTS
             and x.shape[0] <= GEMV_ROWS     # more tokens: the reference's per-expert GEMMs re-read less
             and (gate is None or gate[0].dtype == gate[1].dtype == x.dtype)
-            and all(32 % w.bits == 0 and w.dtype == x.dtype for w in (gate_up, down))):
+            and all(32 % w.bits == 0 and w.dtype == x.dtype for w in (gate_up, down))
+            and (host is None or all(h.packed.shape[1:] == w.packed.shape[1:] for h, w in zip(host, (gate_up, down))))):
         return None
     e, i2, h = gate_up.shape
     up_shape = kernels.QGemvShape(1, i2, h, gate_up.bits, gate_up.group_size)
@@ -64,9 +66,11 @@ def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWei
     t, k = idx.shape
     pairs, flat = t * k, (idx if rows is None else rows).reshape(-1).contiguous()
     gu = x.new_empty((pairs, i2))
-    kernels.qgemv_pairs(x.contiguous(), gate_up, flat, v_up, gu, xdiv=k)
+    host_up, host_down = host if host is not None else (None, None)
+    kernels.qgemv_pairs(x.contiguous(), gate_up, flat, v_up, gu, xdiv=k, host=host_up)
     y = x.new_empty((pairs, h))
-    kernels.qgemv_pairs(gu, down, flat, v_down, y, xdiv=1, act=act, rw=weights.reshape(-1).contiguous())
+    kernels.qgemv_pairs(gu, down, flat, v_down, y, xdiv=1, act=act, rw=weights.reshape(-1).contiguous(),
+                        host=host_down)
     out = torch.empty_like(x)
     moe_kernels.combine(y, idx.contiguous(), out, x, gate)
     return out

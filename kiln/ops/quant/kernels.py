@@ -247,7 +247,8 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
                      SPLIT_K: tl.constexpr, RNE: tl.constexpr, PF: tl.constexpr = False, X3: tl.constexpr = False,
                      ACT: tl.constexpr = -1, nw_ptr=None, r_ptr=None, sum_ptr=None, eps=1e-6,
                      NORM: tl.constexpr = 0, STYLE: tl.constexpr = 0, KP: tl.constexpr = 16,
-                     idx_ptr=None, rw_ptr=None, XDIV: tl.constexpr = 0, PDL: tl.constexpr = False):
+                     idx_ptr=None, rw_ptr=None, XDIV: tl.constexpr = 0, PDL: tl.constexpr = False,
+                     hq_ptr=None, hs_ptr=None, hb_ptr=None, HOST: tl.constexpr = False):
     """The FMA form a word at a time (bits dividing 32): program (column block, split) streams
     [BN, NG, WG] tiles of words (BW = NG whole groups of WG words a step) and their [BN, NG] scales
     and biases, adds fma_words elementwise over the steps and reduces once a row. PF: the next step's
@@ -259,7 +260,8 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
     gemv_kernel does. Split-K as gemv_kernel's serial form. XDIV > 0: routed experts, program axis 2
     the (token, slot) pair: the weights are expert idx[pair] of [E, N, K] stacks, x row pair // XDIV,
     y row pair, M = 1, no split; with rw_ptr the output is weighted by the pair's routing weight as
-    the MoE kernels weight it."""
+    the MoE kernels weight it. HOST (streamed experts read in place): a negative idx[pair] names expert
+    -1 - idx of the [E, N, K] stack at hq/hs/hb (mapped host memory) instead of a slot of q/s/b."""
     PER: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = K // PER
     GROUPS: tl.constexpr = K // G
@@ -271,6 +273,10 @@ def qgemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr, M, N:
         pdl_wait(PDL)      # idx is the router's output, written by the kernel just before
         pair = tl.program_id(2).to(tl.int64)
         e = tl.load(idx_ptr + pair).to(tl.int64)
+        if HOST:
+            if e < 0:
+                e = -1 - e
+                q_ptr, s_ptr, b_ptr = hq_ptr, hs_ptr, hb_ptr
         q_ptr += e * (N * WORDS)
         s_ptr += e * (N * GROUPS)
         b_ptr += e * (N * GROUPS)
@@ -394,15 +400,19 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
 
 
 def qgemv_pairs(x: torch.Tensor, w: QuantizedWeight, idx: torch.Tensor, v: Variant, y: torch.Tensor,
-                xdiv: int, act: str | None = None, rw: torch.Tensor | None = None) -> torch.Tensor:
+                xdiv: int, act: str | None = None, rw: torch.Tensor | None = None,
+                host: QuantizedWeight | None = None) -> torch.Tensor:
     """Routed experts' projections, one launch: y[pair] = pro(x[pair // xdiv]) @ dequantize(w[idx[pair]])^T
     (weighted by rw[pair] when given) for every pair of idx (flattened); w an [E, N, K] stack, v an
-    unsplit fma form."""
+    unsplit fma form. `host`: a stack like w in mapped host memory, read in place for a pair whose
+    idx is negative (expert -1 - idx)."""
     p, n, k = v.p, w.shape[-2], w.shape[-1]
     pairs = idx.numel()
     assert p.get("fma") and p["sk"] == 1, f"{v.name}: routed experts take an unsplit fma form"
     if pairs:
         extra = {"rw_ptr": rw} if rw is not None else {}
+        if host is not None:
+            extra.update(hq_ptr=host.packed, hs_ptr=host.scales, hb_ptr=host.biases, HOST=True)
         qgemv_fma_kernel[(cdiv(n, p["bn"]), 1, pairs)](x, w.packed, w.scales, w.biases, y, y, y, 1, N=n, K=k,
                                                        BITS=w.bits, G=w.group_size, BN=p["bn"], BW=p["bw"],
                                                        SPLIT_K=1, RNE=rne_flag(x.dtype), PF=p.get("pf", False),

@@ -1,0 +1,147 @@
+"""Streamed experts' decode under each policy and read mode, one load (issue 21; docs/streaming.md).
+
+    PYTHONPATH=. python3 bench/stream_policies.py OUT.json --model synth:gemma4-26b-a4b:bits=4:router=8
+        [--gpu-memory 3] [--max-context 4096] [--slots N] [--policies lfu,lru,os,static]
+        [--zero-copy on,off] [--prompt-length 512] [--gen 64] [--home host|disk]
+
+Loads the model once with its routed experts streamed, measures the link first (pinned host to
+device: a copy's GB/s, and a kernel reading mapped host memory in place), then for each zero-copy
+choice and policy: empty slots, a seeded random prompt prefilled, --gen greedy decode steps timed
+(eager: streamed models do not run CUDA graphs). Counts are the decode's alone (reset after the
+prefill). Per run: tok/s, hit rate, promotions, bytes a token over the link, and the I/O bound:
+the tok/s those bytes allow at the measured bandwidth of the way they moved (in place or copied).
+static's hot set is the profile of the first lfu run of the same read mode (in-sample: says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+import kiln
+from kiln.fsutil import write_atomic
+from kiln.tools.benchutil import command_line, environment, now_iso
+
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        """Each program sums its BLOCK words of x (mapped host memory read in place)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(tl.load(x_ptr + offs, mask=offs < n, other=0), axis=0))
+except ImportError:       # CPU-only: no link to measure
+    triton = None
+
+
+def link_gb_s(dev, nbytes: int = 1 << 30) -> dict:
+    """Pinned host -> device: copy GB/s and in-place read GB/s (best of 3 each)."""
+    if dev.type != "cuda" or triton is None:
+        return {"copy": None, "in_place": None}
+    host = torch.ones(nbytes // 4, dtype=torch.int32).pin_memory()
+    dst = torch.empty_like(host, device=dev)
+    block = 4096
+    out = torch.empty(triton.cdiv(host.numel(), block), dtype=torch.int32, device=dev)
+    best = {"copy": 0.0, "in_place": 0.0}
+    for _ in range(3):
+        for kind in best:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            if kind == "copy":
+                dst.copy_(host, non_blocking=True)
+            else:
+                _read_kernel[(out.numel(),)](host, out, host.numel(), BLOCK=block)
+            torch.cuda.synchronize()
+            best[kind] = max(best[kind], nbytes / (time.perf_counter() - t) / 1e9)
+    assert int(out.sum()) == host.numel()       # the kernel read every word
+    return {k: round(v, 1) for k, v in best.items()}
+
+
+COUNTS = ("hits", "misses", "bytes", "promoted", "tokens")
+
+
+def run(llm, prompt: list[int], gen: int) -> tuple[float, dict, list[int]]:
+    """Prefill and one decode step, then `gen` greedy decode steps timed: their tok/s, the store's
+    counts over them alone, and every token chosen."""
+    eng, store = llm.engine, llm.model.expert_store
+    state = eng.new_state(len(prompt) + gen + 2)
+    tokens = [int(eng.prefill(prompt, state).argmax())]
+    tokens.append(int(eng.decode_step(tokens[-1], len(prompt), state).argmax()))
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    sync()
+    before = store.summary()
+    t = time.perf_counter()
+    for k in range(gen):
+        tokens.append(int(eng.decode_step(tokens[-1], len(prompt) + 1 + k, state).argmax()))
+    sync()
+    seconds = time.perf_counter() - t
+    after = store.summary()
+    counts = {c: after[c] - before[c] for c in COUNTS}
+    return gen / seconds, counts, tokens
+
+
+def measure(llm, prompt, gen: int, zero_copy: bool, policy: str, profile, link: dict) -> dict:
+    store = llm.model.expert_store
+    store.reset(policy, profile, zero_copy)
+    tok_s, c, tokens = run(llm, prompt, gen)
+    seen = c["hits"] + c["misses"]
+    per_token = c["bytes"] / c["tokens"] if c["tokens"] else None      # bytes summed over layers, rows a layer
+    bw = link["in_place" if store.zero_copy else "copy"]
+    bound = bw * 1e9 / per_token if bw and per_token else None
+    row = {"zero_copy": store.zero_copy, "policy": policy, "slots": store.slots, "decode_tok_s": round(tok_s, 2),
+           "hit_rate": round(c["hits"] / seen, 4) if seen else None, "promoted_per_token": c["promoted"] / gen,
+           "bytes_per_token": per_token, "io_bound_tok_s": round(bound, 1) if bound else None,
+           "of_bound": round(tok_s / bound, 3) if bound else None, "tokens": tokens}
+    print(f"zero-copy {'on ' if store.zero_copy else 'off'} {policy:6s} {tok_s:7.2f} tok/s  hit "
+          f"{row['hit_rate']}  {per_token / 1e9 if per_token else 0:.3f} GB a token  bound "
+          f"{row['io_bound_tok_s']}  ({row['of_bound']})", file=sys.stderr)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--model", default="synth:gemma4-26b-a4b:bits=4:router=8")
+    ap.add_argument("--gpu-memory", type=float, default=3.0)
+    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--slots", type=int, default=None, help="slots a layer (default: what --gpu-memory fits)")
+    ap.add_argument("--policies", default="lfu,lru,os,static")
+    ap.add_argument("--zero-copy", default="on,off")
+    ap.add_argument("--home", default="auto")
+    ap.add_argument("--prompt-length", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=64)
+    a = ap.parse_args()
+    llm = kiln.load(a.model, gpu_memory=a.gpu_memory, max_context=a.max_context, expert_cache_slots=a.slots,
+                    expert_policy="lfu", expert_home=a.home, quiet=False)
+    dev = llm.engine.device
+    link = link_gb_s(dev)
+    print(f"link: copy {link['copy']} GB/s, read in place {link['in_place']} GB/s", file=sys.stderr)
+    prompt = torch.randint(0, llm.model.cfg.vocab_size, (a.prompt_length,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    rows, store = [], llm.model.expert_store
+    for zc in a.zero_copy.split(","):
+        profile = None
+        for policy in a.policies.split(","):
+            if policy == "static" and profile is None:
+                continue
+            rows.append(measure(llm, prompt, a.gen, zc == "on", policy, profile, link))
+            if policy == "lfu":
+                profile = store.profile()
+    command = command_line().replace("kiln ", "python3 bench/stream_policies.py ", 1)
+    report = {**environment(dev), "date": now_iso(), "command": command,
+              "model": a.model, "gpu_memory": a.gpu_memory, "max_context": a.max_context,
+              "memory_plan": llm.memory.summary() if getattr(llm, "memory", None) else None,
+              "home": store.home_tier, "layers": len(store.homes),
+              "expert_bytes": next(iter(store.homes.values())).nbytes(),
+              "link_gb_s": link, "prompt_length": a.prompt_length, "gen": a.gen, "runs": rows,
+              "same_tokens": len({tuple(r["tokens"]) for r in rows}) == 1}
+    write_atomic(a.out, lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()))
+
+
+if __name__ == "__main__":
+    main()
