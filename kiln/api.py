@@ -444,9 +444,10 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     model's routed experts stay in their home (`expert_home` host or disk; auto: host unless they pass
     `host_memory` GB) and `expert_cache_slots` of each layer's (default 16) are cached on the device under
     `expert_policy` (lfu, lru, static with `expert_profile`'s routing counts, os), misses read by
-    `io_threads` threads (`direct_io`: O_DIRECT reads past the page cache). Decode then runs eagerly.
-    `zero_copy` (auto, on, off; auto: on a CUDA device): experts homed in host memory are read in
-    place by the decode kernels where not in a slot, no copy waited for.
+    `io_threads` threads (`direct_io`: O_DIRECT reads past the page cache). Decode then runs eagerly,
+    except with `zero_copy` (auto, on, off; auto: on a CUDA device): quantised experts homed in host
+    memory are read in place by the decode kernels where not in a slot, no copy waited for, and the
+    decode step runs as a CUDA graph.
     `gpu_memory` GB: the core, the KV cache and state for the max context, a workspace and the expert
     slots fit inside it (the slots a layer computed unless given; every expert resident if they all
     fit); KilnError if the core, cache and workspace do not. On CUDA with no expert argument, a MoE
@@ -510,10 +511,10 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     eos = eos_ids(ckpt.config, ckpt.generation)
     if tokenizer is not None:
         eos += [i for i in tokenizer.eos_ids if i not in eos]
-    streamed = getattr(net, "expert_store", None) is not None
+    store = getattr(net, "expert_store", None)      # streamed: graphs only where no step reads the host
     engine = Engine(net, dt, dev, limit, prefill_chunk=ops.prefill_chunk,
-                    graphs=ops.graphs and not enforce_eager and not streamed,
-                    quiet=quiet)
+                    graphs=ops.graphs and not enforce_eager and (store is None or store.graph_safe),
+                    batch_graphs=store is None, quiet=quiet)
     if memory is not None and memory.batch:
         engine.pool_limit = (memory.batch, memory.batch_context)    # the budget's batch slots
     stage("engine")

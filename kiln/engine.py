@@ -66,7 +66,7 @@ PREFIX_ENTRIES = 8      # ... for this many prefixes, the least recently used dr
 
 class Engine:
     def __init__(self, model, dtype, device, max_context: int, prefill_chunk: int = 512,
-                 graphs: bool = False, quiet: bool = True):
+                 graphs: bool = False, quiet: bool = True, batch_graphs: bool = True):
         self.model, self.dtype, self.device = model, dtype, torch.device(device)
         self.max_context, self.prefill_chunk = max_context, prefill_chunk
         self.quiet = quiet
@@ -81,7 +81,7 @@ class Engine:
         self._pool: SlotPool | None = None
         self.pool_limit: tuple[int, int] | None = None    # (slots, context) a --gpu-memory budget planned
         self._batch_graphs: BatchGraphs | None = None      # the pool's batched steps as graphs
-        self.batch_graphs_on = graphs and self.device.type == "cuda"
+        self.batch_graphs_on = graphs and batch_graphs and self.device.type == "cuda"
         if graphs and self.device.type == "cuda":   # dropped at the first state if it is not graphable
             self.graph = DecodeGraph(model, self.device)
 

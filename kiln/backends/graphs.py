@@ -45,6 +45,7 @@ def signature(state: list) -> tuple:
 class DecodeGraph:
     def __init__(self, model, device: torch.device):
         self.model, self.device = model, device
+        self.store = getattr(model, "expert_store", None)
         self.ids = torch.zeros(1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -74,6 +75,8 @@ class DecodeGraph:
             if not self._try_capture(state, key, quiet):
                 return self._body(state)[-1]
         self.graph.replay()
+        if self.store is not None:      # streamed experts read in place: the replay's ids counted later
+            self.store.replayed()
         for layer in state:
             layer.length += 1
         return self.logits[-1]

@@ -320,6 +320,8 @@ class ExpertStore:
         self.zero_copy = zero_copy and all(isinstance(h, HostHome) for h in homes.values())
         self.tables: dict[str, torch.Tensor] = {}          # zero-copy: expert -> slot, or -1 - expert (in place)
         self.pending: dict[str, list] = {}                  # zero-copy: ids of calls not yet counted
+        self.log: torch.Tensor | None = None                # zero-copy in a CUDA graph: each layer's ids a replay
+        self.logged: dict[str, int] = {}                    # ... the layers captured writing it, their rows
         self.slots = slots
         self.caches = {p: SlotCache(slots, policy, _hot(profile, p, slots)) for p in homes}
         self.stacks: dict[str, dict[str, object]] = {}
@@ -386,7 +388,9 @@ class ExpertStore:
         are read while its hits compute (`ops.expert_out`), then the misses compute, and the outputs
         are added in id order, as the reference adds them."""
         layer = gate_up.layer
-        self._settle(layer)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing:           # (a capture only records kernels: the counting waits for replayed)
+            self._settle(layer)
         self.zero_copy = self.zero_copy and getattr(ops, "mapped_rows", 0) > 0      # the backend has the kernels
         if self.zero_copy and x.shape[0] <= ops.mapped_rows:
             y = self._in_place(ops, x, idx, weights, gate_up, down, act, gate)
@@ -411,6 +415,9 @@ class ExpertStore:
         y = ops.moe_from_slots(x, idx, rows, weights, stacks[gate_up.name], stacks[down.name], act, gate, host=host)
         if y is None:
             return None
+        if idx.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._log(layer, idx)
+            return y
         self.tokens[layer] = self.tokens.get(layer, 0) + x.shape[0]
         if idx.is_cuda:
             ids = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
@@ -421,6 +428,36 @@ class ExpertStore:
             ids, done = idx.clone(), None
         self.pending.setdefault(layer, []).append((ids, done))
         return y
+
+    @property
+    def graph_safe(self) -> bool:
+        """Decode can run as a CUDA graph: zero-copy on quantised experts (no host read inside a step)."""
+        return self.zero_copy and all(isinstance(w, QuantizedWeight) for h in self.homes.values()
+                                      for w in h.stacks.values())
+
+    def _log(self, layer: str, idx: torch.Tensor) -> None:
+        """Inside a capture: the layer's ids copied into its row of the graph's log, which replayed()
+        sends to the host after each replay."""
+        if self.log is None or self.log.shape[1] != idx.numel():
+            self.log, self.logged = idx.new_empty((len(self.homes), idx.numel())), {}
+        self.logged[layer] = idx.shape[0]
+        self.log[list(self.homes).index(layer)].copy_(idx.reshape(-1))
+
+    def replayed(self) -> None:
+        """After a decode graph's replay (queued, not waited for): the earlier calls counted and their
+        promotions queued, then this replay's ids sent to the host, counted at the next."""
+        for layer in self.logged:
+            self._settle(layer)
+        if self.log is None:
+            return
+        ids = torch.empty(self.log.shape, dtype=self.log.dtype, pin_memory=True)
+        ids.copy_(self.log, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        order = list(self.homes)
+        for layer, rows in self.logged.items():
+            self.pending.setdefault(layer, []).append((ids[order.index(layer)], done))
+            self.tokens[layer] = self.tokens.get(layer, 0) + rows
 
     def _table_values(self, layer: str, count: int) -> torch.Tensor:
         """Each expert's slot, or -1 - expert where it is read in place."""
@@ -492,16 +529,31 @@ class ExpertStore:
 
     def reset(self, policy: str | None = None, profile: dict | None = None, zero_copy: bool | None = None) -> None:
         """Empty slots and fresh counts, under another policy (and profile) or zero-copy choice if given:
-        one load measured under several (bench/stream_policies.py)."""
+        one load measured under several (bench/stream_policies.py). A decode graph captured before
+        keeps its read mode, and its slots unless the capacity stays: the caller drops it."""
         self.policy = policy or self.policy
         if self.policy == "static" and not profile:
             raise KilnError("expert policy static needs a routing profile (--expert-profile FILE)")
         self.caches = {p: SlotCache(self.slots, self.policy, _hot(profile, p, self.slots)) for p in self.homes}
         self.stats = {p: Stats() for p in self.homes}
-        self.stacks, self.tables, self.pending, self.tokens = {}, {}, {}, {}
+        self.pending, self.tokens = {}, {}
         self.trace.clear()
         if zero_copy is not None:
             self.zero_copy = zero_copy and all(isinstance(h, HostHome) for h in self.homes.values())
+        for layer in [p for p, st in self.stacks.items() if self._count(st) != self.caches[p].capacity]:
+            del self.stacks[layer]      # static's scratch slots: made again at the next call
+            self.tables.pop(layer, None)
+        with torch.inference_mode():    # (the forward made them in inference mode)
+            for layer in self.stacks:       # the same tensors (a captured graph reads them), emptied
+                if loads := self.caches[layer].preload():
+                    self._load(layer, loads, count=False)
+            for layer, table in self.tables.items():
+                table.copy_(self._table_values(layer, table.shape[0]))
+
+    @staticmethod
+    def _count(stacks: dict) -> int:
+        w = next(iter(stacks.values()))
+        return (w.packed if isinstance(w, QuantizedWeight) else w).shape[0]
 
     def summary(self) -> dict:
         """Hit rate, misses and bytes moved per tier, summed over the layers (the bench's expert_store)."""

@@ -278,6 +278,10 @@ def test_streaming_refusals_are_one_line_errors(packed, tmp_path):
         load(packed, expert_home="disk")
     with pytest.raises(KilnError, match="must be at least 1"):
         load(packed, expert_cache_slots=0)
+    with pytest.raises(KilnError, match="apply to expert streaming"):
+        load(packed, zero_copy="on")
+    with pytest.raises(KilnError, match="homed in host memory"):
+        load(packed, expert_cache_slots=2, expert_home="disk", zero_copy="on")
     bad = tmp_path / "p.json"
     bad.write_text("{not json")
     with pytest.raises(KilnError, match="--expert-profile"):
