@@ -375,14 +375,16 @@ def test_quantised_embedding_equals_the_reference_bit_for_bit(bits, group):
 
 # -- routed experts ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("dtype,act", ((torch.float32, "silu"), (torch.bfloat16, "silu"),
+                                       (torch.bfloat16, "gelu_pytorch_tanh")))
 @pytest.mark.parametrize("tokens", (1, 3))
-def test_quantised_moe_equals_the_reference(dtype, tokens):
+def test_quantised_moe_equals_the_reference(dtype, act, tokens):
     """Every (token, slot) pair's gate|up GEMV on its expert's packed stack, the down GEMV with act(g) * u
     in its prologue and the routing weight in its epilogue, then the combine (with and without Qwen's
     gated shared expert): MoeReference on the dequantised experts, the same roundings, so f32 agrees to
-    its summation order and bf16 to an ulp or two where a rounding lands the other way."""
-    check_quant_moe(4, 2, 128, 64, tokens, dtype, down_bits=8, down_group=32)
+    its summation order and bf16 to an ulp or two where a rounding lands the other way. Gemma 4's GELU
+    (tanh form) too: the kernel's g sigmoid(2u) against torch's tanh, equal after bf16 rounding."""
+    check_quant_moe(4, 2, 128, 64, tokens, dtype, down_bits=8, down_group=32, act=act)
 
 
 @pytest.mark.gpu
@@ -419,7 +421,7 @@ def test_a_prefill_chunks_quantised_experts_run_the_grouped_kernel_on_dequantise
     assert (got.float() - want.float()).abs().max() <= 4 * torch.finfo(dtype).eps * want.float().abs().max()
 
 
-def check_quant_moe(e, k, h, i, tokens, dtype, down_bits=4, down_group=64):
+def check_quant_moe(e, k, h, i, tokens, dtype, down_bits=4, down_group=64, act="silu"):
     from kiln.backends.reference import ReferenceOps
 
     gate_up = quantize(rand(e, 2 * i, h, dtype=dtype, seed=1, scale=h ** -0.5), 4, 64)
@@ -434,11 +436,11 @@ def check_quant_moe(e, k, h, i, tokens, dtype, down_bits=4, down_group=64):
     real = kernels.qgemv_pairs
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "qgemv_pairs", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-        got = ops.moe_experts(x, idx.to(DEVICE), weights, gate_up, down, "silu")
-        gated = ops.moe_experts_gated(x, idx.to(DEVICE), weights, gate_up, down, "silu", gate_w, shared)
+        got = ops.moe_experts(x, idx.to(DEVICE), weights, gate_up, down, act)
+        gated = ops.moe_experts_gated(x, idx.to(DEVICE), weights, gate_up, down, act, gate_w, shared)
     assert len(calls) == 4          # two launches a call: the kernels ran, not the reference
-    want = ref.moe_experts(x, idx.to(DEVICE), weights, gate_up, down, "silu")
-    want_gated = ref.moe_experts_gated(x, idx.to(DEVICE), weights, gate_up, down, "silu", gate_w, shared)
+    want = ref.moe_experts(x, idx.to(DEVICE), weights, gate_up, down, act)
+    want_gated = ref.moe_experts_gated(x, idx.to(DEVICE), weights, gate_up, down, act, gate_w, shared)
     for a, b in ((got, want), (gated, want_gated)):
         assert a.dtype == b.dtype and (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
 

@@ -51,7 +51,7 @@ def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWei
     the combine still adds in expert id order. `host` (gate_up, down stacks in mapped host memory): a
     negative row names expert -1 - row there, read in place (streamed experts' misses)."""
     if not (ops.on("quant", x) and isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
-            and gate_up.packed.dim() == down.packed.dim() == 3 and x.dim() == 2 and act in kernels.ACTS
+            and gate_up.packed.dim() == down.packed.dim() == 3 and x.dim() == 2 and act in kernels.PAIR_ACTS
             and x.shape[0] <= GEMV_ROWS     # more tokens: the reference's per-expert GEMMs re-read less
             and (gate is None or gate[0].dtype == gate[1].dtype == x.dtype)
             and all(32 % w.bits == 0 and w.dtype == x.dtype for w in (gate_up, down))

@@ -36,6 +36,9 @@ from .mma import NC as MMA_GROUPS
 from .mma import chunk_sums, qgemv_mma_kernel, unpack_asm, unpack_plain, weight_tile
 from .reference import dequantize, quantize
 
+# The routed experts' pair GEMV also takes Gemma 4's GELU (the MoE kernels' formula): 2 in pair_act.
+PAIR_ACTS = {**ACTS, "gelu_pytorch_tanh": 2}
+
 
 @triton.jit
 def as_f32(v):
@@ -196,6 +199,16 @@ def top_bits(words, p: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def pair_act(g, ACT: tl.constexpr):
+    """act_f32, or (2) GELU's tanh approximation as 0.5 g (1 + tanh(u)) = g sigmoid(2u), as the MoE
+    kernels write it (no libdevice: the interpreter runs the same formula)."""
+    if ACT == 2:
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return g / (1.0 + tl.exp(-2.0 * u))
+    return act_f32(g, ACT)
+
+
+@triton.jit
 def x_values(x_ptr, m, cols, K: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, STYLE: tl.constexpr,
              r_ptr, nw_ptr, rstd, RNE: tl.constexpr):
     """Row m's x at columns `cols` (any shape, inside the row) in f32, through the prologue: ACT >= 0:
@@ -205,7 +218,7 @@ def x_values(x_ptr, m, cols, K: tl.constexpr, ACT: tl.constexpr, NORM: tl.conste
     if ACT >= 0:
         g = tl.load(x_ptr + m * (2 * K) + cols).to(tl.float32)
         u = tl.load(x_ptr + m * (2 * K) + K + cols).to(tl.float32)
-        a = round_to(act_f32(g, ACT), dtype, RNE).to(tl.float32)
+        a = round_to(pair_act(g, ACT), dtype, RNE).to(tl.float32)
         xv = round_to(a * u, dtype, RNE).to(tl.float32)
     else:
         xv = tl.load(x_ptr + m * K + cols).to(tl.float32)
@@ -416,7 +429,8 @@ def qgemv_pairs(x: torch.Tensor, w: QuantizedWeight, idx: torch.Tensor, v: Varia
         qgemv_fma_kernel[(cdiv(n, p["bn"]), 1, pairs)](x, w.packed, w.scales, w.biases, y, y, y, 1, N=n, K=k,
                                                        BITS=w.bits, G=w.group_size, BN=p["bn"], BW=p["bw"],
                                                        SPLIT_K=1, RNE=rne_flag(x.dtype), PF=p.get("pf", False),
-                                                       X3=p.get("x3", False), ACT=-1 if act is None else ACTS[act],
+                                                       X3=p.get("x3", False),
+                                                       ACT=-1 if act is None else PAIR_ACTS[act],
                                                        idx_ptr=idx, XDIV=xdiv, num_warps=p["w"], **extra, **pdl(x))
     return y
 
