@@ -220,6 +220,16 @@ class DiskHome:
     def read(self, e: int) -> dict[str, object]:
         """Expert e's stacks as the model holds them: one read of its blob into this thread's buffer
         (page-aligned, as direct I/O needs), then its parts converted (copies: the buffer is reused)."""
+        return {name: self.convert(stored) for name, stored in self._stored(e).items()}
+
+    def read_into(self, e: int, dest: dict[str, object]) -> None:
+        """Expert e's stacks copied into `dest` (name -> one expert's tensors, e.g. a pinned staging
+        slot, typed as read() would give them: the copy converts as it does)."""
+        for name, stored in self._stored(e).items():
+            _copy_into_slot(dest[name], stored)
+
+    def _stored(self, e: int) -> dict[str, object]:
+        """Expert e's parts as stored: views of this thread's buffer, valid until its next read."""
         self.open()
         view = _buffer(self.stride)
         try:
@@ -239,7 +249,7 @@ class DiskHome:
                                          q["group_size"], DTYPES[q["out_dtype"]] if "out_dtype" in q else None)
             else:
                 stored = parts["tensor"]
-            out[name] = self.convert(stored)
+            out[name] = stored
         return out
 
     def nbytes(self) -> int:
@@ -263,12 +273,33 @@ def _part(buf: torch.Tensor, p: dict) -> torch.Tensor:
     return buf[p["offset"]: p["offset"] + p["nbytes"]].view(dtype).view(tuple(p["shape"]))
 
 
-def _empty_like_stack(w, count: int, device):
-    """Slots: `count` experts shaped and typed like one expert of `w`."""
+def _empty_like_stack(w, count: int, device, pin: bool = False):
+    """Slots: `count` experts shaped and typed like one expert of `w` (pinned host memory with `pin`)."""
     if isinstance(w, QuantizedWeight):
-        new = lambda t: torch.empty((count, *t.shape), dtype=t.dtype, device=device)  # noqa: E731
+        new = lambda t: torch.empty((count, *t.shape), dtype=t.dtype, device=device, pin_memory=pin)  # noqa: E731
         return QuantizedWeight(new(w.packed), new(w.scales), new(w.biases), w.bits, w.group_size, w.out_dtype)
-    return torch.empty((count, *w.shape), dtype=w.dtype, device=device)
+    return torch.empty((count, *w.shape), dtype=w.dtype, device=device, pin_memory=pin)
+
+
+def _slot(stack, s: int):
+    """Expert s of a stack (a view)."""
+    if isinstance(stack, QuantizedWeight):
+        return stack._with(stack.packed[s], stack.scales[s], stack.biases[s])
+    return stack[s]
+
+
+def _shape(w) -> tuple:
+    return tuple(w.packed.shape) + tuple(w.scales.shape) if isinstance(w, QuantizedWeight) else tuple(w.shape)
+
+
+def _copy_into_slot(slot, w) -> None:
+    """w into one expert's tensors (a view of a slot), blocking: host to host."""
+    if isinstance(slot, QuantizedWeight):
+        slot.packed.copy_(w.packed)
+        slot.scales.copy_(w.scales)
+        slot.biases.copy_(w.biases)
+    else:
+        slot.copy_(w)
 
 
 def _copy_into(slot_stack, s: int, w) -> None:
@@ -286,7 +317,8 @@ def _copy_into(slot_stack, s: int, w) -> None:
 class Stats:
     hits: int = 0
     misses: int = 0
-    bytes: int = 0          # over the link: copies into slots, and (zero-copy) misses read in place
+    bytes: int = 0          # read from the home: copies into slots, (zero-copy) misses read in place; from
+                            # disk, the reads (a promotion then copies the staged read)
     promoted: int = 0       # zero-copy: experts copied into slots after the step that read them in place
     io_s: float = 0.0       # from a layer's reads submitted to their copies done
     wait_s: float = 0.0     # of which the step waited (the rest overlapped its hits' compute)
@@ -317,7 +349,8 @@ class ExpertStore:
     def __init__(self, homes: dict[str, object], device, policy: str = "lfu", slots: int = 16,
                  io_threads: int = 8, profile: dict | None = None, zero_copy: bool = False):
         self.homes, self.device, self.policy = homes, torch.device(device), policy
-        self.zero_copy = zero_copy and all(isinstance(h, HostHome) for h in homes.values())
+        self.zero_copy = zero_copy
+        self.staging: dict[tuple, object] = {}              # zero-copy from disk: pinned stacks the misses land in
         self.tables: dict[str, torch.Tensor] = {}          # zero-copy: expert -> slot, or -1 - expert (in place)
         self.pending: dict[str, list] = {}                  # zero-copy: ids of calls not yet counted
         self.log: torch.Tensor | None = None                # zero-copy in a CUDA graph: each layer's ids a replay
@@ -393,7 +426,8 @@ class ExpertStore:
             self._settle(layer)
         self.zero_copy = self.zero_copy and getattr(ops, "mapped_rows", 0) > 0      # the backend has the kernels
         if self.zero_copy and x.shape[0] <= ops.mapped_rows:
-            y = self._in_place(ops, x, idx, weights, gate_up, down, act, gate)
+            staged = isinstance(self.homes[layer], DiskHome)
+            y = (self._staged if staged else self._in_place)(ops, x, idx, weights, gate_up, down, act, gate)
             if y is not None:
                 return y
         try:
@@ -429,11 +463,68 @@ class ExpertStore:
         self.pending.setdefault(layer, []).append((ids, done))
         return y
 
+    def _staged(self, ops, x, idx, weights, gate_up: ExpertStack, down: ExpertStack, act: str, gate):
+        """Zero-copy from disk: the ids read on the host, the misses read by the I/O threads straight
+        into pinned staging stacks that the kernels read in place (row -1 - j: staged expert j); then
+        the policy counts (SlotCache.admit) and its promotions are copied from the staging into their
+        slots. The next call's wait for its ids is what frees the staging (this call's kernels and
+        copies are done by then). None where the backend's kernels do not apply (nothing counted)."""
+        layer = gate_up.layer
+        home, cache, stacks = self.homes[layer], self.caches[layer], self._slots(layer)
+        needed = torch.unique(idx).tolist()
+        missing = [e for e in needed if e not in cache.slot_of]
+        staging = self._staging(stacks, idx.numel())
+        t0 = time.perf_counter()
+        home.open()
+        home.check()
+        for f in [self.pool.submit(home.read_into, e, {n: _slot(w, j) for n, w in staging.items()})
+                  for j, e in enumerate(missing)]:
+            f.result()
+        home.check()
+        waited = time.perf_counter() - t0
+        table = torch.zeros(gate_up.shape[0], dtype=torch.int32)
+        for j, e in enumerate(missing):
+            table[e] = -1 - j
+        for e in needed:
+            if e in cache.slot_of:
+                table[e] = cache.slot_of[e]
+        rows = table.to(idx.device)[idx]
+        y = ops.moe_from_slots(x, idx, rows, weights, stacks[gate_up.name], stacks[down.name], act, gate,
+                               host=(staging[gate_up.name], staging[down.name]))
+        if y is None:
+            return None
+        hits, promos = cache.admit(needed)
+        staged = {e: j for j, e in enumerate(missing)}
+        for e, slot, _ in promos:       # after the kernels that read the staging and the evicted slots
+            for n, w in staging.items():
+                _copy_into(stacks[n], slot, _slot(w, staged[e]))
+        self.trace.append((layer, needed))
+        self.tokens[layer] = self.tokens.get(layer, 0) + x.shape[0]
+        st = self.stats[layer]
+        st.hits, st.misses, st.promoted = st.hits + hits, st.misses + len(missing), st.promoted + len(promos)
+        st.bytes += len(missing) * home.nbytes()
+        st.io_s += waited
+        st.wait_s += waited
+        return y
+
+    def _staging(self, stacks: dict, count: int) -> dict:
+        """Pinned host stacks of `count` experts shaped as `stacks`' (one set for layers of one shape:
+        layers run one after another)."""
+        suffix = {n: n.rsplit(".", 1)[-1] for n in stacks}
+        key = tuple(sorted((suffix[n], _shape(w)) for n, w in stacks.items())) + (count,)
+        if key not in self.staging:
+            pin = self.device.type == "cuda"
+            self.staging[key] = {suffix[n]: _empty_like_stack(_slot(w, 0), count, "cpu", pin)
+                                 for n, w in stacks.items()}
+        return {n: self.staging[key][suffix[n]] for n in stacks}
+
     @property
     def graph_safe(self) -> bool:
-        """Decode can run as a CUDA graph: zero-copy on quantised experts (no host read inside a step)."""
-        return self.zero_copy and all(isinstance(w, QuantizedWeight) for h in self.homes.values()
-                                      for w in h.stacks.values())
+        """Decode can run as a CUDA graph: zero-copy from host memory on quantised experts (no host
+        read inside a step)."""
+        return self.zero_copy and all(isinstance(h, HostHome) and all(isinstance(w, QuantizedWeight)
+                                                                      for w in h.stacks.values())
+                                      for h in self.homes.values())
 
     def _log(self, layer: str, idx: torch.Tensor) -> None:
         """Inside a capture: the layer's ids copied into its row of the graph's log, which replayed()
@@ -539,7 +630,7 @@ class ExpertStore:
         self.pending, self.tokens = {}, {}
         self.trace.clear()
         if zero_copy is not None:
-            self.zero_copy = zero_copy and all(isinstance(h, HostHome) for h in self.homes.values())
+            self.zero_copy = zero_copy
         for layer in [p for p, st in self.stacks.items() if self._count(st) != self.caches[p].capacity]:
             del self.stacks[layer]      # static's scratch slots: made again at the next call
             self.tables.pop(layer, None)
@@ -616,7 +707,8 @@ class ExpertPlan:
     profile: dict | None = None
     verify: str = "lazy"            # a packed directory's expert files hashed at first use unless "off"
     direct_io: bool = False         # disk home: O_DIRECT reads, past the page cache
-    zero_copy: str = "auto"         # host home: misses read in place by the kernels (auto: on a CUDA device)
+    zero_copy: str = "auto"         # misses read in place by the kernels, from host memory or a pinned
+                                    # staging the disk reads land in (auto: on a CUDA device)
 
     def store(self, ckpt, shapes: dict, dtype, device) -> tuple[ExpertStore, dict[str, ExpertStack]]:
         """The store and one handle a routed-expert stack of the model (its weight names)."""
@@ -645,8 +737,6 @@ class ExpertPlan:
                 homes.setdefault(prefix[n], HostHome({})).stacks[n] = _pinned(w) if pin else w
         if self.zero_copy not in ZERO_COPY:
             raise KilnError(f"zero copy must be one of {', '.join(ZERO_COPY)}, not {self.zero_copy!r}")
-        if self.zero_copy == "on" and home != "host":
-            raise KilnError("--zero-copy on reads experts homed in host memory (--expert-home host)")
         zero = self.zero_copy == "on" or (self.zero_copy == "auto" and torch.device(device).type == "cuda")
         store = ExpertStore(homes, device, self.policy, self.slots, self.io_threads, self.profile, zero)
         return store, {n: store.handle(prefix[n], n, shapes[n]) for n in names}

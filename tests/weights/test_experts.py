@@ -280,8 +280,6 @@ def test_streaming_refusals_are_one_line_errors(packed, tmp_path):
         load(packed, expert_cache_slots=0)
     with pytest.raises(KilnError, match="apply to expert streaming"):
         load(packed, zero_copy="on")
-    with pytest.raises(KilnError, match="homed in host memory"):
-        load(packed, expert_cache_slots=2, expert_home="disk", zero_copy="on")
     bad = tmp_path / "p.json"
     bad.write_text("{not json")
     with pytest.raises(KilnError, match="--expert-profile"):
@@ -339,12 +337,42 @@ def simulate_in_place(policy: str, slots: int, steps: list[list[int]], hot: list
     return hits, misses, promoted
 
 
-@pytest.mark.parametrize("policy", ("lfu", "lru", "static", "os"))
-def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(policy):
+def disk_home(path: Path, stacks: dict):
+    """A DiskHome over a layer file written here by packed's layout rules: each expert one blob of
+    `stride` bytes (4 KiB-aligned), its stacks' parts at 64-byte aligned offsets."""
+    from kiln.weights.experts import DiskHome
+    from kiln.weights.packed import DTYPE_NAMES, align
+    from kiln.weights.upload import placed
+
+    records, offset = {}, 0
+    for name, w in stacks.items():
+        parts = {}
+        for part, t in (("weight", w.packed), ("scales", w.scales), ("biases", w.biases)):
+            nbytes = t[0].numel() * t.element_size()
+            parts[part] = {"offset": offset, "nbytes": nbytes, "dtype": DTYPE_NAMES[t.dtype],
+                           "shape": list(t.shape[1:])}
+            offset = align(offset + nbytes, 64)
+        records[name] = {"parts": parts, "quant": {"bits": w.bits, "group_size": w.group_size}}
+    stride, count = align(offset, 4096), next(iter(stacks.values())).packed.shape[0]
+    blob = bytearray(stride * count)
+    for e in range(count):
+        for name, w in stacks.items():
+            for part, t in (("weight", w.packed), ("scales", w.scales), ("biases", w.biases)):
+                p = records[name]["parts"][part]
+                raw = t[e].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+                blob[e * stride + p["offset"]: e * stride + p["offset"] + p["nbytes"]] = raw
+    path.write_bytes(bytes(blob))
+    return DiskHome(path, stride, count, records, lambda stored: placed(stored, w.scales.dtype, "cpu"))
+
+
+@pytest.mark.parametrize("home,policy", [("host", p) for p in ("lfu", "lru", "static", "os")]
+                         + [("disk", "lfu"), ("disk", "static")])
+def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(home, policy, tmp_path):
     """One token a call, 2 of 8 quantised experts, 3 slots, the cuda backend's MoE op (Triton's
     interpreter on CPU) with zero-copy on: each pair's expert is read from its slot or in place in the
-    host stack (a negative row), so every output is the resident op's bit for bit, plain and gated;
-    the hits, misses, promotions and bytes equal simulate_in_place over the recorded routing."""
+    host stack (a negative row; from disk: the pinned staging its read landed in), so every output is
+    the resident op's bit for bit, plain and gated; the hits, misses, promotions and bytes equal
+    simulate_in_place over the recorded routing."""
     pytest.importorskip("triton")
     from kiln.backends.cuda import CudaOps
     from kiln.ops.quant import kernels
@@ -356,8 +384,10 @@ def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(p
     gate_up = quantize((torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(dt), 4, 64)
     down = quantize((torch.randn(e, h, i, generator=g) * i ** -0.5).to(dt), 4, 64)
     profile = {"l.": {"3": 9, "1": 5, "6": 2, "0": 1}}
-    store = ExpertStore({"l.": HostHome({"l.gu": gate_up, "l.dn": down})}, "cpu", policy, slots,
-                        profile=profile if policy == "static" else None, zero_copy=True)
+    stacks = {"l.gu": gate_up, "l.dn": down}
+    where = HostHome(stacks) if home == "host" else disk_home(tmp_path / "layer.bin", stacks)
+    store = ExpertStore({"l.": where}, "cpu", policy, slots, profile=profile if policy == "static" else None,
+                        zero_copy=True)
     gu_h, dn_h = store.handle("l.", "l.gu", gate_up.shape), store.handle("l.", "l.dn", down.shape)
     ops, hosts, real = CudaOps(torch.device("cpu")), [], kernels.qgemv_pairs
     with pytest.MonkeyPatch.context() as mp:
@@ -373,14 +403,16 @@ def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(p
             else:
                 assert torch.equal(ops.moe_experts(x, idx, w, gu_h, dn_h, "silu"),
                                    ops.moe_experts(x, idx, w, gate_up, down, "silu")), step
-    store.moe(ops, x, idx, w, gu_h, dn_h, "silu")          # settles the last call's ids
+    if home == "host":
+        store.moe(ops, x, idx, w, gu_h, dn_h, "silu")      # settles the last call's ids
     assert sum(hosts) > 0 and store.zero_copy           # some pairs were read in place
-    steps = [needed for _, needed in store.trace]       # every call but the last, still pending
+    steps = [needed for _, needed in store.trace]       # host: every call but the last, still pending
     assert len(steps) == 10
     stats = store.stats["l."]
     hits, misses, promoted = simulate_in_place(policy, slots, steps, store.caches["l."].hot)
     assert (stats.hits, stats.misses, stats.promoted) == (hits, misses, promoted), policy
-    assert stats.bytes == (misses + promoted) * store.homes["l."].nbytes()
+    read = misses + (promoted if home == "host" else 0)     # from disk, a promotion copies the staged read
+    assert stats.bytes == read * store.homes["l."].nbytes()
     assert (promoted > 0) == (policy in ("lfu", "lru"))
 
 
