@@ -6,7 +6,8 @@
 
 Loads the model once with its routed experts streamed, measures the link first (pinned host to
 device: a copy's GB/s, and a kernel reading mapped host memory in place), then for each zero-copy
-choice and policy: empty slots, a seeded random prompt prefilled, --gen greedy decode steps timed.
+choice and policy: empty slots, a seeded random prompt prefilled, --gen decode steps timed (fed
+seeded random tokens: --feed).
 Counts are the decode's alone (taken after the prefill and two steps). With zero-copy the decode
 runs as a CUDA graph (captured before the timed steps); copying runs eagerly. Per run: tok/s, hit rate,
 promotions, bytes a token over the link, and the I/O bound: the tok/s those bytes allow at the
@@ -67,20 +68,23 @@ def link_gb_s(dev, nbytes: int = 1 << 30) -> dict:
 COUNTS = ("hits", "misses", "bytes", "promoted", "tokens")
 
 
-def run(llm, prompt: list[int], gen: int) -> tuple[float, dict, list[int]]:
-    """Prefill and one decode step, then `gen` greedy decode steps timed: their tok/s, the store's
-    counts over them alone, and every token chosen."""
+def run(llm, prompt: list[int], gen: int, feed: list[int] | None) -> tuple[float, dict, list[int]]:
+    """Prefill and two decode steps, then `gen` decode steps timed: their tok/s, the store's counts
+    over them alone, and every token chosen (the greedy one). Each step is fed the last choice, or
+    with `feed` the next of those tokens (a random model's greedy tokens repeat, and so would its
+    routing)."""
     eng, store = llm.engine, llm.model.expert_store
     state = eng.new_state(len(prompt) + gen + 3)
     tokens = [int(eng.prefill(prompt, state).argmax())]
+    fed = iter(feed) if feed is not None else None
     for k in range(2):          # eager, then the graph's capture (zero-copy)
-        tokens.append(int(eng.decode_step(tokens[-1], len(prompt) + k, state).argmax()))
+        tokens.append(int(eng.decode_step(next(fed) if fed else tokens[-1], len(prompt) + k, state).argmax()))
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
     sync()
     before = store.summary()
     t = time.perf_counter()
     for k in range(gen):
-        tokens.append(int(eng.decode_step(tokens[-1], len(prompt) + 2 + k, state).argmax()))
+        tokens.append(int(eng.decode_step(next(fed) if fed else tokens[-1], len(prompt) + 2 + k, state).argmax()))
     sync()
     seconds = time.perf_counter() - t
     after = store.summary()
@@ -88,14 +92,14 @@ def run(llm, prompt: list[int], gen: int) -> tuple[float, dict, list[int]]:
     return gen / seconds, counts, tokens
 
 
-def measure(llm, prompt, gen: int, zero_copy: bool, policy: str, profile, link: dict) -> dict:
+def measure(llm, prompt, gen: int, zero_copy: bool, policy: str, profile, link: dict, feed) -> dict:
     store = llm.model.expert_store
     eng = llm.engine
     eng.graph = eng._state = None       # a graph captured on the last run's slots and read mode: dropped
     if zero_copy and store.graph_safe:
         eng.graph = DecodeGraph(llm.model, eng.device)
     store.reset(policy, profile, zero_copy)
-    tok_s, c, tokens = run(llm, prompt, gen)
+    tok_s, c, tokens = run(llm, prompt, gen, feed)
     seen = c["hits"] + c["misses"]
     per_token = c["bytes"] / c["tokens"] if c["tokens"] else None      # bytes summed over layers, rows a layer
     bw = link["in_place" if store.zero_copy else "copy"]
@@ -123,6 +127,9 @@ def main() -> None:
     ap.add_argument("--home", default="auto")
     ap.add_argument("--prompt-length", type=int, default=512)
     ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--feed", choices=["random", "greedy"], default="random",
+                    help="what each decode step is fed: seeded random tokens (default: a random model's "
+                         "greedy tokens repeat, and so would its routing) or the greedy choice")
     a = ap.parse_args()
     llm = kiln.load(a.model, gpu_memory=a.gpu_memory, max_context=a.max_context, expert_cache_slots=a.slots,
                     expert_policy="lfu", expert_home=a.home, quiet=False)
@@ -132,13 +139,15 @@ def main() -> None:
     prompt = torch.randint(0, llm.model.cfg.vocab_size, (a.prompt_length,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     rows, store = [], llm.model.expert_store
-    run(llm, prompt[:32], 4)        # compiles: outside the timed runs
+    feed = (torch.randint(0, llm.model.cfg.vocab_size, (a.gen + 2,), generator=torch.Generator().manual_seed(1))
+            .tolist() if a.feed == "random" else None)
+    run(llm, prompt[:32], 4, feed)      # compiles: outside the timed runs
     for zc in a.zero_copy.split(","):
         profile = None
         for policy in a.policies.split(","):
             if policy == "static" and profile is None:
                 continue
-            rows.append(measure(llm, prompt, a.gen, zc == "on", policy, profile, link))
+            rows.append(measure(llm, prompt, a.gen, zc == "on", policy, profile, link, feed))
             if policy == "lfu":
                 profile = store.profile()
     command = command_line().replace("kiln ", "python3 bench/stream_policies.py ", 1)
@@ -147,7 +156,7 @@ def main() -> None:
               "memory_plan": llm.memory.summary() if getattr(llm, "memory", None) else None,
               "home": store.home_tier, "layers": len(store.homes),
               "expert_bytes": next(iter(store.homes.values())).nbytes(),
-              "link_gb_s": link, "prompt_length": a.prompt_length, "gen": a.gen, "runs": rows,
+              "link_gb_s": link, "prompt_length": a.prompt_length, "gen": a.gen, "feed": a.feed, "runs": rows,
               "same_tokens": len({tuple(r["tokens"]) for r in rows}) == 1}
     write_atomic(a.out, lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()))
 
