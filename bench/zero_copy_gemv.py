@@ -4,7 +4,8 @@ streaming, docs/streaming.md) against the same kernels on device stacks, by form
     PYTHONPATH=. python3 bench/zero_copy_gemv.py OUT.json [--shapes gemma4,qwen35moe] [--pairs 8]
 
 For each shape's two stacks (an expert's gate|up, and down with its act(g) * u prologue; 4-bit g64),
-each unsplit fma form that fits, and each home (host: pinned, read over the link; device: HBM), one
+each unsplit fma form that fits, and each home (host: pinned, read over the link; device: HBM; staged:
+the misses copied from host into device scratch by kiln/ops/moe/staging.py's kernel first), one
 launch over a token's `pairs` experts (distinct experts each repetition, cycling through all of them
 so L2 holds none): microseconds and GB/s of weights read (bench/stream_policies.py measures the
 link's own in-place read rate).
@@ -19,6 +20,7 @@ import sys
 import torch
 
 from kiln.fsutil import write_atomic
+from kiln.ops.moe import staging
 from kiln.ops.quant import kernels
 from kiln.ops.quant.reference import quantize
 from kiln.tools.benchutil import command_line, environment, now_iso
@@ -61,6 +63,33 @@ def time_launch(w, slot, host: bool, pairs: int, act: str | None, v) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def time_staged(w, slot, pairs: int, act: str | None, v) -> float:
+    """As time_launch on host experts, but the misses first copied into device scratch by the staging
+    kernel (kiln/ops/moe/staging.py), then the launch reading the scratch: both timed."""
+    e, n, k = w.shape
+    xdiv = 1 if act else pairs
+    x = torch.randn(pairs if act else 1, 2 * k if act else k, device="cuda").bfloat16()
+    y = torch.empty(pairs, n, device="cuda", dtype=torch.bfloat16)
+    rw = torch.rand(pairs, device="cuda").bfloat16() if act else None
+    table = -1 - torch.arange(e, device="cuda", dtype=torch.int32)
+    parts = [staging.words(t) for t in (w.packed, w.scales, w.biases)]
+    scratch = w._with(*(torch.empty((pairs, *t.shape[1:]), dtype=t.dtype, device="cuda")
+                        for t in (w.packed, w.scales, w.biases)))
+    out = [staging.words(t) for t in (scratch.packed, scratch.scales, scratch.biases)]
+    times = []
+    for r in range(3 * (e // pairs)):
+        idx = torch.arange(r * pairs, (r + 1) * pairs, device="cuda") % e
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        rows = staging.stage(idx, table, parts, out)
+        kernels.qgemv_pairs(x, slot, rows, v, y, xdiv=xdiv, act=act, rw=rw, host=scratch)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times = times[e // pairs:]
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
@@ -85,9 +114,12 @@ def main() -> None:
                     us = time_launch(w, slot, home == "host", a.pairs, pro, v)
                     row[f"{home}_us"] = round(us, 1)
                     row[f"{home}_gb_s"] = round(a.pairs * per / us / 1e3, 1)
+                row["staged_us"] = round(time_staged(w, slot, a.pairs, pro, v), 1)
+                row["staged_gb_s"] = round(a.pairs * per / row["staged_us"] / 1e3, 1)
                 results.append(row)
                 print(f"{name} {which:7s} {v.name:24s} host {row['host_us']:7.1f} us {row['host_gb_s']:5.1f} GB/s  "
-                      f"device {row['device_us']:6.1f} us {row['device_gb_s']:6.1f} GB/s", file=sys.stderr)
+                      f"device {row['device_us']:6.1f} us {row['device_gb_s']:6.1f} GB/s  "
+                      f"staged {row['staged_us']:7.1f} us {row['staged_gb_s']:5.1f} GB/s", file=sys.stderr)
     best = {}
     for r in results:
         key = f"{r['shape']}.{r['stack']}"

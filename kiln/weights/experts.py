@@ -444,9 +444,9 @@ class ExpertStore:
         stacks, home = self._slots(layer), self.homes[layer]
         if layer not in self.tables:
             self.tables[layer] = self._table_values(layer, gate_up.shape[0]).to(self.device)
-        rows = self.tables[layer][idx]
         host = (home.stacks[gate_up.name], home.stacks[down.name])
-        y = ops.moe_from_slots(x, idx, rows, weights, stacks[gate_up.name], stacks[down.name], act, gate, host=host)
+        y = ops.moe_from_slots(x, idx, None, weights, stacks[gate_up.name], stacks[down.name], act, gate, host=host,
+                               table=self.tables[layer])
         if y is None:
             return None
         if idx.is_cuda and torch.cuda.is_current_stream_capturing():

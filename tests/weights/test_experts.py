@@ -365,15 +365,18 @@ def disk_home(path: Path, stacks: dict):
     return DiskHome(path, stride, count, records, lambda stored: placed(stored, w.scales.dtype, "cpu"))
 
 
-@pytest.mark.parametrize("home,policy", [("host", p) for p in ("lfu", "lru", "static", "os")]
-                         + [("disk", "lfu"), ("disk", "static")])
-def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(home, policy, tmp_path):
+@pytest.mark.parametrize("home,policy,stage", [("host", p, "1") for p in ("lfu", "lru", "static", "os")]
+                         + [("host", "lfu", "0"), ("disk", "lfu", "1"), ("disk", "static", "1")])
+def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(home, policy, stage, tmp_path,
+                                                                               monkeypatch):
     """One token a call, 2 of 8 quantised experts, 3 slots, the cuda backend's MoE op (Triton's
-    interpreter on CPU) with zero-copy on: each pair's expert is read from its slot or in place in the
-    host stack (a negative row; from disk: the pinned staging its read landed in), so every output is
-    the resident op's bit for bit, plain and gated; the hits, misses, promotions and bytes equal
-    simulate_in_place over the recorded routing."""
+    interpreter on CPU) with zero-copy on: each pair's expert is read from its slot, or from host memory
+    (staged into device scratch by one copy kernel; KILN_STAGE_MISSES=0: in place by the GEMVs; from
+    disk: the pinned staging its read landed in), so every output is the resident op's bit for bit,
+    plain and gated; the hits, misses, promotions and bytes equal simulate_in_place over the recorded
+    routing."""
     pytest.importorskip("triton")
+    monkeypatch.setenv("KILN_STAGE_MISSES", stage)
     from kiln.backends.cuda import CudaOps
     from kiln.ops.quant import kernels
     from kiln.ops.quant.reference import quantize
@@ -423,3 +426,25 @@ def test_the_in_place_simulation_counts_a_known_sequence():
     assert simulate_in_place("lfu", 2, [[1, 2], [1], [3], [2], [3]], []) == (2, 4, 2)
     assert simulate_in_place("os", 2, [[1, 2], [1]], []) == (0, 3, 0)
     assert simulate_in_place("static", 1, [[1, 2, 3]], [2]) == (1, 2, 0)
+
+
+def test_the_staging_kernel_equals_its_reference():
+    """staging.stage (Triton's interpreter on CPU) against stage_reference: ragged part widths (one
+    past a program's block, one under it), hits left alone, misses copied to their pair's row."""
+    pytest.importorskip("triton")
+    from kiln.ops.moe import staging
+
+    g = torch.Generator().manual_seed(3)
+    e, pairs = 6, 5
+    widths = (staging.BLOCK + 37, 50, 3)
+    host = [torch.randint(-2**31, 2**31 - 1, (e, w), generator=g, dtype=torch.int32) for w in widths]
+    idx = torch.tensor([4, 0, 5, 2, 1])
+    table = torch.tensor([-1, 0, -3, -4, 1, -6], dtype=torch.int32)       # experts 1 and 4 in slots 0 and 1
+    got_scratch = [torch.zeros(pairs, w, dtype=torch.int32) for w in widths]
+    want_scratch = [torch.zeros(pairs, w, dtype=torch.int32) for w in widths]
+    rows = staging.stage(idx, table, host, got_scratch)
+    want = staging.stage_reference(idx, table, host, want_scratch)
+    assert torch.equal(rows, want) and rows.tolist() == [1, -2, -3, -4, 0]
+    for a, b in zip(got_scratch, want_scratch):
+        assert torch.equal(a, b)
+    assert torch.equal(got_scratch[0][1], host[0][0]) and not got_scratch[0][0].any()   # a hit copies nothing

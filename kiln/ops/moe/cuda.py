@@ -4,13 +4,16 @@ kernels do not apply, the reference elsewhere."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ...weights.experts import ExpertStack
+from ...weights.quantized import QuantizedWeight
 from ..dispatch import TunedOps
 from ..gemm.reference import ACTIVATIONS
 from ..quant.cuda import GEMV_ROWS, dequantised_stacks, quant_moe
-from . import kernels
+from . import kernels, staging
 from .reference import MoeReference
 
 
@@ -75,14 +78,37 @@ class MoeCuda(TunedOps, MoeReference):
             return self._moe_one_token(x, idx, weights, gate_up, down, act)
         return super().moe_experts(x, idx, weights, gate_up, down, act)
 
-    def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act, gate=None, host=None):
+    def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act, gate=None, host=None, table=None):
         """Streamed experts whose every needed one sits in a slot (or, with `host`, the gate_up and down
-        stacks in mapped host memory, in place there: a negative row names expert -1 - row): the
-        resident decode's kernels, the weights read from slot rows[pair] (quant_moe), the combine in
-        expert id order. None where those kernels do not apply (the store then adds expert by expert)."""
+        stacks in mapped host memory: a negative row names expert -1 - row there): the resident decode's
+        kernels, the weights read from slot rows[pair] (quant_moe), the combine in expert id order.
+        With `table` (expert -> slot, or -1 - expert) instead of rows: the misses copied from host
+        memory into device scratch by one kernel first (staging.stage; KILN_STAGE_MISSES=0: read in
+        place by the GEMVs). None where those kernels do not apply (the store then adds expert by expert)."""
         if gate is not None and not (dense(gate[0]) and gate[0].shape[0] == 1 and gate[1].shape == x.shape):
             return None
+        if table is not None:
+            staged = self._stage_misses(idx, table, host) if os.environ.get("KILN_STAGE_MISSES", "1") != "0" else None
+            rows, host = staged if staged is not None else (table[idx], host)
         return quant_moe(self, x, idx, weights, gate_up, down, act, gate, rows=rows, host=host)
+
+    def _stage_misses(self, idx, table, host):
+        """(rows, scratch stacks) after staging.stage copied idx's misses into device scratch; None where
+        a stack is not quantised or its parts are not whole words."""
+        if not all(isinstance(w, QuantizedWeight) for w in host):
+            return None
+        parts = [staging.words(t) for w in host for t in (w.packed, w.scales, w.biases)]
+        if any(p is None for p in parts):
+            return None
+        key = (tuple(tuple(t.shape[1:]) for t in parts), idx.numel(), idx.device)
+        cache = self.__dict__.setdefault("_staging_scratch", {})
+        if key not in cache:        # (made by an eager step before any capture reuses it)
+            new = lambda t: torch.empty((idx.numel(), *t.shape[1:]), dtype=t.dtype, device=idx.device)  # noqa: E731
+            cache[key] = [w._with(new(w.packed), new(w.scales), new(w.biases)) for w in host]
+        scratch = cache[key]
+        rows = staging.stage(idx, table, parts, [staging.words(t) for w in scratch for t in (w.packed, w.scales,
+                                                                                             w.biases)])
+        return rows.view(idx.shape), tuple(scratch)
 
     def _dequantised(self, x, gate_up, down):
         """Quantised stacks past the routed GEMVs (a prefill chunk): both dequantised whole, one launch

@@ -25,7 +25,7 @@ class MoeReference:
             self.expert_add(out, x, tok, slot, weights, gate_up[e], down[e], act)
         return out
 
-    def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act: str, gate=None, host=None):
+    def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act: str, gate=None, host=None, table=None):
         """Streamed experts all in slots (rows: each pair's slot), or with `host` read in place from
         host stacks where a row is negative: a backend's resident kernels, or None, as here, for the
         store's expert-by-expert path (expert_add)."""
