@@ -325,6 +325,7 @@ def memory_plan(ckpt, ops, dtype, limit: int, gpu_memory: float | None, slots: i
     held = weight_bytes(view, names, dtype)
     plan.core = sum(b for n, b in held.items() if n not in stacks)
     _expert_sizes(plan, view.shapes, held, stacks)
+    plan.workspace += staging_bytes(cfg, view.shapes, held, stacks, min(max(batch, 1), getattr(ops, "mapped_rows", 0)))
     if auto and plan.need + plan.experts <= plan.budget:
         return None         # a resident load fits: automatic streaming stays off
     if not auto:
@@ -378,6 +379,18 @@ def _expert_sizes(plan: MemoryPlan, shapes: dict, held: dict, stacks: list[str])
         plan.expert += held[n] // count
         plan.experts += held[n]
         plan.count = max(plan.count, count)
+
+
+def staging_bytes(cfg, shapes: dict, held: dict, stacks: list[str], rows: int) -> int:
+    """Zero-copy streaming's device scratch (kiln/ops/moe/staging.py): a decode call's misses, top_k
+    experts a row for `rows` rows (the batch's, up to the backend's mapped_rows; 0 on a backend without
+    the kernels), each the largest layer's gate|up and down."""
+    top_k = getattr(cfg, "num_experts_per_tok", 1) or 1
+    layer: dict[str, int] = {}
+    for n in stacks:
+        prefix = n[: -len(next(s for s in STACKS if n.endswith(s)))]
+        layer[prefix] = layer.get(prefix, 0) + held[n] // shapes[n][0]
+    return rows * top_k * max(layer.values(), default=0)
 
 
 def state_bytes(cls, cfg, ops, dtype, limit: int, chunk: int) -> int:
