@@ -11,8 +11,9 @@ seeded random tokens: --feed).
 Counts are the decode's alone (taken after the prefill and two steps). With zero-copy the decode
 runs as a CUDA graph (captured before the timed steps); copying runs eagerly. Per run: tok/s, hit rate,
 promotions, bytes a token over the link, and the I/O bound: the tok/s those bytes allow at the
-measured bandwidth of the way they moved (in place or copied). static's hot set is the profile of
-the first lfu run of the same read mode (in-sample: says so).
+measured bandwidth of the way they moved (in place or copied; from disk: random expert reads by the
+store's I/O threads, measured before the runs). static's hot set is the profile of the first lfu
+run of the same read mode (in-sample: says so).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import kiln
 from kiln.backends.graphs import DecodeGraph
 from kiln.fsutil import write_atomic
 from kiln.tools.benchutil import command_line, environment, now_iso
+from kiln.weights.experts import DiskHome
 
 try:
     import triton
@@ -68,6 +70,23 @@ def link_gb_s(dev, nbytes: int = 1 << 30) -> dict:
 COUNTS = ("hits", "misses", "bytes", "promoted", "tokens")
 
 
+def disk_gb_s(store, reads: int = 512) -> float | None:
+    """Experts homed on disk: GB/s of `reads` random expert blobs read by the store's I/O threads
+    (through the page cache as the run reads them: warm if the files are cached)."""
+    homes = [h for h in store.homes.values() if isinstance(h, DiskHome)]
+    if not homes:
+        return None
+    g = torch.Generator().manual_seed(2)
+    picks = [(homes[int(torch.randint(len(homes), (1,), generator=g))], int(torch.randint(homes[0].count, (1,),
+                                                                                         generator=g)))
+             for _ in range(reads)]
+    for h in homes:
+        h.open()
+    t = time.perf_counter()
+    list(store.pool.map(lambda he: he[0]._stored(he[1]) and None, picks))
+    return round(sum(h.stride for h, _ in picks) / (time.perf_counter() - t) / 1e9, 1)
+
+
 def run(llm, prompt: list[int], gen: int, feed: list[int] | None) -> tuple[float, dict, list[int]]:
     """Prefill and two decode steps, then `gen` decode steps timed: their tok/s, the store's counts
     over them alone, and every token chosen (the greedy one). Each step is fed the last choice, or
@@ -102,7 +121,7 @@ def measure(llm, prompt, gen: int, zero_copy: bool, policy: str, profile, link: 
     tok_s, c, tokens = run(llm, prompt, gen, feed)
     seen = c["hits"] + c["misses"]
     per_token = c["bytes"] / c["tokens"] if c["tokens"] else None      # bytes summed over layers, rows a layer
-    bw = link["in_place" if store.zero_copy else "copy"]
+    bw = link["disk"] if store.home_tier == "disk" else link["in_place" if store.zero_copy else "copy"]
     bound = bw * 1e9 / per_token if bw and per_token else None
     row = {"zero_copy": store.zero_copy, "graph": llm.engine.graph is not None, "policy": policy,
            "slots": store.slots, "decode_tok_s": round(tok_s, 2),
@@ -134,8 +153,9 @@ def main() -> None:
     llm = kiln.load(a.model, gpu_memory=a.gpu_memory, max_context=a.max_context, expert_cache_slots=a.slots,
                     expert_policy="lfu", expert_home=a.home, quiet=False)
     dev = llm.engine.device
-    link = link_gb_s(dev)
-    print(f"link: copy {link['copy']} GB/s, read in place {link['in_place']} GB/s", file=sys.stderr)
+    link = {**link_gb_s(dev), "disk": disk_gb_s(llm.model.expert_store)}
+    print(f"link: copy {link['copy']} GB/s, read in place {link['in_place']} GB/s; disk reads {link['disk']} GB/s",
+          file=sys.stderr)
     prompt = torch.randint(0, llm.model.cfg.vocab_size, (a.prompt_length,),
                            generator=torch.Generator().manual_seed(0)).tolist()
     rows, store = [], llm.model.expert_store
