@@ -225,8 +225,9 @@ class DiskHome:
     def read_into(self, e: int, dest: dict[str, object]) -> None:
         """Expert e's stacks copied into `dest` (name -> one expert's tensors, e.g. a pinned staging
         slot, typed as read() would give them: the copy converts as it does)."""
-        for name, stored in self._stored(e).items():
-            _copy_into_slot(dest[name], stored)
+        with torch.inference_mode():    # (per thread: the staging was made in the forward's)
+            for name, stored in self._stored(e).items():
+                _copy_into_slot(dest[name], stored)
 
     def _stored(self, e: int) -> dict[str, object]:
         """Expert e's parts as stored: views of this thread's buffer, valid until its next read."""

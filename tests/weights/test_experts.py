@@ -393,7 +393,9 @@ def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(h
                         zero_copy=True)
     gu_h, dn_h = store.handle("l.", "l.gu", gate_up.shape), store.handle("l.", "l.dn", down.shape)
     ops, hosts, real = CudaOps(torch.device("cpu")), [], kernels.qgemv_pairs
-    with pytest.MonkeyPatch.context() as mp:
+    # inference mode, as a model runs: the slots and staging are made in it, and the I/O threads
+    # that write the staging are not in it (inference mode is a thread's)
+    with pytest.MonkeyPatch.context() as mp, torch.inference_mode():
         mp.setattr(kernels, "qgemv_pairs", lambda *a, **kw: hosts.append(int((a[2] < 0).sum())) or real(*a, **kw))
         for step, pick in enumerate([3, 1, 5, 3, 1, 0, 7, 3, 2, 1]):    # a popular expert, then another
             x = torch.randn(1, h, generator=g).to(dt)
@@ -407,7 +409,8 @@ def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(h
                 assert torch.equal(ops.moe_experts(x, idx, w, gu_h, dn_h, "silu"),
                                    ops.moe_experts(x, idx, w, gate_up, down, "silu")), step
     if home == "host":
-        store.moe(ops, x, idx, w, gu_h, dn_h, "silu")      # settles the last call's ids
+        with torch.inference_mode():
+            store.moe(ops, x, idx, w, gu_h, dn_h, "silu")      # settles the last call's ids
     assert sum(hosts) > 0 and store.zero_copy           # some pairs were read in place
     steps = [needed for _, needed in store.trace]       # host: every call but the last, still pending
     assert len(steps) == 10
