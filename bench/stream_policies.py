@@ -28,63 +28,9 @@ import torch
 import kiln
 from kiln.backends.graphs import DecodeGraph
 from kiln.fsutil import write_atomic
-from kiln.tools.benchutil import command_line, environment, now_iso
-from kiln.weights.experts import DiskHome
-
-try:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        """Each program sums its BLOCK words of x (mapped host memory read in place)."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out_ptr + tl.program_id(0), tl.sum(tl.load(x_ptr + offs, mask=offs < n, other=0), axis=0))
-except ImportError:       # CPU-only: no link to measure
-    triton = None
-
-
-def link_gb_s(dev, nbytes: int = 1 << 30) -> dict:
-    """Pinned host -> device: copy GB/s and in-place read GB/s (best of 3 each)."""
-    if dev.type != "cuda" or triton is None:
-        return {"copy": None, "in_place": None}
-    host = torch.ones(nbytes // 4, dtype=torch.int32).pin_memory()
-    dst = torch.empty_like(host, device=dev)
-    block = 4096
-    out = torch.empty(triton.cdiv(host.numel(), block), dtype=torch.int32, device=dev)
-    best = {"copy": 0.0, "in_place": 0.0}
-    for _ in range(3):
-        for kind in best:
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            if kind == "copy":
-                dst.copy_(host, non_blocking=True)
-            else:
-                _read_kernel[(out.numel(),)](host, out, host.numel(), BLOCK=block)
-            torch.cuda.synchronize()
-            best[kind] = max(best[kind], nbytes / (time.perf_counter() - t) / 1e9)
-    assert int(out.sum()) == host.numel()       # the kernel read every word
-    return {k: round(v, 1) for k, v in best.items()}
-
+from kiln.tools.benchutil import command_line, disk_gb_s, environment, link_gb_s, now_iso
 
 COUNTS = ("hits", "misses", "bytes", "promoted", "tokens")
-
-
-def disk_gb_s(store, reads: int = 512) -> float | None:
-    """Experts homed on disk: GB/s of `reads` random expert blobs read by the store's I/O threads
-    (through the page cache as the run reads them: warm if the files are cached)."""
-    homes = [h for h in store.homes.values() if isinstance(h, DiskHome)]
-    if not homes:
-        return None
-    g = torch.Generator().manual_seed(2)
-    picks = [(homes[int(torch.randint(len(homes), (1,), generator=g))], int(torch.randint(homes[0].count, (1,),
-                                                                                         generator=g)))
-             for _ in range(reads)]
-    for h in homes:
-        h.open()
-    t = time.perf_counter()
-    list(store.pool.map(lambda he: he[0]._stored(he[1]) and None, picks))
-    return round(sum(h.stride for h, _ in picks) / (time.perf_counter() - t) / 1e9, 1)
 
 
 def run(llm, prompt: list[int], gen: int, feed: list[int] | None) -> tuple[float, dict, list[int]]:

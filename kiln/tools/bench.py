@@ -35,8 +35,11 @@ from .benchutil import (
     DTYPE_NAMES,
     check_writable,
     command_line,
+    disk_gb_s,
     environment,
     hbm_bytes_s,
+    io_bound,
+    link_gb_s,
     markdown_table,
     now_iso,
     page_cache_note,
@@ -488,6 +491,9 @@ def _expert_store(llm) -> dict | None:
     was given or chosen (`home` "resident" when the budget held every expert); None otherwise."""
     store, memory = getattr(llm.model, "expert_store", None), getattr(llm, "memory", None)
     out = None if store is None else store.summary()
+    if out is not None:         # the rates its bytes move at, and the tok/s they allow
+        out["rates_gb_s"] = {**link_gb_s(llm.engine.device), "disk": disk_gb_s(store)}
+        out["io_bound_tok_s"] = io_bound(out, out["rates_gb_s"])
     if memory is not None:
         out = {**(out or {"home": "resident"}), "gpu_memory": memory.summary()}
     return out

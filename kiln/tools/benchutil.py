@@ -12,6 +12,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -240,3 +241,74 @@ def quant_summary(model) -> dict | None:
     return {"bits": bits, "group_size": group, "bytes_per_token": token_bytes(model),
             "quantised": sum(hasattr(w, "bits") for w in model.w.values()),
             "formats": sorted(f"{b}-bit g{g}" for b, g in by_format)}
+
+
+# -- streamed experts: the rates their bytes move at (docs/streaming.md) -----------------------------
+_READ_KERNEL = None
+
+
+def _read_kernel():
+    """A Triton kernel summing BLOCK int32 words a program: mapped host memory read in place."""
+    global _READ_KERNEL
+    if _READ_KERNEL is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(out_ptr + tl.program_id(0), tl.sum(tl.load(x_ptr + offs, mask=offs < n, other=0), axis=0))
+        _READ_KERNEL = read_kernel
+    return _READ_KERNEL
+
+
+def link_gb_s(device: torch.device, nbytes: int = 1 << 30) -> dict:
+    """Pinned host -> device (best of 3): a copy's GB/s, and a kernel reading the host memory in
+    place; None off CUDA."""
+    if device.type != "cuda":
+        return {"copy": None, "in_place": None}
+    host = torch.ones(nbytes // 4, dtype=torch.int32).pin_memory()
+    dst = torch.empty_like(host, device=device)
+    block = 4096
+    out = torch.empty(-(-host.numel() // block), dtype=torch.int32, device=device)
+    best = {"copy": 0.0, "in_place": 0.0}
+    for _ in range(3):
+        for kind in best:
+            torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            if kind == "copy":
+                dst.copy_(host, non_blocking=True)
+            else:
+                _read_kernel()[(out.numel(),)](host, out, host.numel(), BLOCK=block)
+            torch.cuda.synchronize(device)
+            best[kind] = max(best[kind], nbytes / (time.perf_counter() - t) / 1e9)
+    if int(out.sum()) != host.numel():
+        raise RuntimeError("the link measurement's kernel did not read every word")
+    return {k: round(v, 1) for k, v in best.items()}
+
+
+def disk_gb_s(store, reads: int = 512, seed: int = 2) -> float | None:
+    """Experts homed on disk: GB/s of `reads` random expert blobs read by the store's I/O threads,
+    through the page cache as a run reads them (warm if the files are cached); None for other homes."""
+    from ..weights.experts import DiskHome
+
+    homes = [h for h in store.homes.values() if isinstance(h, DiskHome)]
+    if not homes:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    layer = torch.randint(len(homes), (reads,), generator=g).tolist()
+    expert = torch.randint(homes[0].count, (reads,), generator=g).tolist()
+    for h in homes:
+        h.open()
+    t = time.perf_counter()
+    list(store.pool.map(lambda le: homes[le[0]]._stored(le[1]) and None, zip(layer, expert)))
+    return round(sum(homes[i].stride for i in layer) / (time.perf_counter() - t) / 1e9, 2)
+
+
+def io_bound(summary: dict, rates: dict) -> float | None:
+    """The tok/s a streamed run's bytes a token allow at the rate of the way they moved: disk reads,
+    the link read in place (zero-copy), or copies into slots."""
+    rate = (rates.get("disk") if summary.get("home") == "disk"
+            else rates.get("in_place" if summary.get("zero_copy") else "copy"))
+    per = summary.get("bytes_per_token")
+    return round(rate * 1e9 / per, 2) if rate and per else None

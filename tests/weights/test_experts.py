@@ -268,6 +268,9 @@ def test_the_bench_reports_the_expert_store(packed, tmp_path):
     s = report["expert_store"]
     assert s["policy"] == "lfu" and s["slots"] == 3 and s["home"] == "disk" and s["misses"] > 0
     assert s["bytes_per_token"] == s["bytes"] / s["tokens"] and report["bytes_per_token"] > 0
+    rates = s["rates_gb_s"]         # measured: random expert reads by the I/O threads; no link on the CPU
+    assert rates["disk"] > 0 and rates["copy"] is None and rates["in_place"] is None
+    assert s["io_bound_tok_s"] == round(rates["disk"] * 1e9 / s["bytes_per_token"], 2)
 
 
 def test_streaming_refusals_are_one_line_errors(packed, tmp_path):
