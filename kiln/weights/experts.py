@@ -14,11 +14,13 @@ Policies (per layer, `slots` experts):
 - os: no cache of kiln's own: every needed expert is copied every step (the page cache caches).
 A step needing more experts than the slots hold runs in batches of ascending ids.
 
-Zero-copy (experts homed in pinned host memory, a backend whose MoE kernels read a host stack in
-place, a few rows a call: decode): no copy waits before the kernels. A device table maps each expert
-to its slot, or to its place in host memory, which the kernels read over the link; the layer's ids
-reach the host without a sync, and at the layer's next call the policy counts them and promotes
-(`SlotCache.admit`): lru any miss, lfu a miss used more often than the least used cached expert.
+Zero-copy (a backend whose MoE kernels take a table of slots and host stacks, a few rows a call:
+decode). Homed in pinned host memory: a device table maps each expert to its slot or its place in
+host memory, the backend fetches the misses over the link inside the step (no host round trip: the
+decode runs as a CUDA graph); the layer's ids reach the host without a sync, and at its next call the
+policy counts them and promotes (`SlotCache.admit`): lru any miss, lfu a miss used more often than
+the least used cached expert. Homed on disk: the misses are read straight into pinned staging that
+the kernels read, then the policy counts and promotes the same way.
 """
 
 from __future__ import annotations
@@ -415,8 +417,8 @@ class ExpertStore:
     def moe(self, ops, x, idx, weights, gate_up: ExpertStack, down: ExpertStack, act: str,
             gate: tuple | None = None) -> torch.Tensor:
         """The routed experts of x through the slots (plus Qwen's gated shared expert, gate = (gate_w,
-        shared)). Zero-copy where it applies (_in_place); otherwise (_copied) the needed experts in
-        ascending id, in batches that fit the slots. When one batch
+        shared)). Zero-copy where it applies (_in_place from host memory, _staged from disk); otherwise
+        (_copied) the needed experts in ascending id, in batches that fit the slots. When one batch
         holds them all and the backend has kernels for slots (`slot_kernels`), its resident kernels run
         on them (`ops.moe_from_slots`, rows mapping each pair to its slot). Otherwise a batch's misses
         are read while its hits compute (`ops.expert_out`), then the misses compute, and the outputs
@@ -438,9 +440,10 @@ class ExpertStore:
                 self.tables[layer].copy_(self._table_values(layer, self.tables[layer].shape[0]))
 
     def _in_place(self, ops, x, idx, weights, gate_up: ExpertStack, down: ExpertStack, act: str, gate):
-        """Zero-copy: every pair's expert read from its slot or in place in host memory, by the table;
-        the ids sent to the host without a wait, counted at the layer's next call (_settle). None where
-        the backend's kernels do not apply."""
+        """Zero-copy from host memory: every pair's expert taken from its slot or from host memory by
+        the table (the backend stages the misses on the device, or reads them in place); the ids sent
+        to the host without a wait, counted at the layer's next call (_settle). None where the
+        backend's kernels do not apply."""
         layer = gate_up.layer
         stacks, home = self._slots(layer), self.homes[layer]
         if layer not in self.tables:
