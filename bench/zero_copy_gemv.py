@@ -41,31 +41,11 @@ def nbytes(w) -> int:
     return (w.packed.nbytes + w.scales.nbytes + w.biases.nbytes) // w.packed.shape[0]
 
 
-def time_launch(w, slot, host: bool, pairs: int, act: str | None, v) -> float:
-    """Median microseconds of one launch over `pairs` experts of stack w (rows naming host experts,
-    -1 - e, or device ones), distinct experts each repetition."""
-    e, n, k = w.shape
-    xdiv = 1 if act else pairs
-    x = torch.randn(pairs if act else 1, 2 * k if act else k, device="cuda").bfloat16()
-    y = torch.empty(pairs, n, device="cuda", dtype=torch.bfloat16)
-    rw = torch.rand(pairs, device="cuda").bfloat16() if act else None
-    reps = 3 * (e // pairs)
-    rows = [torch.arange(r * pairs, (r + 1) * pairs, device="cuda", dtype=torch.int32) % e for r in range(reps)]
-    times = []
-    for r in rows:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        kernels.qgemv_pairs(x, slot, -1 - r if host else r, v, y, xdiv=xdiv, act=act, rw=rw, host=w if host else None)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    times = times[e // pairs:]          # the first cycle compiles and warms
-    return sorted(times)[len(times) // 2]
-
-
-def time_staged(w, slot, pairs: int, act: str | None, v) -> float:
-    """As time_launch on host experts, but the misses first copied into device scratch by the staging
-    kernel (kiln/ops/moe/staging.py), then the launch reading the scratch: both timed."""
+def time_launch(w, slot, mode: str, pairs: int, act: str | None, v) -> float:
+    """Median microseconds of one launch over `pairs` experts of stack w, distinct experts each
+    repetition: mode "device" reads them from `slot` (device stacks), "host" in place from w (pinned;
+    rows -1 - e), "staged" after the staging kernel (kiln/ops/moe/staging.py) copied them from w into
+    device scratch (both timed)."""
     e, n, k = w.shape
     xdiv = 1 if act else pairs
     x = torch.randn(pairs if act else 1, 2 * k if act else k, device="cuda").bfloat16()
@@ -78,15 +58,20 @@ def time_staged(w, slot, pairs: int, act: str | None, v) -> float:
     out = [staging.words(t) for t in (scratch.packed, scratch.scales, scratch.biases)]
     times = []
     for r in range(3 * (e // pairs)):
-        idx = torch.arange(r * pairs, (r + 1) * pairs, device="cuda") % e
+        idx = torch.arange(r * pairs, (r + 1) * pairs, device="cuda", dtype=torch.int32) % e
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        rows = staging.stage(idx, table, parts, out)
-        kernels.qgemv_pairs(x, slot, rows, v, y, xdiv=xdiv, act=act, rw=rw, host=scratch)
+        if mode == "staged":
+            kernels.qgemv_pairs(x, slot, staging.stage(idx, table, parts, out), v, y, xdiv=xdiv, act=act, rw=rw,
+                                host=scratch)
+        else:
+            host = mode == "host"
+            kernels.qgemv_pairs(x, slot, -1 - idx if host else idx, v, y, xdiv=xdiv, act=act, rw=rw,
+                                host=w if host else None)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
-    times = times[e // pairs:]
+    times = times[e // pairs:]          # the first cycle compiles and warms
     return sorted(times)[len(times) // 2]
 
 
@@ -110,12 +95,10 @@ def main() -> None:
                 if not kernels.fits(shape, v.p):
                     continue
                 row = {"shape": name, "stack": which, "form": v.name}
-                for home in ("host", "device"):
-                    us = time_launch(w, slot, home == "host", a.pairs, pro, v)
-                    row[f"{home}_us"] = round(us, 1)
-                    row[f"{home}_gb_s"] = round(a.pairs * per / us / 1e3, 1)
-                row["staged_us"] = round(time_staged(w, slot, a.pairs, pro, v), 1)
-                row["staged_gb_s"] = round(a.pairs * per / row["staged_us"] / 1e3, 1)
+                for mode in ("host", "device", "staged"):
+                    us = time_launch(w, slot, mode, a.pairs, pro, v)
+                    row[f"{mode}_us"] = round(us, 1)
+                    row[f"{mode}_gb_s"] = round(a.pairs * per / us / 1e3, 1)
                 results.append(row)
                 print(f"{name} {which:7s} {v.name:24s} host {row['host_us']:7.1f} us {row['host_gb_s']:5.1f} GB/s  "
                       f"device {row['device_us']:6.1f} us {row['device_gb_s']:6.1f} GB/s  "

@@ -23,7 +23,17 @@ from .models.base import eos_ids
 from .sampling import SamplingParams, StopMatcher
 from .tokenizer import StreamDecoder, Tokenizer
 from .weights import open_checkpoint
-from .weights.experts import GB, STACKS, WORKSPACE_FIXED, ExpertPlan, MemoryPlan, auto_budget, fit, weight_bytes
+from .weights.experts import (
+    GB,
+    STACKS,
+    WORKSPACE_FIXED,
+    ExpertPlan,
+    MemoryPlan,
+    auto_budget,
+    fit,
+    layer_prefix,
+    weight_bytes,
+)
 from .weights.synth import parse_spec
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -388,8 +398,7 @@ def staging_bytes(cfg, shapes: dict, held: dict, stacks: list[str], rows: int) -
     top_k = getattr(cfg, "num_experts_per_tok", 1) or 1
     layer: dict[str, int] = {}
     for n in stacks:
-        prefix = n[: -len(next(s for s in STACKS if n.endswith(s)))]
-        layer[prefix] = layer.get(prefix, 0) + held[n] // shapes[n][0]
+        layer[layer_prefix(n)] = layer.get(layer_prefix(n), 0) + held[n] // shapes[n][0]
     return rows * top_k * max(layer.values(), default=0)
 
 

@@ -295,23 +295,19 @@ def _shape(w) -> tuple:
     return tuple(w.packed.shape) + tuple(w.scales.shape) if isinstance(w, QuantizedWeight) else tuple(w.shape)
 
 
-def _copy_into_slot(slot, w) -> None:
-    """w into one expert's tensors (a view of a slot), blocking: host to host."""
+def _copy_into_slot(slot, w, non_blocking: bool = False) -> None:
+    """w into one expert's tensors (a view of a slot)."""
     if isinstance(slot, QuantizedWeight):
-        slot.packed.copy_(w.packed)
-        slot.scales.copy_(w.scales)
-        slot.biases.copy_(w.biases)
+        slot.packed.copy_(w.packed, non_blocking=non_blocking)
+        slot.scales.copy_(w.scales, non_blocking=non_blocking)
+        slot.biases.copy_(w.biases, non_blocking=non_blocking)
     else:
-        slot.copy_(w)
+        slot.copy_(w, non_blocking=non_blocking)
 
 
 def _copy_into(slot_stack, s: int, w) -> None:
-    if isinstance(slot_stack, QuantizedWeight):
-        slot_stack.packed[s].copy_(w.packed, non_blocking=True)
-        slot_stack.scales[s].copy_(w.scales, non_blocking=True)
-        slot_stack.biases[s].copy_(w.biases, non_blocking=True)
-    else:
-        slot_stack[s].copy_(w, non_blocking=True)
+    """w into slot s of a stack, queued (host to device from pinned memory need not wait)."""
+    _copy_into_slot(_slot(slot_stack, s), w, non_blocking=True)
 
 
 # -- the store --------------------------------------------------------------------------------------
@@ -723,7 +719,7 @@ class ExpertPlan:
         names = sorted(n for n in shapes if n.endswith(STACKS))
         if not names:
             raise KilnError("this model has no routed experts to stream (--expert-cache-slots is for MoE models)")
-        prefix = {n: n[: -len(next(s for s in STACKS if n.endswith(s)))] for n in names}
+        prefix = {n: layer_prefix(n) for n in names}
         home = self.home
         if home == "auto":
             need = sum(_stack_bytes(ckpt, n) for n in names)
@@ -744,6 +740,11 @@ class ExpertPlan:
         zero = self.zero_copy == "on" or (self.zero_copy == "auto" and torch.device(device).type == "cuda")
         store = ExpertStore(homes, device, self.policy, self.slots, self.io_threads, self.profile, zero)
         return store, {n: store.handle(prefix[n], n, shapes[n]) for n in names}
+
+
+def layer_prefix(name: str) -> str:
+    """A routed-expert stack's layer: its name less the stack's suffix (STACKS)."""
+    return name[: -len(next(s for s in STACKS if name.endswith(s)))]
 
 
 def _stack_bytes(ckpt, name: str) -> int:
