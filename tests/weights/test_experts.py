@@ -368,8 +368,8 @@ def disk_home(path: Path, stacks: dict):
     return DiskHome(path, stride, count, records, lambda stored: placed(stored, w.scales.dtype, "cpu"))
 
 
-@pytest.mark.parametrize("home,policy,stage", [("host", p, "1") for p in ("lfu", "lru", "static", "os")]
-                         + [("host", "lfu", "0"), ("disk", "lfu", "1"), ("disk", "static", "1")])
+@pytest.mark.parametrize("home,policy,stage", [("host", "lfu", "1"), ("host", "lru", "1"), ("host", "static", "1"),
+                                               ("host", "os", "0"), ("disk", "lfu", "1")])
 def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(home, policy, stage, tmp_path,
                                                                                monkeypatch):
     """One token a call, 2 of 8 quantised experts, 3 slots, the cuda backend's MoE op (Triton's
