@@ -354,6 +354,7 @@ class ExpertStore:
         self.pending: dict[str, list] = {}                  # zero-copy: ids of calls not yet counted
         self.log: torch.Tensor | None = None                # zero-copy in a CUDA graph: each layer's ids a replay
         self.logged: dict[str, int] = {}                    # ... the layers captured writing it, their rows
+        self.row = {p: i for i, p in enumerate(homes)}      # ... each layer's row of it
         self.slots = slots
         self.caches = {p: SlotCache(slots, policy, _hot(profile, p, slots)) for p in homes}
         self.stacks: dict[str, dict[str, object]] = {}
@@ -532,7 +533,7 @@ class ExpertStore:
         if self.log is None or self.log.shape[1] != idx.numel():
             self.log, self.logged = idx.new_empty((len(self.homes), idx.numel())), {}
         self.logged[layer] = idx.shape[0]
-        self.log[list(self.homes).index(layer)].copy_(idx.reshape(-1))
+        self.log[self.row[layer]].copy_(idx.reshape(-1))
 
     def replayed(self) -> None:
         """After a decode graph's replay (queued, not waited for): the earlier calls counted and their
@@ -545,9 +546,8 @@ class ExpertStore:
         ids.copy_(self.log, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        order = list(self.homes)
         for layer, rows in self.logged.items():
-            self.pending.setdefault(layer, []).append((ids[order.index(layer)], done))
+            self.pending.setdefault(layer, []).append((ids[self.row[layer]], done))
             self.tokens[layer] = self.tokens.get(layer, 0) + rows
 
     def _table_values(self, layer: str, count: int) -> torch.Tensor:
