@@ -248,7 +248,7 @@ class Model:
     norm_style: str = "llama"
     # Projections of one input merged at load into one weight (one GEMM runs them): a merged weight's
     # name within a layer -> the checkpoint names it packs, in row order. A layer lacking a part keeps
-    # its weights apart.
+    # its weights apart; a part two groups name goes to the first (in this order) whose parts all exist.
     packed: dict[str, tuple[str, ...]] = {}
     # Called after each layer of a forward when set: kiln.engine.Batch launches a decode step of its
     # running requests there while the host is still issuing a prompt's prefill.
@@ -283,10 +283,11 @@ class Model:
         """Merged weight name -> the declared weights it packs, layer by layer (see `packed`)."""
         shapes, groups = cls.weight_shapes(cfg), {}
         for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            for merged, parts in cls.packed.items():
-                if all(p + n in shapes for n in parts):
+            p, taken = f"model.layers.{i}.", set()
+            for merged, parts in cls.packed.items():     # the first group that holds a part takes it
+                if all(p + n in shapes for n in parts) and not taken & set(parts):
                     groups[p + merged] = [p + n for n in parts]
+                    taken |= set(parts)
         return groups
 
     @classmethod

@@ -173,7 +173,10 @@ class Gemma4(Model):
     several_prompts = True   # prompts prefilled together: per_request slices each one's rows
     config_class = Gemma4Config
     norm_style = "plain"
-    packed = {"mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+    packed = {"mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+              "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                            "self_attn.v_proj.weight"),
+              "self_attn.qk_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight")}  # k_eq_v
 
     def __init__(self, cfg, weights, ops):
         super().__init__(cfg, weights, ops)
@@ -236,13 +239,19 @@ class Gemma4(Model):
         """Projections, norms and the routed experts of each layer; attention is left at each kernel's
         default (sliding and full layers differ in head dim, KV heads and window)."""
         h, heads, style, ple = c.hidden_size, c.num_attention_heads, cls.norm_style, c.hidden_size_per_layer_input
-        out = norms(rows, h, style)
+        out, producers = norms(rows, h, style), set(c.kv_source) - {None}
         for i in range(c.num_hidden_layers):
             d, kv = c.head_dims[i], c.kv_heads[i]
             f = c.intermediate_size * (2 if c.use_double_wide_mlp and c.kv_source[i] is not None else 1)
-            out += gemms(rows, (heads * d, h), (h, heads * d)) + norms(rows, d, style, per_row=heads)
-            if c.kv_source[i] is None:
-                out += gemms(rows, (kv * d, h)) + norms(rows, d, style, per_row=kv)   # k (and v, unless k_eq_v)
+            if c.kv_source[i] is None:   # q|k|v (q|k where keys are values) packed; norms, RoPE and append fused
+                kv_rows = kv * d * (1 if c.attention_k_eq_v and c.full(i) else 2)
+                out += gemms(rows, (heads * d + kv_rows, h), (h, heads * d))
+                out += [kernel("qk_rope", rows=m, h=heads, kv=kv, d=d, r=d, style=style, v_norm=True) for m in rows]
+                if i in producers or d & (d - 1):   # a wrapped cache (KVProducer) or a head dim the fused
+                    # kernel does not take (not a power of two): q and k normed and rotated apart
+                    out += norms(rows, d, style, per_row=heads) + norms(rows, d, style, per_row=kv)
+            else:                        # a KV-shared layer: q alone, normed and rotated apart
+                out += gemms(rows, (heads * d, h), (h, heads * d)) + norms(rows, d, style, per_row=heads)
             out += gated_mlp_shapes(rows, h, f, c.hidden_activation, style, norm_inside=False)
             if c.enable_moe_block:
                 e, m_ffn = c.num_experts, c.moe_intermediate_size
@@ -273,46 +282,58 @@ class Gemma4(Model):
 
     def attention(self, i, x, positions, cache, rope):
         c, w, ops, eps, p = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps, f"model.layers.{i}.self_attn."
-        d, kv, style = c.head_dims[i], c.kv_heads[i], self.norm_style
-        q = ops.linear(x, w[p + "q_proj.weight"]).view(-1, c.num_attention_heads, d)
-        q = ops.apply_rope(ops.rmsnorm(q, w[p + "q_norm.weight"], eps, style), *rope)
-        k = v = None  # a KV-shared layer reads its producer's K/V through `cache`
-        if c.kv_source[i] is None:
-            k = ops.linear(x, w[p + "k_proj.weight"]).view(-1, kv, d)
-            v = k if c.attention_k_eq_v and c.full(i) else ops.linear(x, w[p + "v_proj.weight"]).view(-1, kv, d)
-            k = ops.apply_rope(ops.rmsnorm(k, w[p + "k_norm.weight"], eps, style), *rope)
-            v = ops.rmsnorm_noscale(v, eps)  # values are the un-normed, un-rotated keys when k_eq_v
+        d, kv, style, heads = c.head_dims[i], c.kv_heads[i], self.norm_style, c.num_attention_heads
         window = None if c.full(i) else c.sliding_window
-        o = per_request(cache, lambda s, q, k, v, pos: ops.attention(q, k, v, s, pos, 1.0, window),
-                        q, k, v, positions)
+        qn, kn = w[p + "q_norm.weight"], w.get(p + "k_norm.weight")
+        if c.kv_source[i] is not None:   # a KV-shared layer reads its producer's K/V through `cache`
+            q = ops.linear(x, w[p + "q_proj.weight"]).view(-1, heads, d)
+            q = ops.apply_rope(ops.rmsnorm(q, qn, eps, style), *rope)
+            o = per_request(cache, lambda s, q, pos: ops.attention(q, None, None, s, pos, 1.0, window), q, positions)
+            return ops.linear(o.reshape(x.shape[0], -1), w[p + "o_proj.weight"])
+        if c.attention_k_eq_v and c.full(i):   # values are the un-normed, un-rotated keys
+            q, k = ops.linear_split(x, w[p + "qk_proj.weight"], [heads * d, kv * d])
+            v = k
+        else:
+            q, k, v = ops.linear_split(x, w[p + "qkv_proj.weight"], [heads * d, kv * d, kv * d])
+        q, k, v = q.view(-1, heads, d), k.view(-1, kv, d), v.view(-1, kv, d)
+
+        def attend(s, q, k, v, cos, sin, pos, rows=False):
+            fn = ops.qk_norm_rope_attention_rows if rows else ops.qk_norm_rope_attention
+            return fn(q, k, v, qn, kn, eps, style, (cos, sin), s, pos, 1.0, window, v_norm=True)
+
+        o = per_request(cache, attend, q, k, v, *rope, positions,
+                        whole=lambda *a: attend(*a, rows=True))
         return ops.linear(o.reshape(x.shape[0], -1), w[p + "o_proj.weight"])
 
-    def experts(self, i, x):
-        """Routed experts on the attention block's output (the dense MLP's input residual)."""
+    def layer(self, i, x, y, positions, cache, rope, ple, next_w):
+        """Layer i on the residual x and its input norm y; returns the residual after it and its norm by
+        next_w (the next layer's input norm, or the final norm). Every residual add is fused with the
+        sandwich norms around it (ops.residual_norms)."""
         c, w, ops, eps, style = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps, self.norm_style
-        p = f"model.layers.{i}."
-        weights, idx = ops.scaled_router(x, w[p + "router.scale"], w[p + "router.proj.weight"],
-                                         w[p + "router.per_expert_scale"], c.top_k_experts, eps)
-        h = ops.rmsnorm(x, w[p + "pre_feedforward_layernorm_2.weight"], eps, style)
-        return ops.moe_experts(h, idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
-                               c.hidden_activation)
-
-    def layer(self, i, x, positions, cache, rope, ple):
-        c, w, ops, eps, style = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps, self.norm_style
-        p = f"model.layers.{i}."
-        h = self.attention(i, ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps, style), positions, cache, rope)
-        x = x + ops.rmsnorm(h, w[p + "post_attention_layernorm.weight"], eps, style)
-        h = ops.gated_mlp(ops.rmsnorm(x, w[p + "pre_feedforward_layernorm.weight"], eps, style),
-                          w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"], c.hidden_activation)
-        if c.enable_moe_block:
-            h = (ops.rmsnorm(h, w[p + "post_feedforward_layernorm_1.weight"], eps, style)
-                 + ops.rmsnorm(self.experts(i, x), w[p + "post_feedforward_layernorm_2.weight"], eps, style))
-        x = x + ops.rmsnorm(h, w[p + "post_feedforward_layernorm.weight"], eps, style)
-        if ple is not None:
-            h = ops.gated_input(x, w[p + "per_layer_input_gate.weight"], ple, w[p + "per_layer_projection.weight"],
+        p, moe = f"model.layers.{i}.", c.enable_moe_block
+        h = self.attention(i, y, positions, cache, rope)
+        outs = (w[p + "pre_feedforward_layernorm.weight"],) + ((w[p + "pre_feedforward_layernorm_2.weight"],)
+                                                               if moe else ())
+        x, ys = ops.residual_norms(x, h, eps, style, w[p + "post_attention_layernorm.weight"], outs=outs,
+                                   router=w[p + "router.scale"] if moe else None)
+        m = ops.gated_mlp(ys[0], w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"], c.hidden_activation)
+        both = {}
+        if moe:   # the routed experts on the post-attention residual: its norm ys[1], the router's input ys[2]
+            weights, idx = ops.scaled_topk(ops.linear(ys[2], w[p + "router.proj.weight"]),
+                                           w[p + "router.per_expert_scale"], c.top_k_experts)
+            e = ops.moe_experts(ys[1], idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
                                 c.hidden_activation)
-            x = x + ops.rmsnorm(h, w[p + "post_per_layer_input_norm.weight"], eps, style)
-        return x * w[p + "layer_scalar"]
+            both = dict(a_w=w[p + "post_feedforward_layernorm_1.weight"], b=e,
+                        b_w=w[p + "post_feedforward_layernorm_2.weight"])
+        last = dict(scalar=w[p + "layer_scalar"], outs=(next_w,))
+        if ple is None:
+            x, ys = ops.residual_norms(x, m, eps, style, w[p + "post_feedforward_layernorm.weight"], **both, **last)
+            return x, ys[0]
+        x, _ = ops.residual_norms(x, m, eps, style, w[p + "post_feedforward_layernorm.weight"], **both)
+        h = ops.gated_input(x, w[p + "per_layer_input_gate.weight"], ple, w[p + "per_layer_projection.weight"],
+                            c.hidden_activation)
+        x, ys = ops.residual_norms(x, h, eps, style, w[p + "post_per_layer_input_norm.weight"], **last)
+        return x, ys[0]
 
     def per_layer_inputs(self, ids, x):
         """PLE: (rmsnorm(proj(x) / sqrt(H)) + table[ids] * sqrt(P)) / sqrt(2), [T, L, P], each
@@ -325,21 +346,25 @@ class Gemma4(Model):
         return (ctx + token.view(shape)) * 2.0 ** -0.5
 
     def forward(self, ids, positions, state, last_only=True):
-        c, w, ops, style = self.cfg, self.w, self.ops, self.norm_style
+        c, w, ops, style, eps = self.cfg, self.w, self.ops, self.norm_style, self.cfg.rms_norm_eps
         x = ops.embed(ids, w["model.embed_tokens.weight"], scale=c.hidden_size ** 0.5)     # [T, H]
         ple = self.per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
         ropes = {t: ops.rope_tables(positions, f, x.dtype) for t, f in self.inv_freq.items()}
+        y = ops.rmsnorm(x, w["model.layers.0.input_layernorm.weight"], eps, style)
         cut = False
         for i in range(c.num_hidden_layers):
             if i == c.first_shared and last_only is not False:   # KV-shared layers write no state: only
-                x, positions = last_rows(x, last_only), last_rows(positions, last_only)   # the rows asked for
+                x, y = last_rows(x, last_only), last_rows(y, last_only)    # the rows asked for
+                positions = last_rows(positions, last_only)
                 ple = None if ple is None else last_rows(ple, last_only)
                 ropes = {t: (last_rows(cos, last_only), last_rows(sin, last_only)) for t, (cos, sin) in ropes.items()}
                 for layer in state[i:]:         # several prompts: one row each from here
                     if isinstance(layer, StateBatch) and layer.rows is not None:
                         layer.rows = [1] * len(layer.rows)
                 cut = True
-            x = self.layer(i, x, positions, state[i], ropes[c.layer_types[i]], None if ple is None else ple[:, i])
+            last = i + 1 == c.num_hidden_layers
+            next_w = w["model.norm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"]
+            x, y = self.layer(i, x, y, positions, state[i], ropes[c.layer_types[i]],
+                              None if ple is None else ple[:, i], next_w)
             self.layer_done()
-        x = ops.rmsnorm(x if cut else last_rows(x, last_only), w["model.norm.weight"], c.rms_norm_eps, style)
-        return ops.logits(x, self.lm_head, c.final_logit_softcapping)
+        return ops.logits(y if cut else last_rows(y, last_only), self.lm_head, c.final_logit_softcapping)

@@ -173,6 +173,11 @@ CONFIGS: dict[str, dict] = {
                              num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, head_dim=24,
                              global_head_dim=56, num_global_key_value_heads=1, num_experts=9, top_k_experts=3,
                              moe_intermediate_size=36, sliding_window=9, layer_types=_sliding(4, 4)),
+    # Power-of-two head dims, so Gemma 4's fused q/k/v norm + RoPE + append (and keys as values) runs.
+    "tiny-gemma4-moe-p2": _tiny(_GEMMA4_26B, vocab_size=349, hidden_size=64, intermediate_size=96,
+                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                global_head_dim=64, num_global_key_value_heads=1, num_experts=8, top_k_experts=2,
+                                moe_intermediate_size=32, sliding_window=5, layer_types=_sliding(3, 3)),
 }
 
 

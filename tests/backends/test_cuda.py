@@ -80,12 +80,22 @@ def test_gemma3_on_the_cuda_backend_keeps_plain_caches_and_the_reference_tokens(
     assert llm.generate(prompt, max_new_tokens=6, temperature=0).token_ids == want
 
 
-@pytest.mark.parametrize("name", ["tiny-gemma4", "tiny-gemma4-moe"])
+@pytest.mark.parametrize("name", ["tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma4-moe-p2"])
 def test_gemma4_on_the_cuda_backend_keeps_plain_caches_and_the_reference_tokens(monkeypatch, name):
     """As Gemma 3: plain KV buffers for the sliding layers (so Gemma 4's decode step can be a graph),
-    the reference's tokens past the window."""
+    the reference's tokens past the window. With power-of-two head dims (p2) every attention layer runs
+    the fused q/k/v norm, RoPE and append (keys as values on full layers), and every residual step the
+    fused sandwich norms."""
     import kiln
     from kiln.cache import KVCache, RingKVCache
+    from kiln.ops.norm import sandwich
+    from kiln.ops.rope import kernels as rope_kernels
+
+    fused = {"rope": 0, "norms": 0}
+    for module, fn, key in ((rope_kernels, "qk_rope", "rope"), (sandwich, "residual_norms", "norms")):
+        real = getattr(module, fn)
+        monkeypatch.setattr(module, fn, lambda *a, _real=real, _key=key, **k: fused.__setitem__(_key, fused[_key] + 1)
+                            or _real(*a, **k))
 
     monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")
     prompt = [(5 * i + 2) % 300 for i in range(13)]       # longer than the windows (7, 9)
@@ -95,6 +105,9 @@ def test_gemma4_on_the_cuda_backend_keeps_plain_caches_and_the_reference_tokens(
     assert all(isinstance(s, KVCache) for s in llm.model.make_state(torch.float32, "cpu"))
     want = ref.generate(prompt, max_new_tokens=6, temperature=0).token_ids
     assert llm.generate(prompt, max_new_tokens=6, temperature=0).token_ids == want
+    layers = llm.model.cfg.num_hidden_layers
+    assert fused["norms"] >= 2 * layers    # two residual steps a layer, in every forward
+    assert (fused["rope"] >= layers) == name.endswith("-p2")
 
 
 def test_tiny_qwen35_greedy_tokens_equal_reference_backend():

@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from kiln.backends.reference import ReferenceOps  # noqa: E402
 from kiln.ops.moe import kernels as moe_kernels  # noqa: E402
+from kiln.ops.moe import router as moe_router  # noqa: E402
 from kiln.tune import gate  # noqa: E402
 from kiln.tune.device import device_info  # noqa: E402
 from kiln.tune.registry import get_op  # noqa: E402
@@ -207,6 +208,20 @@ def test_router_topk_kernel_equals_reference(t, e, k, renorm, dtype):
     assert torch.equal(got_i, want_i)
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6
     assert (got_w.float() - want_w.float()).abs().max() <= ulp * want_w.float().abs().max()
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (3, 60, 4)])
+def test_scaled_topk_kernel_equals_reference(t, e, k):
+    """Gemma 4's router after its projection: the reference's experts in its order, f32 weights times
+    each chosen expert's scale, within f32 rounding (distinct logits as above)."""
+    g = torch.Generator().manual_seed(t * e + k)
+    grid = torch.stack([torch.randperm(e, generator=g) for _ in range(t)]).float() - e / 2
+    logits = (grid / 16).to(device=DEVICE, dtype=torch.bfloat16)
+    scale = (torch.rand(e, generator=g) + 0.5).to(device=DEVICE, dtype=torch.bfloat16)
+    want_w, want_i = REF.scaled_topk(logits, scale, k)
+    got_w, got_i = moe_router.scaled_topk(logits, scale, k)
+    assert got_w.dtype == want_w.dtype == torch.float32 and torch.equal(got_i, want_i)
+    assert (got_w - want_w).abs().max() <= 1e-6 * want_w.abs().max()
 
 
 def test_router_topk_ties_go_to_the_lower_expert():

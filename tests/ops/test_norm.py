@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from kiln.backends.cuda import CudaOps  # noqa: E402
 from kiln.ops.norm import kernels as norm_kernels  # noqa: E402
+from kiln.ops.norm import sandwich  # noqa: E402
 from kiln.tune.device import device_info  # noqa: E402
 
 from .support import DEVICE, DTYPES, REF, STYLES, assert_rounding_close, rand  # noqa: E402
@@ -68,3 +69,34 @@ def test_gpu_rmsnorm_variants_equal_reference(style):
     want = REF.rmsnorm(x, w, 1e-6, style)
     for v in norm_kernels.OP.catalogue(norm_kernels.NormShape(513, 1024, style), device_info(DEVICE)):
         assert_rounding_close(norm_kernels.rmsnorm(x, w, 1e-6, style, v), want, exact_fraction=0.95)
+
+
+# -- Gemma 4's residual step (kiln.ops.norm.sandwich) ---------------------------------------------------
+
+@pytest.mark.parametrize("form", ["attention", "moe", "dense", "ple"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_residual_norms_equal_reference(form, rows, monkeypatch):
+    """s bit-equal to the reference's composition (each norm, sum and product rounded where it rounds);
+    the normed outputs and the router's input within rounding. Forms as Gemma 4 calls it: after
+    attention (two norms of s and the router's input), after the MLP and experts (two branches, the
+    layer scalar, the next norm), dense, and the PLE branch."""
+    d, dtype = 200, torch.bfloat16
+    x, a, b = (rand(rows, d, dtype=dtype, seed=s, scale=sc) for s, sc in ((1, 3.0), (2, 1.0), (3, 2.0)))
+    w = [rand(d, dtype=dtype, seed=10 + j, scale=0.2, shift=1.0) for j in range(6)]
+    scalar = torch.tensor([0.37], dtype=dtype, device=x.device)
+    kwargs = {"attention": dict(outs=(w[1], w[2]), router=w[3]),
+              "moe": dict(a_w=w[1], b=b, b_w=w[2], scalar=scalar, outs=(w[3],)),
+              "dense": dict(scalar=scalar, outs=(w[3],)),
+              "ple": dict(a_w=w[1], b=b, b_w=w[2])}[form]
+    want_s, want_ys = REF.residual_norms(x, a, 1e-6, "plain", w[0], **kwargs)
+    assert len(want_ys) == len(kwargs.get("outs", ())) + ("router" in kwargs)
+    for per_program, warps in ((1, 4), (4, 2)):
+        got_s, got_ys = sandwich.residual_norms(x, a, 1e-6, "plain", w[0], per_program, warps, **kwargs)
+        assert torch.equal(got_s, want_s)
+        assert len(got_ys) == len(want_ys)
+        for got, want in zip(got_ys, want_ys):
+            assert_rounding_close(got, want)
+    launched = []
+    monkeypatch.setattr(sandwich, "residual_norms", lambda *a, **k: launched.append(1) or (want_s, want_ys))
+    CudaOps(DEVICE).residual_norms(x, a, 1e-6, "plain", w[0], **kwargs)
+    assert launched, "the cuda backend runs the fused kernel"

@@ -37,21 +37,22 @@ def case(t, dtype, style, h=4, kv=2, d=32, r=8, seed=0, start=START):
             "k_buf": rnd(cap, kv, d), "v_buf": rnd(cap, kv, d), "positions": positions}
 
 
-def reference(c):
+def reference(c, v_norm=False):
     """The reference composition: norm (if any), rope, then the cache rows at positions."""
-    q, k = c["q"], c["k"]
+    q, k, v = c["q"], c["k"], c["v"]
+    v = REF.rmsnorm_noscale(v, c["eps"]) if v_norm else v
     if c["q_norm_w"] is not None:
         q = REF.rmsnorm(q, c["q_norm_w"], c["eps"], c["style"])
         k = REF.rmsnorm(k, c["k_norm_w"], c["eps"], c["style"])
     kb, vb = c["k_buf"].clone(), c["v_buf"].clone()
     kb[c["positions"]] = REF.apply_rope(k, c["cos"], c["sin"])
-    vb[c["positions"]] = c["v"]
+    vb[c["positions"]] = v
     return REF.apply_rope(q, c["cos"], c["sin"]), kb, vb
 
 
-def kiln(c, var=None):
+def kiln(c, var=None, v_norm=False):
     kb, vb = c["k_buf"].clone(), c["v_buf"].clone()
-    q = rope_kernels.qk_rope(*(c[n] for n in rope_kernels.ARGS), kb, vb, c["positions"], var)
+    q = rope_kernels.qk_rope(*(c[n] for n in rope_kernels.ARGS), kb, vb, c["positions"], var, v_norm=v_norm)
     return q, kb, vb
 
 
@@ -94,6 +95,19 @@ def test_variants_plain_style_and_f16(var):
     for dtype in (torch.float16, torch.bfloat16):
         c = case(7, dtype, "plain", r=16, seed=3)
         assert_match(kiln(c, var), reference(c))
+
+
+@pytest.mark.parametrize("keys_are_values", [False, True])
+@pytest.mark.parametrize("t", [1, 6])
+def test_v_norm_gemma4(keys_are_values, t):
+    """Gemma 4: v RMS-normed without a weight before the append; on its full layers v is the keys'
+    own projection (un-normed, un-rotated), the same tensor as k."""
+    c = case(t, torch.bfloat16, "plain", r=32, seed=5 + t)
+    if keys_are_values:
+        c["v"] = c["k"]
+    got, want = kiln(c, rope_kernels.rope_variant(2, 2), v_norm=True), reference(c, v_norm=True)
+    assert_match(got, want)
+    assert not torch.equal(want[2], reference(c)[2])    # the norm changed what is stored
 
 
 def test_supports():

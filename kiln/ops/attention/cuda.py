@@ -49,20 +49,21 @@ class AttentionCuda(TunedOps, AttentionReference):
         return o if gate is None else self.act_mul(gate, o.view(gate.shape), "sigmoid")
 
     def qk_norm_rope_attention(self, q, k, v, q_norm_w, k_norm_w, eps, style, rope_tables, cache, positions, scale,
-                               window=None, softcap=None, gate=None):
+                               window=None, softcap=None, gate=None, v_norm=False):
         cos, sin = rope_tables
         if not self._attention_fits(q, cache) or not self.on("rope", q) or not rope.supports(q, k, v, cache.k, cos):
             return super().qk_norm_rope_attention(q, k, v, q_norm_w, k_norm_w, eps, style, rope_tables, cache,
-                                                  positions, scale, window, softcap, gate)
+                                                  positions, scale, window, softcap, gate, v_norm)
         t, r = q.shape[0], cos.shape[-1]
         cache.reserve(cache.length + t)
-        shape = rope.RopeShape(t, q.shape[1], k.shape[1], q.shape[2], r, style if q_norm_w is not None else None)
+        shape = rope.RopeShape(t, q.shape[1], k.shape[1], q.shape[2], r, style if q_norm_w is not None else None,
+                               v_norm)
         q = rope.qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, cache.k, cache.v, positions,
-                         var=self.choose(rope.OP, shape))
+                         var=self.choose(rope.OP, shape), v_norm=v_norm)
         return self._attend(q, cache, positions, scale, window, softcap, gate)
 
     def qk_norm_rope_attention_rows(self, q, k, v, q_norm_w, k_norm_w, eps, style, rope_tables, states, positions,
-                                    scale, window=None, softcap=None, gate=None):
+                                    scale, window=None, softcap=None, gate=None, v_norm=False):
         """A batched decode step's attention in three launches (norm + RoPE + append, split-KV, combine)
         when every request's KV is a slot of one pool (StateBatch.slots); else None. Each row is
         computed as decode_attention computes it alone."""
@@ -76,9 +77,9 @@ class AttentionCuda(TunedOps, AttentionReference):
         if not self.on("rope", q) or not rope.supports(q, k, v, k_flat, cos):
             return None
         flat = states.slots.long() * cap + positions       # each row's K/V lands in its own slot
-        shape = rope.RopeShape(t, h, kv, d, cos.shape[-1], style if q_norm_w is not None else None)
+        shape = rope.RopeShape(t, h, kv, d, cos.shape[-1], style if q_norm_w is not None else None, v_norm)
         q = rope.qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_flat, v_flat, flat,
-                         var=self.choose(rope.OP, shape))
+                         var=self.choose(rope.OP, shape), v_norm=v_norm)
         inside = gate is not None and gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(-1) == 1
         var = self.choose(kernels.DECODE_OP, kernels.DecodeShape(cap, h, kv, d, window, softcap))
         o = kernels.decode_attention_rows(q, k_pool, v_pool, positions, states.slots, scale, window, softcap, var,

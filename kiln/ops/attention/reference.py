@@ -30,10 +30,14 @@ class AttentionReference:
         return torch.matmul(probs[None], v4)[0].transpose(0, 1)                        # [T, H, D]
 
     def qk_norm_rope_attention(self, q, k, v, q_norm_w, k_norm_w, eps: float, style: str, rope, cache, positions,
-                               scale: float, window: int | None = None, softcap: float | None = None, gate=None):
+                               scale: float, window: int | None = None, softcap: float | None = None, gate=None,
+                               v_norm: bool = False):
         """q/k RMSNorm (when the family has it), RoPE, the KV append and attention: one seam, so a
         backend can fuse the norm, the rotation and the append into one kernel. gate (Qwen3.5's
-        gated attention, [T, H, D] like q): the output is sigmoid(gate) * o, as act_mul rounds it."""
+        gated attention, [T, H, D] like q): the output is sigmoid(gate) * o, as act_mul rounds it.
+        v_norm (Gemma 4): v RMS-normed without a weight (v may be k itself, the un-normed keys)."""
+        if v_norm:
+            v = self.rmsnorm_noscale(v, eps)
         if q_norm_w is not None:
             q, k = self.rmsnorm(q, q_norm_w, eps, style), self.rmsnorm(k, k_norm_w, eps, style)
         q, k = self.apply_rope(q, *rope), self.apply_rope(k, *rope)
@@ -41,7 +45,8 @@ class AttentionReference:
         return o if gate is None else self.act_mul(gate, o.view(gate.shape), "sigmoid")
 
     def qk_norm_rope_attention_rows(self, q, k, v, q_norm_w, k_norm_w, eps: float, style: str, rope, states, positions,
-                                    scale: float, window: int | None = None, softcap: float | None = None, gate=None):
+                                    scale: float, window: int | None = None, softcap: float | None = None, gate=None,
+                                    v_norm: bool = False):
         """qk_norm_rope_attention for a batched decode step (row j: one token of request j over
         states[j], a kiln.cache.StateBatch) at once, where a backend has a kernel for it; None here
         (each request then runs alone on its row)."""

@@ -13,7 +13,7 @@ from ...weights.quantized import QuantizedWeight
 from ..dispatch import TunedOps
 from ..gemm.reference import ACTIVATIONS
 from ..quant.cuda import GEMV_ROWS, dequantised_stacks, quant_moe
-from . import kernels, staging
+from . import kernels, router, staging
 from .reference import MoeReference
 
 
@@ -36,6 +36,11 @@ class MoeCuda(TunedOps, MoeReference):
                 and logits.shape[1] <= kernels.ROUTER_MAX_EXPERTS and k <= logits.shape[1]):
             return kernels.router_topk(logits, k, renormalize)
         return super().router_topk(logits, k, renormalize)
+
+    def scaled_topk(self, logits, expert_scale, k):
+        if self.on("moe", logits) and router.supports(logits, expert_scale, k):
+            return router.scaled_topk(logits, expert_scale, k)
+        return super().scaled_topk(logits, expert_scale, k)
 
     def shared_gate_add(self, routed, x, gate_w, shared):
         if (self.on("moe", x) and dense(gate_w) and x.dim() == 2 and gate_w.shape[0] == 1

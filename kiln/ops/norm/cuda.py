@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import TunedOps
-from . import kernels
+from . import kernels, sandwich
 from .reference import NormReference
 
 
@@ -28,3 +28,16 @@ class NormCuda(TunedOps, NormReference):
         v = self.choose(kernels.OP, kernels.NormShape(x.numel() // x.shape[-1], x.shape[-1], style))
         y = kernels.rmsnorm(x, w, eps, style, v, add=r, s=s)
         return s, y
+
+    def residual_norms(self, x, a, eps, style, post_w, a_w=None, b=None, b_w=None, scalar=None, outs=(),
+                       router=None):
+        weights = [w for w in (post_w, a_w, b_w, router, *outs) if w is not None]
+        pair = (b is None) == (a_w is None) == (b_w is None)
+        if (not self._norm_fits(x, post_w, style) or len(outs) > 2 or not pair
+                or not sandwich.supports(x, a, b, weights)
+                or (scalar is not None and (scalar.numel() != 1 or scalar.dtype != x.dtype))):
+            return super().residual_norms(x, a, eps, style, post_w, a_w, b, b_w, scalar, outs, router)
+        v = self.choose(kernels.OP, kernels.NormShape(x.numel() // x.shape[-1], x.shape[-1], style))
+        s, ys = sandwich.residual_norms(x, a, eps, style, post_w, v.p["rows"], v.p["w"], a_w, b, b_w, scalar,
+                                        outs, router)
+        return s.view(x.shape), [y.view(x.shape) for y in ys]

@@ -1,7 +1,8 @@
 """The attention input path in one launch: per-head RMSNorm of q and k (optional: Llama has none),
-rotary embedding of the first R dims of q and k, and the KV-cache write of k and v.
+rotary embedding of the first R dims of q and k, and the KV-cache write of k and v (optionally
+RMS-normed without a weight first: Gemma 4's v_norm).
 
-  q_out = rope(norm(q));  k_buf[positions[t]] = rope(norm(k[t]));  v_buf[positions[t]] = v[t]
+  q_out = rope(norm(q));  k_buf[positions[t]] = rope(norm(k[t]));  v_buf[positions[t]] = v[t] (or vnorm(v[t]))
 
 Rounding as the reference composition (ReferenceOps.rmsnorm, then ReferenceOps.apply_rope), where
 every step is its own 16-bit torch op: the normed value is rounded as the style says
@@ -59,7 +60,8 @@ def norm_rope_rows(x_ptr, offs, w_ptr, cs_off, cos_ptr, sin_ptr, ok, eps, D: tl.
 def qk_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kb_ptr, vb_ptr, T, eps,
                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, scs,
                    H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
-                   NORM: tl.constexpr, STYLE: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
+                   NORM: tl.constexpr, STYLE: tl.constexpr, RNE: tl.constexpr, VNORM: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
     pdl_wait(PDL)
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     hd = tl.program_id(1)
@@ -80,6 +82,9 @@ def qk_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_pt
         dst = (slot * KV + kh)[:, None] * D + cols[None, :]
         tl.store(kb_ptr + dst, y, mask=inside)
         vals = tl.load(v_ptr + (t64 * sv_t + kh * sv_h)[:, None] + cols[None, :], mask=inside, other=0.0)
+        if VNORM:   # normed in f32, then rounded (ReferenceOps.rmsnorm_noscale)
+            vf = vals.to(tl.float32)
+            vals = round_to(vf * tl.math.rsqrt(tl.sum(vf * vf, axis=1) / D + eps)[:, None], dtype, RNE)
         tl.store(vb_ptr + dst, vals, mask=inside)
 
 
@@ -89,7 +94,7 @@ def strides(x: torch.Tensor) -> tuple[int, int]:
 
 
 def qk_rope_into(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf, positions, q_out,
-                 var: Variant) -> None:
+                 var: Variant, v_norm: bool = False) -> None:
     t, h, d = q.shape
     kv, r = k.shape[1], cos.shape[-1]
     norm = q_norm_w is not None
@@ -104,17 +109,19 @@ def qk_rope_into(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf
     qk_rope_kernel[(cdiv(t, p["rows"]), h + kv)](
         q, k, v, w_q, w_k, cos, sin, positions, q_out, k_buf, v_buf, t, eps, *strides(q), *strides(k), *strides(v),
         cos.stride(0), H=h, KV=kv, D=d, R=r, ROWS=p["rows"], NORM=norm, STYLE=STYLES[style] if norm else 0,
-        RNE=rne_flag(q.dtype), num_warps=p["w"], **pdl(q), **EXACT_ROUNDING)
+        RNE=rne_flag(q.dtype), VNORM=v_norm, num_warps=p["w"], **pdl(q), **EXACT_ROUNDING)
 
 
 def qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf, positions,
-            var: Variant | None = None) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KV, D] (strided views allowed, last dim contiguous); q_norm_w/k_norm_w [D] or
-    None (no norm); cos/sin [T, R]; k_buf/v_buf [capacity, KV, D]; positions int64 [T] on the device.
-    Returns q_out [T, H, D] (normed, roped); writes roped k and v into the buffers at positions."""
-    var = var or OP.default(shape_of(q, k, cos, style if q_norm_w is not None else None), device_info(q.device))
+            var: Variant | None = None, v_norm: bool = False) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KV, D] (strided views allowed, last dim contiguous; v may be k itself);
+    q_norm_w/k_norm_w [D] or None (no norm); cos/sin [T, R]; k_buf/v_buf [capacity, KV, D]; positions
+    int64 [T] on the device; v_norm: v RMS-normed without a weight before it is stored. Returns q_out
+    [T, H, D] (normed, roped); writes roped k and v into the buffers at positions."""
+    shape = shape_of(q, k, cos, style if q_norm_w is not None else None, v_norm)
+    var = var or OP.default(shape, device_info(q.device))
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    qk_rope_into(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf, positions, q_out, var)
+    qk_rope_into(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf, positions, q_out, var, v_norm)
     return q_out
 
 
@@ -136,14 +143,15 @@ class RopeShape:
     d: int
     r: int             # rotary dims
     style: str | None  # None: no q/k norm
+    v_norm: bool = False   # v RMS-normed (no weight) before the append: Gemma 4
 
     @property
     def key(self) -> tuple:
-        return (self.h, self.kv, self.d, self.r, self.style)
+        return (self.h, self.kv, self.d, self.r, self.style) + (("vnorm",) if self.v_norm else ())
 
 
-def shape_of(q, k, cos, style) -> RopeShape:
-    return RopeShape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], cos.shape[-1], style)
+def shape_of(q, k, cos, style, v_norm: bool = False) -> RopeShape:
+    return RopeShape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], cos.shape[-1], style, v_norm)
 
 
 def rope_variant(rows: int, warps: int) -> Variant:
@@ -172,7 +180,8 @@ def rope_inputs(s: RopeShape, dtype, device, gen) -> dict:
             "q_norm_w": (r(s.d) * 0.2 + shift).to(dtype) if norm else None,
             "k_norm_w": (r(s.d) * 0.2 + shift).to(dtype) if norm else None,
             "eps": 1e-6, "style": s.style or "llama", "cos": emb.cos().to(dtype), "sin": emb.sin().to(dtype),
-            "k_buf": r(cap, s.kv, s.d).to(dtype), "v_buf": r(cap, s.kv, s.d).to(dtype), "positions": positions}
+            "k_buf": r(cap, s.kv, s.d).to(dtype), "v_buf": r(cap, s.kv, s.d).to(dtype), "positions": positions,
+            "v_norm": s.v_norm}
 
 
 ARGS = ("q", "k", "v", "q_norm_w", "k_norm_w", "eps", "style", "cos", "sin")
@@ -189,10 +198,10 @@ class QkRopeOp(Op):
         return pow2_dim(s.d) and s.r % 2 == 0 and 0 < s.r <= s.d
 
     def shape_str(self, s: RopeShape) -> str:
-        return f"{s.rows}_h{s.h}-{s.kv}_d{s.d}_r{s.r}_{s.style or 'nonorm'}"
+        return f"{s.rows}_h{s.h}-{s.kv}_d{s.d}_r{s.r}_{s.style or 'nonorm'}" + ("_vnorm" if s.v_norm else "")
 
     def with_rows(self, s: RopeShape, rows: int) -> RopeShape:
-        return RopeShape(rows, s.h, s.kv, s.d, s.r, s.style)
+        return RopeShape(rows, s.h, s.kv, s.d, s.r, s.style, s.v_norm)
 
     def catalogue(self, s: RopeShape, dev) -> list[Variant]:
         if dev.capability is None:
@@ -226,7 +235,7 @@ class QkRopeOp(Op):
         outputs["k_buf"].copy_(inputs["k_buf"])
         outputs["v_buf"].copy_(inputs["v_buf"])
         qk_rope_into(*(inputs[k] for k in ARGS), outputs["k_buf"], outputs["v_buf"], inputs["positions"],
-                     outputs["q_out"], v)
+                     outputs["q_out"], v, inputs["v_norm"])
 
     def compile(self, v: Variant, s: RopeShape, dtype, device) -> list:
         """Runs the variant once on a two-token block (T is not specialised: that compiles it)."""

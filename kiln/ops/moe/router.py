@@ -1,0 +1,56 @@
+"""Gemma 4's router after its projection in one launch (MoeReference.scaled_topk): softmax in f32, the
+k largest, renormalised by their f32 sum, times per_expert_scale[id]; the weights stay f32."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import SUPPORTED, next_pow2, pdl, pdl_wait
+
+MAX_EXPERTS = 1024   # one program holds a row of logits
+
+
+@triton.jit
+def scaled_topk_kernel(l_ptr, s_ptr, w_ptr, i_ptr, E: tl.constexpr, EP: tl.constexpr, KTOP: tl.constexpr,
+                       KP: tl.constexpr, PDL: tl.constexpr = False):
+    """Row t: the reference's softmax (exp(x - max) / sum), top-k in descending order (a tie to the
+    lower id), top / sum(top), then times the chosen experts' scales."""
+    t = tl.program_id(0).to(tl.int64)
+    pdl_wait(PDL)
+    e = tl.arange(0, EP)
+    x = tl.load(l_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    work = tl.where(e < E, p, -1.0)          # padding is never chosen (p >= 0)
+    slots = tl.arange(0, KP)
+    top = tl.zeros((KP,), dtype=tl.float32)
+    idx = tl.zeros((KP,), dtype=tl.int32)
+    for j in tl.static_range(KTOP):
+        best = tl.max(work, axis=0)
+        first = tl.min(tl.where(work == best, e, EP), axis=0)
+        top = tl.where(slots == j, best, top)
+        idx = tl.where(slots == j, first, idx)
+        work = tl.where(e == first, -2.0, work)
+    top = top / tl.sum(top, axis=0)          # slots past k hold 0
+    scale = tl.load(s_ptr + idx, mask=slots < KTOP, other=0.0).to(tl.float32)
+    tl.store(w_ptr + t * KTOP + slots, top * scale, mask=slots < KTOP)
+    tl.store(i_ptr + t * KTOP + slots, idx.to(tl.int64), mask=slots < KTOP)
+
+
+def supports(logits, expert_scale, k: int) -> bool:
+    return (logits.dim() == 2 and logits.dtype in SUPPORTED and logits.shape[1] <= MAX_EXPERTS
+            and k <= logits.shape[1] and expert_scale.shape == logits.shape[1:])
+
+
+def scaled_topk(logits: torch.Tensor, expert_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E], expert_scale [E] -> (weights [T, k] f32, ids [T, k] int64)."""
+    t, e = logits.shape
+    logits = logits.contiguous()
+    w = torch.empty((t, k), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((t, k), dtype=torch.long, device=logits.device)
+    if t:
+        scaled_topk_kernel[(t,)](logits, expert_scale.contiguous(), w, idx, E=e, EP=next_pow2(e), KTOP=k,
+                                 KP=next_pow2(k), num_warps=4, **pdl(logits))
+    return w, idx
