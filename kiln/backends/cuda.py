@@ -30,9 +30,9 @@ PREFILL_CHUNK = 512               # the engine's chunk on the reference backend:
 DECODE_ROWS = 1
 DECODE_CONTEXTS = (2048, 32768)   # decode attention is measured at these context lengths
 # what a batched decode step runs at B rows (attention and the GDN step run per request's row)
-BATCH_OPS = ("gemm", "gemm_act", "rmsnorm", "qk_rope", "moe")
-OPS = ("gemm", "rmsnorm", "rmsnorm_gemm", "gdn_prefill", "gdn_decode", "moe", "attention", "attention_decode",
-       "qk_rope", "gemm_act", "act_gemm", "qgemv")
+BATCH_OPS = ("gemm", "gemm_act", "rmsnorm", "residual_norms", "qk_rope", "moe")
+OPS = ("gemm", "rmsnorm", "residual_norms", "rmsnorm_gemm", "gdn_prefill", "gdn_decode", "moe", "attention",
+       "attention_decode", "qk_rope", "gemm_act", "act_gemm", "qgemv")
 
 
 class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, ReferenceOps):

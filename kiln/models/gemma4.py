@@ -262,7 +262,20 @@ class Gemma4(Model):
         if ple:
             n = c.num_hidden_layers
             out += gemms(rows, (n * ple, h)) + norms(rows, ple, style, per_row=n)
-        return out + lm_head_shapes(c.vocab_size, h, style)
+        return out + cls.residual_shapes(c, rows) + lm_head_shapes(c.vocab_size, h, style)
+
+    @classmethod
+    def residual_shapes(cls, c, rows) -> list:
+        """The forms of ops.residual_norms that `layer` calls: after attention (the MLP's norm, and with
+        experts theirs and the router's input), after the MLP (two branches with experts; the layer
+        scalar and the next norm unless the PLE step comes between), and the PLE step."""
+        moe, ple = c.enable_moe_block, bool(c.hidden_size_per_layer_input)
+        forms = [dict(two=False, scalar=False, outs=1 + moe, router=moe),
+                 dict(two=moe, scalar=not ple, outs=0 if ple else 1, router=False)]
+        if ple:
+            forms.append(dict(two=False, scalar=True, outs=1, router=False))
+        h, style = c.hidden_size, cls.norm_style
+        return [kernel("residual_norms", rows=m, d=h, style=style, **f) for f in forms for m in rows]
 
     def make_state(self, dtype, device):
         """Sliding layers keep a ring of the window, or, on a backend that masks the window itself over a

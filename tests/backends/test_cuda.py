@@ -80,7 +80,7 @@ def test_gemma3_on_the_cuda_backend_keeps_plain_caches_and_the_reference_tokens(
     assert llm.generate(prompt, max_new_tokens=6, temperature=0).token_ids == want
 
 
-@pytest.mark.parametrize("name", ["tiny-gemma4", "tiny-gemma4-moe", "tiny-gemma4-moe-p2"])
+@pytest.mark.parametrize("name", ["tiny-gemma4", "tiny-gemma4-moe-p2"])   # the unfused and fused paths
 def test_gemma4_on_the_cuda_backend_keeps_plain_caches_and_the_reference_tokens(monkeypatch, name):
     """As Gemma 3: plain KV buffers for the sliding layers (so Gemma 4's decode step can be a graph),
     the reference's tokens past the window. With power-of-two head dims (p2) every attention layer runs

@@ -90,8 +90,8 @@ def test_residual_norms_equal_reference(form, rows, monkeypatch):
               "ple": dict(a_w=w[1], b=b, b_w=w[2])}[form]
     want_s, want_ys = REF.residual_norms(x, a, 1e-6, "plain", w[0], **kwargs)
     assert len(want_ys) == len(kwargs.get("outs", ())) + ("router" in kwargs)
-    for per_program, warps in ((1, 4), (4, 2)):
-        got_s, got_ys = sandwich.residual_norms(x, a, 1e-6, "plain", w[0], per_program, warps, **kwargs)
+    for v in (sandwich.TRUSTED, sandwich.CPU_TRUSTED, norm_kernels.norm_variant(4, 2)):
+        got_s, got_ys = sandwich.residual_norms(x, a, 1e-6, "plain", w[0], v, **kwargs)
         assert torch.equal(got_s, want_s)
         assert len(got_ys) == len(want_ys)
         for got, want in zip(got_ys, want_ys):
@@ -100,3 +100,16 @@ def test_residual_norms_equal_reference(form, rows, monkeypatch):
     monkeypatch.setattr(sandwich, "residual_norms", lambda *a, **k: launched.append(1) or (want_s, want_ys))
     CudaOps(DEVICE).residual_norms(x, a, 1e-6, "plain", w[0], **kwargs)
     assert launched, "the cuda backend runs the fused kernel"
+
+
+def test_residual_norms_op_gate_passes_every_candidate():
+    """The registry op, in the form Gemma 4's MoE layers call after the MLP: every candidate passes
+    the gate against the trusted variant."""
+    from kiln.tune import gate
+
+    op, dev = sandwich.OP, device_info(DEVICE)
+    s = sandwich.ResidualShape(5, 96, "plain", True, True, 1, False)
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    cases = gate.trusted_cases(op, s, op.trusted(s, dev), torch.bfloat16, DEVICE, gen)
+    for v in op.candidates(s, dev):
+        assert gate.check(op, v, cases).ok, v.name

@@ -37,7 +37,6 @@ class NormCuda(TunedOps, NormReference):
                 or not sandwich.supports(x, a, b, weights)
                 or (scalar is not None and (scalar.numel() != 1 or scalar.dtype != x.dtype))):
             return super().residual_norms(x, a, eps, style, post_w, a_w, b, b_w, scalar, outs, router)
-        v = self.choose(kernels.OP, kernels.NormShape(x.numel() // x.shape[-1], x.shape[-1], style))
-        s, ys = sandwich.residual_norms(x, a, eps, style, post_w, v.p["rows"], v.p["w"], a_w, b, b_w, scalar,
-                                        outs, router)
+        v = self.choose(sandwich.OP, sandwich.shape_of(x, b, scalar, outs, router, style))
+        s, ys = sandwich.residual_norms(x, a, eps, style, post_w, v, a_w, b, b_w, scalar, outs, router)
         return s.view(x.shape), [y.view(x.shape) for y in ys]
