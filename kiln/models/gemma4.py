@@ -329,11 +329,14 @@ class Gemma4(Model):
                                                                if moe else ())
         x, ys = ops.residual_norms(x, h, eps, style, w[p + "post_attention_layernorm.weight"], outs=outs,
                                    router=w[p + "router.scale"] if moe else None)
-        m = ops.gated_mlp(ys[0], w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"], c.hidden_activation)
-        both = {}
         if moe:   # the routed experts on the post-attention residual: its norm ys[1], the router's input ys[2]
             weights, idx = ops.scaled_topk(ops.linear(ys[2], w[p + "router.proj.weight"]),
                                            w[p + "router.per_expert_scale"], c.top_k_experts)
+            ops.moe_prefetch(idx, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"])   # streamed: the
+        m = ops.gated_mlp(ys[0], w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"],  # misses' read
+                          c.hidden_activation)                                                 # overlaps the MLP
+        both = {}
+        if moe:
             e = ops.moe_experts(ys[1], idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
                                 c.hidden_activation)
             both = dict(a_w=w[p + "post_feedforward_layernorm_1.weight"], b=e,

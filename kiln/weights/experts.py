@@ -352,6 +352,7 @@ class ExpertStore:
         self.staging: dict[tuple, object] = {}              # zero-copy from disk: pinned stacks the misses land in
         self.tables: dict[str, torch.Tensor] = {}          # zero-copy: expert -> slot, or -1 - expert (in place)
         self.pending: dict[str, list] = {}                  # zero-copy: ids of calls not yet counted
+        self.ahead: dict[str, tuple] = {}                   # zero-copy: misses staged ahead (prefetch)
         self.log: torch.Tensor | None = None                # zero-copy in a CUDA graph: each layer's ids a replay
         self.logged: dict[str, int] = {}                    # ... the layers captured writing it, their rows
         self.row = {p: i for i, p in enumerate(homes)}      # ... each layer's row of it
@@ -436,6 +437,23 @@ class ExpertStore:
             if layer in self.tables:
                 self.tables[layer].copy_(self._table_values(layer, self.tables[layer].shape[0]))
 
+    def prefetch(self, ops, idx, gate_up: ExpertStack, down: ExpertStack) -> None:
+        """Zero-copy from host memory: start copying idx's misses into device scratch now, on a side
+        stream (ops.stage_ahead), so that what the caller queues before the experts (Gemma 4's dense MLP)
+        overlaps the copy; moe() with the same idx joins it. Nothing where that path does not apply."""
+        layer = gate_up.layer
+        if (not self.zero_copy or idx.shape[0] > getattr(ops, "mapped_rows", 0) or not hasattr(ops, "stage_ahead")
+                or isinstance(self.homes[layer], DiskHome)):
+            return
+        if not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._settle(layer)         # the table as moe() would find it: promotions applied first
+        if layer not in self.tables:
+            self.tables[layer] = self._table_values(layer, gate_up.shape[0]).to(self.device)
+        home = self.homes[layer]
+        staged = ops.stage_ahead(idx, self.tables[layer], (home.stacks[gate_up.name], home.stacks[down.name]))
+        if staged is not None:
+            self.ahead[layer] = (idx, staged)
+
     def _in_place(self, ops, x, idx, weights, gate_up: ExpertStack, down: ExpertStack, act: str, gate):
         """Zero-copy from host memory: every pair's expert taken from its slot or from host memory by
         the table (the backend stages the misses on the device, or reads them in place); the ids sent
@@ -446,8 +464,10 @@ class ExpertStore:
         if layer not in self.tables:
             self.tables[layer] = self._table_values(layer, gate_up.shape[0]).to(self.device)
         host = (home.stacks[gate_up.name], home.stacks[down.name])
+        ahead = self.ahead.pop(layer, None)
+        staged = {"staged": ahead[1]} if ahead is not None and ahead[0] is idx else {}
         y = ops.moe_from_slots(x, idx, None, weights, stacks[gate_up.name], stacks[down.name], act, gate, host=host,
-                               table=self.tables[layer])
+                               table=self.tables[layer], **staged)
         if y is None:
             return None
         if idx.is_cuda and torch.cuda.is_current_stream_capturing():

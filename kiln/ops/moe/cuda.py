@@ -83,19 +83,48 @@ class MoeCuda(TunedOps, MoeReference):
             return self._moe_one_token(x, idx, weights, gate_up, down, act)
         return super().moe_experts(x, idx, weights, gate_up, down, act)
 
-    def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act, gate=None, host=None, table=None):
+    def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act, gate=None, host=None, table=None,
+                       staged=None):
         """Streamed experts whose every needed one sits in a slot (or, with `host`, the gate_up and down
         stacks in mapped host memory: a negative row names expert -1 - row there): the resident decode's
         kernels, the weights read from slot rows[pair] (quant_moe), the combine in expert id order.
         With `table` (expert -> slot, or -1 - expert) instead of rows: the misses copied from host
         memory into device scratch by one kernel first (staging.stage; KILN_STAGE_MISSES=0: read in
-        place by the GEMVs). None where those kernels do not apply (the store then adds expert by expert)."""
+        place by the GEMVs). `staged`: stage_ahead's result for idx (the copy on a side stream, joined here).
+        None where those kernels do not apply (the store then adds expert by expert)."""
+        if staged is not None:
+            rows, scratch, side = staged
+            if side is not None:
+                torch.cuda.current_stream(idx.device).wait_stream(side)
+            table, host = None, scratch
         if gate is not None and not (dense(gate[0]) and gate[0].shape[0] == 1 and gate[1].shape == x.shape):
             return None
         if table is not None:
             staged = self._stage_misses(idx, table, host) if os.environ.get("KILN_STAGE_MISSES", "1") != "0" else None
             rows, host = staged if staged is not None else (table[idx], host)
         return quant_moe(self, x, idx, weights, gate_up, down, act, gate, rows=rows, host=host)
+
+    def stage_ahead(self, idx, table, host):
+        """_stage_misses on a side stream forked from the current one, so that the kernels queued next
+        overlap the copy: (rows, scratch, side stream) for moe_from_slots(staged=...), which joins it;
+        None where staging does not apply, or KILN_STAGE_AHEAD=0 (A/B runs: staged in order then).
+        (Inside a CUDA graph the fork and join are its edges.)"""
+        if "0" in (os.environ.get("KILN_STAGE_MISSES", "1"), os.environ.get("KILN_STAGE_AHEAD", "1")):
+            return None
+        if not idx.is_cuda:        # the interpreter (tests): in order, no stream
+            staged = self._stage_misses(idx, table, host)
+            return None if staged is None else (*staged, None)
+        main = torch.cuda.current_stream(idx.device)
+        side = self.__dict__.get("_stage_stream")
+        if side is None:           # (made by an eager step: a decode graph captures its second)
+            side = self._stage_stream = torch.cuda.Stream(idx.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            staged = self._stage_misses(idx, table, host)
+        if staged is None:
+            main.wait_stream(side)     # nothing launched; joined all the same (a capture needs it)
+            return None
+        return (*staged, side)
 
     def _stage_misses(self, idx, table, host):
         """(rows, scratch stacks) after staging.stage copied idx's misses into device scratch; None where

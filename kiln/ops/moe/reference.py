@@ -25,7 +25,14 @@ class MoeReference:
             self.expert_add(out, x, tok, slot, weights, gate_up[e], down[e], act)
         return out
 
-    def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act: str, gate=None, host=None, table=None):
+    def moe_prefetch(self, idx, gate_up, down) -> None:
+        """Streamed experts: start reading idx's misses now (ExpertStore.prefetch), so that the work
+        queued before moe_experts overlaps the read; nothing for resident experts. Changes no value."""
+        if isinstance(gate_up, ExpertStack):
+            gate_up.store.prefetch(self, idx, gate_up, down)
+
+    def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act: str, gate=None, host=None, table=None,
+                       staged=None):
         """Streamed experts all in slots (rows: each pair's slot), or with `host` read in place from
         host stacks where a row is negative: a backend's resident kernels, or None, as here, for the
         store's expert-by-expert path (expert_add)."""
