@@ -442,8 +442,8 @@ class ExpertStore:
         stream (ops.stage_ahead), so that what the caller queues before the experts (Gemma 4's dense MLP)
         overlaps the copy; moe() with the same idx joins it. Nothing where that path does not apply."""
         layer = gate_up.layer
-        if (not self.zero_copy or idx.shape[0] > getattr(ops, "mapped_rows", 0) or not hasattr(ops, "stage_ahead")
-                or isinstance(self.homes[layer], DiskHome)):
+        disk = isinstance(self.homes[layer], DiskHome)    # (its misses are read on the host, in moe())
+        if not self.zero_copy or idx.shape[0] > getattr(ops, "mapped_rows", 0) or disk:
             return
         if not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):
             self._settle(layer)         # the table as moe() would find it: promotions applied first

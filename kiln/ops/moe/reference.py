@@ -31,6 +31,11 @@ class MoeReference:
         if isinstance(gate_up, ExpertStack):
             gate_up.store.prefetch(self, idx, gate_up, down)
 
+    def stage_ahead(self, idx, table, host):
+        """A backend's staging of idx's misses into device scratch, started ahead of moe_from_slots
+        (whose `staged` it becomes); None here: the store's expert-by-expert path reads them itself."""
+        return None
+
     def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act: str, gate=None, host=None, table=None,
                        staged=None):
         """Streamed experts all in slots (rows: each pair's slot), or with `host` read in place from
