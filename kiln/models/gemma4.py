@@ -332,9 +332,9 @@ class Gemma4(Model):
         if moe:   # the routed experts on the post-attention residual: its norm ys[1], the router's input ys[2]
             weights, idx = ops.scaled_topk(ops.linear(ys[2], w[p + "router.proj.weight"]),
                                            w[p + "router.per_expert_scale"], c.top_k_experts)
-            ops.moe_prefetch(idx, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"])   # streamed: the
-        m = ops.gated_mlp(ys[0], w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"],  # misses' read
-                          c.hidden_activation)                                                 # overlaps the MLP
+            # streamed experts: their misses' read starts here and overlaps the dense MLP
+            ops.moe_prefetch(idx, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"])
+        m = ops.gated_mlp(ys[0], w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"], c.hidden_activation)
         both = {}
         if moe:
             e = ops.moe_experts(ys[1], idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],

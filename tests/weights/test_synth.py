@@ -112,7 +112,9 @@ def test_tiny_configs_have_odd_sizes_and_every_layer_kind(name):
     c = _hf_config(d)
     assert not _pow2(c.vocab_size)
     if name.endswith("-p2"):    # power-of-two heads on purpose: the cuda backend's kernels (not fallbacks) run
-        assert _pow2(d["head_dim"]) and _pow2(c.linear_key_head_dim) and _pow2(c.linear_value_head_dim)
+        dims = [d["head_dim"]] + [d[k] for k in ("global_head_dim", "linear_key_head_dim", "linear_value_head_dim")
+                                  if k in d]
+        assert len(dims) >= 2 and all(_pow2(x) for x in dims)
         return
     assert not _pow2(c.num_attention_heads)
     assert not _pow2(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"])

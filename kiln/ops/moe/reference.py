@@ -71,15 +71,10 @@ class MoeReference:
             top = top / top.sum(dim=-1, keepdim=True)
         return top.to(logits.dtype), idx
 
-    def scaled_router(self, x, scale, proj_w, expert_scale, k: int, eps: float):
-        """Gemma 4 router: proj(rmsnorm(x) * scale * H^-0.5), each product rounded to x's dtype as
-        in HF; then scaled_topk. (Its input is also one of residual_norms' outputs.)"""
-        h = self.rmsnorm_noscale(x, eps) * scale * x.shape[-1] ** -0.5
-        return self.scaled_topk(self.linear(h, proj_w), expert_scale, k)
-
     def scaled_topk(self, logits, expert_scale, k: int):
-        """Softmax, top-k and renormalisation in f32, times per_expert_scale[idx]. The weights stay
-        f32 (the expert outputs are multiplied by them in f32, then rounded)."""
+        """Gemma 4's router after its projection (whose input, rmsnorm(x) * scale * H^-0.5, is one of
+        residual_norms' outputs): softmax, top-k and renormalisation in f32, times per_expert_scale[idx].
+        The weights stay f32 (the expert outputs are multiplied by them in f32, then rounded)."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, idx = torch.topk(probs, k, dim=-1)
         top = top / top.sum(dim=-1, keepdim=True)
