@@ -741,9 +741,9 @@ class ExpertPlan:
             raise KilnError("this model has no routed experts to stream (--expert-cache-slots is for MoE models)")
         prefix = {n: layer_prefix(n) for n in names}
         home = self.home
-        if home == "auto":
-            need = sum(_stack_bytes(ckpt, n) for n in names)
-            home = "host" if self.host_memory is None or need <= self.host_memory * 1e9 else "disk"
+        if home == "auto":     # host unless the experts, as they will be held, pass --host-memory
+            need = None if self.host_memory is None else sum(weight_bytes(ckpt, names, dtype).values())
+            home = "host" if need is None or need <= self.host_memory * 1e9 else "disk"
         convert = lambda stored: placed(stored, dtype, "cpu")  # noqa: E731
         if home == "disk":
             homes = _disk_homes(ckpt, names, prefix, convert, self.verify != "off", self.direct_io)
@@ -765,14 +765,6 @@ class ExpertPlan:
 def layer_prefix(name: str) -> str:
     """A routed-expert stack's layer: its name less the stack's suffix (STACKS)."""
     return name[: -len(next(s for s in STACKS if name.endswith(s)))]
-
-
-def _stack_bytes(ckpt, name: str) -> int:
-    shape = ckpt.shapes[name]
-    n = 1
-    for d in shape:
-        n *= d
-    return 2 * n        # an estimate (16-bit): the home's choice only needs the order of magnitude
 
 
 def _pinned(w):

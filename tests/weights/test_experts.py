@@ -89,6 +89,22 @@ def test_streamed_logits_and_tokens_are_the_resident_ones(packed, resident, prof
     check_accounting(store, policy, SLOTS)
 
 
+def test_auto_home_weighs_the_experts_as_they_will_be_held(packed):
+    """--host-memory against the experts' bytes as held (4-bit words, scales and biases in the load's
+    dtype), not a 16-bit estimate: between the two the experts stay in host memory; under both, disk."""
+    from kiln.weights import open_checkpoint
+    from kiln.weights.experts import STACKS, weight_bytes
+
+    ckpt = open_checkpoint(str(packed))
+    names = [n for n in ckpt.shapes if n.endswith(STACKS)]
+    held = sum(weight_bytes(ckpt, names, torch.float32).values())
+    sixteen = 2 * sum(torch.Size(ckpt.shapes[n]).numel() for n in names)
+    assert 0 < held < sixteen / 2
+    for gb, tier in (((held + sixteen) / 2e9, "host"), (held / 2e9, "disk")):
+        llm = load(packed, expert_cache_slots=SLOTS, host_memory=gb)
+        assert llm.model.expert_store.home_tier == tier, (gb, tier)
+
+
 def test_direct_io_reads_give_the_resident_logits(packed, resident):
     """O_DIRECT reads (page-aligned buffers, 4 KiB-aligned blobs), every expert read every step."""
     llm = load(packed, expert_cache_slots=SLOTS, expert_policy="os", expert_home="disk", direct_io=True)
