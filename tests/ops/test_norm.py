@@ -76,11 +76,16 @@ def test_gpu_rmsnorm_variants_equal_reference(style):
 @pytest.mark.parametrize("form", ["attention", "moe", "dense", "ple"])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_residual_norms_equal_reference(form, rows, monkeypatch):
-    """s bit-equal to the reference's composition (each norm, sum and product rounded where it rounds);
-    the normed outputs and the router's input within rounding. Forms as Gemma 4 calls it: after
-    attention (two norms of s and the router's input), after the MLP and experts (two branches, the
-    layer scalar, the next norm), dense, and the PLE branch."""
+    """The reference's composition (each norm, sum and product rounded where it rounds) to the order of
+    the sums of squares: a norm computed in another order may land one bf16 ulp off, and what is built
+    on it carries that. So s is within eps * (3|s| + 2|x|) of the reference (an ulp of the normed
+    branch, which is at most |s| + |x|, plus s's own rounding; doubled where two branches feed a norm),
+    each normed output within two ulps of its value, the router's input (three roundings on a normed
+    value) within three; and nearly all values bit-equal. Forms as Gemma 4 calls it: after attention
+    (two norms of s and the router's input), after the MLP and experts (two branches, the layer
+    scalar, the next norm), dense, and the PLE branch."""
     d, dtype = 200, torch.bfloat16
+    eps = torch.finfo(dtype).eps
     x, a, b = (rand(rows, d, dtype=dtype, seed=s, scale=sc) for s, sc in ((1, 3.0), (2, 1.0), (3, 2.0)))
     w = [rand(d, dtype=dtype, seed=10 + j, scale=0.2, shift=1.0) for j in range(6)]
     scalar = torch.tensor([0.37], dtype=dtype, device=x.device)
@@ -90,12 +95,19 @@ def test_residual_norms_equal_reference(form, rows, monkeypatch):
               "ple": dict(a_w=w[1], b=b, b_w=w[2])}[form]
     want_s, want_ys = REF.residual_norms(x, a, 1e-6, "plain", w[0], **kwargs)
     assert len(want_ys) == len(kwargs.get("outs", ())) + ("router" in kwargs)
+    ulps = [2] * len(kwargs.get("outs", ())) + [3] * ("router" in kwargs)
+
+    def near(got, want, bound):
+        assert got.dtype == want.dtype and got.shape == want.shape and not torch.isnan(got).any()
+        assert ((got.float() - want.float()).abs() <= bound).all()
+        assert (got == want).float().mean().item() >= 0.98
+
     for v in (sandwich.TRUSTED, sandwich.CPU_TRUSTED, norm_kernels.norm_variant(4, 2)):
         got_s, got_ys = sandwich.residual_norms(x, a, 1e-6, "plain", w[0], v, **kwargs)
-        assert torch.equal(got_s, want_s)
+        near(got_s, want_s, eps * (3 * want_s.float().abs() + 2 * x.float().abs()))
         assert len(got_ys) == len(want_ys)
-        for got, want in zip(got_ys, want_ys):
-            assert_rounding_close(got, want)
+        for got, want, n in zip(got_ys, want_ys, ulps):
+            near(got, want, n * eps * want.float().abs().clamp_min(1e-3))
     launched = []
     monkeypatch.setattr(sandwich, "residual_norms", lambda *a, **k: launched.append(1) or (want_s, want_ys))
     CudaOps(DEVICE).residual_norms(x, a, 1e-6, "plain", w[0], **kwargs)
