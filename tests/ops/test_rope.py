@@ -106,7 +106,7 @@ def test_v_norm_gemma4(keys_are_values, t):
     if keys_are_values:
         c["v"] = c["k"]
     got, want = kiln(c, rope_kernels.rope_variant(2, 2), v_norm=True), reference(c, v_norm=True)
-    assert_match(got, want)
+    assert_match(got, want, exact=False)    # v's sum of squares in another order: an ulp may move
     assert not torch.equal(want[2], reference(c)[2])    # the norm changed what is stored
 
 
