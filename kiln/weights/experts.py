@@ -447,12 +447,17 @@ class ExpertStore:
             return
         if not (idx.is_cuda and torch.cuda.is_current_stream_capturing()):
             self._settle(layer)         # the table as moe() would find it: promotions applied first
-        if layer not in self.tables:
-            self.tables[layer] = self._table_values(layer, gate_up.shape[0]).to(self.device)
         home = self.homes[layer]
-        staged = ops.stage_ahead(idx, self.tables[layer], (home.stacks[gate_up.name], home.stacks[down.name]))
+        staged = ops.stage_ahead(idx, self._table(layer, gate_up.shape[0]),
+                                 (home.stacks[gate_up.name], home.stacks[down.name]))
         if staged is not None:
             self.ahead[layer] = (idx, staged)
+
+    def _table(self, layer: str, experts: int) -> torch.Tensor:
+        """The layer's device table (expert -> slot, or -1 - expert), made at its first zero-copy call."""
+        if layer not in self.tables:
+            self.tables[layer] = self._table_values(layer, experts).to(self.device)
+        return self.tables[layer]
 
     def _in_place(self, ops, x, idx, weights, gate_up: ExpertStack, down: ExpertStack, act: str, gate):
         """Zero-copy from host memory: every pair's expert taken from its slot or from host memory by
@@ -461,13 +466,11 @@ class ExpertStore:
         backend's kernels do not apply."""
         layer = gate_up.layer
         stacks, home = self._slots(layer), self.homes[layer]
-        if layer not in self.tables:
-            self.tables[layer] = self._table_values(layer, gate_up.shape[0]).to(self.device)
         host = (home.stacks[gate_up.name], home.stacks[down.name])
         ahead = self.ahead.pop(layer, None)
         staged = {"staged": ahead[1]} if ahead is not None and ahead[0] is idx else {}
         y = ops.moe_from_slots(x, idx, None, weights, stacks[gate_up.name], stacks[down.name], act, gate, host=host,
-                               table=self.tables[layer], **staged)
+                               table=self._table(layer, gate_up.shape[0]), **staged)
         if y is None:
             return None
         if idx.is_cuda and torch.cuda.is_current_stream_capturing():
