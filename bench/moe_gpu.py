@@ -1,10 +1,14 @@
-"""kiln's routed-experts kernels against torch._grouped_mm and the reference op, at qwen3.5-35b-a3b's shapes.
+"""kiln's routed-experts kernels against torch._grouped_mm and the reference op, at qwen3.5-35b-a3b's shapes
+(or gemma4-26b-a4b's).
 
 The peers: torch._grouped_mm (two grouped GEMMs over rows sorted by expert, where this torch has it)
 and the reference backend's op (a Python loop over the hit experts, cuBLAS GEMMs). Shapes: E=256,
 k=8, H=2048, I=512 (the expert FFN), silu, bf16, at T = 1, 512 and 8192 tokens.
 
-    PYTHONPATH=. python3 bench/moe_gpu.py OUT.json     (GPU; about two minutes)
+    PYTHONPATH=. python3 bench/moe_gpu.py OUT.json [MODEL] [TOKENS]   (GPU; about two minutes)
+
+MODEL: qwen3.5-35b-a3b (default) or gemma4-26b-a4b (E=128, k=8, H=2816, I=704, gelu_pytorch_tanh);
+TOKENS: a comma list (default 1,512,8192).
 
 Each kiln variant is first checked against the reference (max error, bit-equal fraction), then
 timed with kiln.tune.timing (CUDA-graph replays, median) over input sets whose routing differs, so
@@ -30,7 +34,9 @@ from kiln.tools.benchutil import environment, now_iso
 from kiln.tune import timing
 from kiln.tune.device import device_info
 
-E, K, H, FFN, ACT = 256, 8, 2048, 512, "silu"   # experts, top-k, hidden, expert FFN
+SHAPES = {"qwen3.5-35b-a3b": (256, 8, 2048, 512, "silu"),       # experts, top-k, hidden, expert FFN, act
+          "gemma4-26b-a4b": (128, 8, 2816, 704, "gelu_pytorch_tanh")}
+E, K, H, FFN, ACT = SHAPES["qwen3.5-35b-a3b"]
 TOKENS = (1, 512, 8192)
 SETS = 16                  # routings rotated through at T = 1: 16 x 8 distinct experts (768 MB) pass L2
 # (prefill reads every expert each call: two sets are enough)
@@ -75,7 +81,7 @@ def grouped_mm_moe(x, idx, weights, gate_up, down):
     rows = x[order // K]
     gu = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
     g, u = gu.chunk(2, dim=-1)
-    h = torch.nn.functional.silu(g) * u
+    h = (torch.nn.functional.silu(g) if ACT == "silu" else torch.nn.functional.gelu(g, approximate="tanh")) * u
     y = torch._grouped_mm(h, down.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None]
     return torch.zeros_like(x).index_add_(0, order // K, y)
 
@@ -140,13 +146,18 @@ def bench_peers(t, sets, gate_up, down, want) -> list[dict]:
 
 
 def main() -> int:
+    global E, K, H, FFN, ACT, TOKENS
     out_path = sys.argv[1] if len(sys.argv) > 1 else "moe_gpu.json"
+    model = sys.argv[2] if len(sys.argv) > 2 else "qwen3.5-35b-a3b"
+    E, K, H, FFN, ACT = SHAPES[model]
+    if len(sys.argv) > 3:
+        TOKENS = tuple(int(t) for t in sys.argv[3].split(","))
     t_start = time.perf_counter()
     gen = torch.Generator(device=DEV).manual_seed(0)
     gate_up = (torch.randn(E, 2 * FFN, H, generator=gen, device=DEV) * 0.02).bfloat16()
     down = (torch.randn(E, H, FFN, generator=gen, device=DEV) * 0.02).bfloat16()
     result = {"date": now_iso(), "command": " ".join(sys.argv), **environment(DEV),
-              "shape": {"E": E, "k": K, "H": H, "I": FFN, "act": ACT, "dtype": "bf16"}, "cases": []}
+              "model": model, "shape": {"E": E, "k": K, "H": H, "I": FFN, "act": ACT, "dtype": "bf16"}, "cases": []}
     for t in TOKENS:
         case = {"tokens": t, "rows": []}
         try:

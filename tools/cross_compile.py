@@ -96,13 +96,14 @@ def untuned_kernels(config: dict, dtype) -> list:
     """(name, launch) of the kernels that are not tuned ops: the greedy choice, and for a Qwen MoE
     the router and the shared-expert gate, at the model's decode shapes."""
     from kiln.ops.moe import kernels as moe
+    from kiln.ops.moe import router as moe_router
     from kiln.ops.sample import kernels as sample
     one, h = torch.zeros(1, dtype=torch.long), config["hidden_size"]
     out = [("greedy", lambda: sample.greedy_next(torch.empty(config["vocab_size"], dtype=dtype), one, one.clone()))]
     if config.get("num_experts") and config.get("num_experts_per_tok"):
         e, k = config["num_experts"], config["num_experts_per_tok"]
         x = torch.empty(1, h, dtype=dtype)
-        out += [("router", lambda: moe.router_topk(torch.empty(1, e, dtype=dtype), k)),
+        out += [("router", lambda: moe_router.router_topk(torch.empty(1, e, dtype=dtype), k)),
                 ("shared_gate", lambda: moe.shared_gate_add(x, x, torch.empty(1, h, dtype=dtype), x)),
                 ("gated_combine", lambda: moe.combine(torch.empty(k, h, dtype=dtype),
                                                       torch.zeros(1, k, dtype=torch.long),

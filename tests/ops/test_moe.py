@@ -24,7 +24,9 @@ REF = ReferenceOps(DEVICE)
 CASES = [(1, 2, 64, 32, "silu"), (3, 3, 48, 40, "gelu_pytorch_tanh"), (17, 3, 64, 32, "gelu_pytorch_tanh"),
          (40, 2, 48, 40, "silu")]
 FORMS = [moe_kernels.TRUSTED, moe_kernels.grouped_variant(64, 64, 32, 4, 1),
-         moe_kernels.grouped_variant(32, 32, 64, 4, 1), moe_kernels.gemv_variant(64, 64, 4)]
+         moe_kernels.grouped_variant(32, 32, 64, 4, 1), moe_kernels.gemv_variant(64, 64, 4),
+         moe_kernels.gemv_variant(16, 32, 4, 1, True, 32, 16)]     # accumulating, down on its own tiles
+GEMV_FORMS = 2     # the last ones: for few tokens (and slow interpreted)
 
 
 def inputs(t, k, h, i, act, dtype, e=8, route_dtype=None, seed=0):
@@ -73,12 +75,12 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, k: int, exact_fraction: 
 def test_moe_equals_reference(t, k, h, i, act, dtype):
     d = inputs(t, k, h, i, act, dtype, seed=t)
     want = reference(d)
-    for v in FORMS if t <= 17 else FORMS[:-1]:     # the gemv is for few tokens (and slow interpreted)
+    for v in FORMS if t <= 17 else FORMS[:-GEMV_FORMS]:
         assert_close(run(d, v), want, k, exact_fraction=0.99)
 
 
-@pytest.mark.parametrize("form", [moe_kernels.grouped_variant(32, 32, 64, 4, 1), moe_kernels.gemv_variant(64, 64, 4)],
-                         ids=lambda v: v.name)
+@pytest.mark.parametrize("form", [moe_kernels.grouped_variant(32, 32, 64, 4, 1), moe_kernels.gemv_variant(64, 64, 4),
+                                  FORMS[-1]], ids=lambda v: v.name)
 def test_moe_f32_routing_weights(form):
     """Gemma 4: routing weights in f32, the down output times the weight in f32, rounded once."""
     d = inputs(17, 3, 48, 40, "gelu_pytorch_tanh", torch.bfloat16, route_dtype=torch.float32, seed=3)
@@ -177,8 +179,8 @@ def test_gpu_moe_real_shapes(model, t):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("form", [moe_kernels.gemv_variant(16, 256, 4), moe_kernels.grouped_variant(16, 64, 128, 4, 3)],
-                         ids=lambda v: v.name)
+@pytest.mark.parametrize("form", [moe_kernels.gemv_variant(16, 256, 4), moe_kernels.gemv_variant(8, 256, 4, 2, True, 16, 128),
+                                  moe_kernels.grouped_variant(16, 64, 128, 4, 3)], ids=lambda v: v.name)
 def test_gpu_moe_captures_in_a_cuda_graph(form):
     """No host sync anywhere: the op replays from a graph, and new routing gives new outputs."""
     d = real_inputs(4, *QWEN[:5], None)
@@ -203,7 +205,7 @@ def test_router_topk_kernel_equals_reference(t, e, k, renorm, dtype):
     grid = torch.stack([torch.randperm(e, generator=g) for _ in range(t)]).float() - e / 2
     logits = (grid / 16).to(device=DEVICE, dtype=dtype)
     want_w, want_i = REF.router_topk(logits, k, renorm)
-    got_w, got_i = moe_kernels.router_topk(logits, k, renorm)
+    got_w, got_i = moe_router.router_topk(logits, k, renorm)
     assert got_i.dtype == torch.long and got_w.dtype == dtype
     assert torch.equal(got_i, want_i)
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6
@@ -227,7 +229,7 @@ def test_scaled_topk_kernel_equals_reference(t, e, k):
 def test_router_topk_ties_go_to_the_lower_expert():
     logits = torch.zeros(1, 16, device=DEVICE)
     logits[0, [3, 9, 12]] = 1.0
-    w, idx = moe_kernels.router_topk(logits, 4)
+    w, idx = moe_router.router_topk(logits, 4)
     assert idx[0].tolist()[:3] == [3, 9, 12] and idx[0, 3] == 0
     assert torch.allclose(w.sum(), torch.tensor(1.0, device=DEVICE))
 
@@ -251,7 +253,7 @@ def test_cuda_ops_route_router_and_shared_gate_to_the_kernels(monkeypatch):
     from kiln.backends.cuda import CudaOps
 
     ops, calls = CudaOps(DEVICE), []
-    monkeypatch.setattr(moe_kernels, "router_topk", lambda *a: calls.append("router") or REF.router_topk(*a))
+    monkeypatch.setattr(moe_router, "router_topk", lambda *a: calls.append("router") or REF.router_topk(*a))
     monkeypatch.setattr(moe_kernels, "shared_gate_add", lambda *a: calls.append("gate") or REF.shared_gate_add(*a))
     x = torch.randn(2, 32, device=DEVICE, dtype=torch.bfloat16)
     ops.router_topk(torch.randn(2, 64, device=DEVICE, dtype=torch.bfloat16), 4)
@@ -268,7 +270,7 @@ def test_gpu_router_and_shared_gate_at_qwen35_35b_shapes(t):
     grid = torch.stack([torch.randperm(256, generator=g) for _ in range(t)]).float() - 128
     logits = (grid / 16).to(device=DEVICE, dtype=torch.bfloat16)
     want_w, want_i = REF.router_topk(logits, 8)
-    got_w, got_i = moe_kernels.router_topk(logits, 8)
+    got_w, got_i = moe_router.router_topk(logits, 8)
     assert torch.equal(got_i, want_i)
     assert (got_w.float() - want_w.float()).abs().max() <= 2.0 ** -7 * want_w.float().abs().max()
     rnd = lambda *s: torch.randn(*s, generator=g).to(device=DEVICE, dtype=torch.bfloat16)  # noqa: E731

@@ -33,8 +33,8 @@ class MoeCuda(TunedOps, MoeReference):
 
     def router_topk(self, logits, k, renormalize=True):
         if (self.on("moe", logits) and logits.dim() == 2 and logits.dtype in kernels.SUPPORTED
-                and logits.shape[1] <= kernels.ROUTER_MAX_EXPERTS and k <= logits.shape[1]):
-            return kernels.router_topk(logits, k, renormalize)
+                and logits.shape[1] <= router.MAX_EXPERTS and k <= logits.shape[1]):
+            return router.router_topk(logits, k, renormalize)
         return super().router_topk(logits, k, renormalize)
 
     def scaled_topk(self, logits, expert_scale, k):

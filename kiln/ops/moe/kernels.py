@@ -155,49 +155,81 @@ def grouped_down_kernel(h_ptr, w_ptr, order_ptr, starts_ptr, rw_ptr, y_ptr, P, E
 
 # -- gemv (decode) ---------------------------------------------------------------------------------
 
+@triton.jit
+def tile_w(ws, k, rk, K: tl.constexpr, EVEN: tl.constexpr):
+    """A [BN, BK] tile of weight rows (pointers ws at column 0) at column k, in f32, zero past K."""
+    if EVEN:
+        return tl.load(ws + k).to(tl.float32)
+    return tl.load(ws + k, mask=(rk + k < K)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def tile_x(xs, k, rk, K: tl.constexpr, EVEN: tl.constexpr):
+    """The activation row's [1, BK] slice at column k, in f32, zero past K."""
+    if EVEN:
+        return tl.load(xs + k).to(tl.float32)[None, :]
+    return tl.load(xs + k, mask=rk + k < K, other=0.0).to(tl.float32)[None, :]
+
+
 @triton.jit(do_not_specialize=["P"])
 def gemv_gate_up_kernel(x_ptr, w_ptr, idx_ptr, h_ptr, P, KTOP: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, RNE: tl.constexpr):
-    """h[pair, n block] for one (token, slot) pair: w tiles times the token's x row, in f32."""
+                        BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, RNE: tl.constexpr,
+                        ACC: tl.constexpr = False, PDL: tl.constexpr = False):
+    """h[pair, n block] for one (token, slot) pair: w tiles times the token's x row, in f32. ACC: the
+    products accumulate elementwise and are reduced once at the end (as the dense GEMV), else each
+    tile is reduced as it comes."""
     pair = tl.program_id(0)
+    pdl_wait(PDL)     # the ids may be the kernel just before's output
     e = tl.load(idx_ptr + pair).to(tl.int64)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    EVEN: tl.constexpr = H % BK == 0
     xs = x_ptr + (pair // KTOP).to(tl.int64) * H + rk
     gs = w_ptr + e * (2 * I * H) + tl.minimum(rn, I - 1).to(tl.int64)[:, None] * H + rk[None, :]
     us = gs + I * H
-    acc_g = tl.zeros((BN,), dtype=tl.float32)
-    acc_u = tl.zeros((BN,), dtype=tl.float32)
-    for k in range(0, H, BK):
-        inside = rk + k < H
-        a = tl.load(xs, mask=inside, other=0.0).to(tl.float32)[None, :]
-        acc_g += tl.sum(tl.load(gs, mask=inside[None, :], other=0.0).to(tl.float32) * a, axis=1)
-        acc_u += tl.sum(tl.load(us, mask=inside[None, :], other=0.0).to(tl.float32) * a, axis=1)
-        xs += BK
-        gs += BK
-        us += BK
-    h = glu(acc_g, acc_u, h_ptr.dtype.element_ty, ACT, RNE)
+    if ACC:
+        acc_g = tl.zeros((BN, BK), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BK), dtype=tl.float32)
+        for k in range(0, H, BK):
+            a = tile_x(xs, k, rk, H, EVEN)
+            acc_g += tile_w(gs, k, rk, H, EVEN) * a
+            acc_u += tile_w(us, k, rk, H, EVEN) * a
+        sum_g, sum_u = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+    else:
+        sum_g = tl.zeros((BN,), dtype=tl.float32)
+        sum_u = tl.zeros((BN,), dtype=tl.float32)
+        for k in range(0, H, BK):
+            a = tile_x(xs, k, rk, H, EVEN)
+            sum_g += tl.sum(tile_w(gs, k, rk, H, EVEN) * a, axis=1)
+            sum_u += tl.sum(tile_w(us, k, rk, H, EVEN) * a, axis=1)
+    h = glu(sum_g, sum_u, h_ptr.dtype.element_ty, ACT, RNE)
     tl.store(h_ptr + pair.to(tl.int64) * I + rn, h, mask=rn < I)
 
 
 @triton.jit(do_not_specialize=["P"])
 def gemv_down_kernel(h_ptr, w_ptr, idx_ptr, rw_ptr, y_ptr, P, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, RNE: tl.constexpr):
-    """y[pair, n block] = round(round(down_e h[pair]) * routing weight)."""
+                     BK: tl.constexpr, RNE: tl.constexpr, ACC: tl.constexpr = False, PDL: tl.constexpr = False):
+    """y[pair, n block] = round(round(down_e h[pair]) * routing weight). The expert id and its first
+    weight tile load before the wait: they never come from the kernel just before (gate_up)."""
     pair = tl.program_id(0)
     e = tl.load(idx_ptr + pair).to(tl.int64)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    EVEN: tl.constexpr = I % BK == 0
     hs = h_ptr + pair.to(tl.int64) * I + rk
     ws = w_ptr + e * (H * I) + tl.minimum(rn, H - 1).to(tl.int64)[:, None] * I + rk[None, :]
-    acc = tl.zeros((BN,), dtype=tl.float32)
-    for k in range(0, I, BK):
-        inside = rk + k < I
-        a = tl.load(hs, mask=inside, other=0.0).to(tl.float32)[None, :]
-        acc += tl.sum(tl.load(ws, mask=inside[None, :], other=0.0).to(tl.float32) * a, axis=1)
-        hs += BK
-        ws += BK
-    y = weighted(acc, tl.load(rw_ptr + pair).to(tl.float32), y_ptr.dtype.element_ty, RNE)
+    w = tile_w(ws, 0, rk, I, EVEN)
+    pdl_wait(PDL)
+    if ACC:
+        acc = w * tile_x(hs, 0, rk, I, EVEN)
+        for k in range(BK, I, BK):
+            acc += tile_w(ws, k, rk, I, EVEN) * tile_x(hs, k, rk, I, EVEN)
+        total = tl.sum(acc, axis=1)
+    else:
+        total = tl.sum(w * tile_x(hs, 0, rk, I, EVEN), axis=1)
+        for k in range(BK, I, BK):
+            total += tl.sum(tile_w(ws, k, rk, I, EVEN) * tile_x(hs, k, rk, I, EVEN), axis=1)
+    y = weighted(total, tl.load(rw_ptr + pair).to(tl.float32), y_ptr.dtype.element_ty, RNE)
     tl.store(y_ptr + pair.to(tl.int64) * H + rn, y, mask=rn < H)
 
 
@@ -206,13 +238,14 @@ def gemv_down_kernel(h_ptr, w_ptr, idx_ptr, rw_ptr, y_ptr, P, H: tl.constexpr, I
 @triton.jit(do_not_specialize=["T"])
 def combine_kernel(y_ptr, idx_ptr, out_ptr, x_ptr, g_ptr, s_ptr, T, KTOP: tl.constexpr, KP: tl.constexpr,
                    H: tl.constexpr, BH: tl.constexpr, RNE: tl.constexpr, GATE: tl.constexpr = False,
-                   HP: tl.constexpr = 16):
+                   HP: tl.constexpr = 16, PDL: tl.constexpr = False):
     """out[t] = the token's k contributions y[t * k + slot], added in ascending expert id with a
     rounding to out's dtype after each add; with GATE then + sigmoid(x[t] . g) * shared[t], rounded as
     gate_add_kernel. NOTE: assumes a token's k expert ids are distinct."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     slots = tl.arange(0, KP)
+    pdl_wait(PDL)
     ids = tl.load(idx_ptr + t * KTOP + slots, mask=slots < KTOP, other=0).to(tl.int64)
     ids = tl.where(slots < KTOP, ids, (1 << 30) + slots)               # padding ranks last (ids < 2^30)
     rank = tl.sum((ids[:, None] < ids[None, :]).to(tl.int32), axis=0)    # [KP]: how many ids are smaller
@@ -227,34 +260,7 @@ def combine_kernel(y_ptr, idx_ptr, out_ptr, x_ptr, g_ptr, s_ptr, T, KTOP: tl.con
     tl.store(out_ptr + t * H + cols, acc.to(dtype), mask=cols < H)
 
 
-# -- router and shared-expert gate (one launch each instead of torch's 6 and 4) --------------------
-
-@triton.jit
-def router_kernel(l_ptr, w_ptr, i_ptr, E: tl.constexpr, EP: tl.constexpr, KTOP: tl.constexpr,
-                  KP: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
-    """Row t: softmax of the router logits in f32 (exp(x - max) / sum, as torch), the k largest in
-    descending order (a tie to the lower expert id), renormalised by their f32 sum, cast to w's dtype."""
-    t = tl.program_id(0).to(tl.int64)
-    pdl_wait(PDL)
-    e = tl.arange(0, EP)
-    x = tl.load(l_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, axis=0))
-    p = p / tl.sum(p, axis=0)
-    work = tl.where(e < E, p, -1.0)          # padding is never chosen (p >= 0)
-    slots = tl.arange(0, KP)
-    top = tl.zeros((KP,), dtype=tl.float32)
-    idx = tl.zeros((KP,), dtype=tl.int32)
-    for j in tl.static_range(KTOP):
-        best = tl.max(work, axis=0)
-        first = tl.min(tl.where(work == best, e, EP), axis=0)
-        top = tl.where(slots == j, best, top)
-        idx = tl.where(slots == j, first, idx)
-        work = tl.where(e == first, -2.0, work)
-    if RENORM:
-        top = top / tl.sum(top, axis=0)      # slots past k hold 0
-    tl.store(w_ptr + t * KTOP + slots, top.to(w_ptr.dtype.element_ty), mask=slots < KTOP)
-    tl.store(i_ptr + t * KTOP + slots, idx.to(tl.int64), mask=slots < KTOP)
-
+# -- shared-expert gate (one launch instead of torch's 4; the router is in router.py) ----------------
 
 @triton.jit
 def gate_term(x_ptr, g_ptr, s_ptr, t, cols, H: tl.constexpr, HP: tl.constexpr, dtype: tl.constexpr,
@@ -283,21 +289,6 @@ def gate_add_kernel(r_ptr, x_ptr, g_ptr, s_ptr, out_ptr, H: tl.constexpr, HP: tl
     prod = gate_term(x_ptr, g_ptr, s_ptr, t, cols, H, HP, dtype, RNE)
     r = tl.load(r_ptr + t * H + cols, mask=cols < H, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + cols, round_to(r + prod, dtype, RNE), mask=cols < H)
-
-
-ROUTER_MAX_EXPERTS = 1024   # one program holds a row of logits
-
-
-def router_topk(logits: torch.Tensor, k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """ReferenceOps.router_topk in one launch: logits [T, E] -> (weights [T, k] logits' dtype, ids [T, k] int64)."""
-    t, e = logits.shape
-    logits = logits.contiguous()
-    w = torch.empty((t, k), dtype=logits.dtype, device=logits.device)
-    idx = torch.empty((t, k), dtype=torch.long, device=logits.device)
-    if t:
-        router_kernel[(t,)](logits, w, idx, E=e, EP=next_pow2(e), KTOP=k, KP=next_pow2(k), RENORM=renormalize,
-                            num_warps=4, **pdl(logits))
-    return w, idx
 
 
 def shared_gate_add(routed: torch.Tensor, x: torch.Tensor, gate_w: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
@@ -343,11 +334,11 @@ def run_grouped(x, idx, rw, gate_up, down, act, p: dict, y: torch.Tensor) -> Non
 def run_gemv(x, idx, rw, gate_up, down, act, p: dict, y: torch.Tensor) -> None:
     (t, hd), k, i = x.shape, idx.shape[1], down.shape[2]
     h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
-    rne, opts = rne_flag(x.dtype), dict(num_warps=p["w"], num_stages=1)
+    rne, acc, dn, dk = rne_flag(x.dtype), p.get("acc", False), p.get("dn", p["bn"]), p.get("dk", p["bk"])
+    opts = dict(ACC=acc, num_warps=p["w"], num_stages=p.get("s", 1), **pdl(x))
     gemv_gate_up_kernel[(t * k, cdiv(i, p["bn"]))](x, gate_up, idx, h, t * k, KTOP=k, H=hd, I=i, BN=p["bn"],
                                                    BK=p["bk"], ACT=ACTS[act], RNE=rne, **opts)
-    gemv_down_kernel[(t * k, cdiv(hd, p["bn"]))](h, down, idx, rw, y, t * k, H=hd, I=i, BN=p["bn"], BK=p["bk"],
-                                                 RNE=rne, **opts)
+    gemv_down_kernel[(t * k, cdiv(hd, dn))](h, down, idx, rw, y, t * k, H=hd, I=i, BN=dn, BK=dk, RNE=rne, **opts)
 
 
 def combine(y: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, x: torch.Tensor | None = None,
@@ -360,7 +351,7 @@ def combine(y: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, x: torch.Tens
     combine_kernel[(t, cdiv(hd, bh))](y, idx, out, x if gate is not None else out, g, s, t, KTOP=k, KP=next_pow2(k),
                                       H=hd, BH=bh, RNE=rne_flag(out.dtype), GATE=gate is not None,
                                       HP=next_pow2(hd) if gate is not None else 16, num_warps=4,
-                                      **EXACT_ROUNDING)
+                                      **pdl(out), **EXACT_ROUNDING)
 
 
 def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -403,8 +394,12 @@ def grouped_variant(bm, bn, bk, w, s) -> Variant:
     return variant(f"grouped_bm{bm}_bn{bn}_bk{bk}_w{w}_s{s}", bm=bm, bn=bn, bk=bk, w=w, s=s)
 
 
-def gemv_variant(bn, bk, w) -> Variant:
-    return variant(f"gemv_bn{bn}_bk{bk}_w{w}", gemv=True, bn=bn, bk=bk, w=w)
+def gemv_variant(bn, bk, w, s=1, acc=False, dn=None, dk=None) -> Variant:
+    """gate_up's [bn, bk] tiles (down's [dn, dk], else the same), warps, pipeline stages; acc: reduce once."""
+    name = f"gemv_bn{bn}_bk{bk}_w{w}" + (f"_s{s}" if s != 1 else "") + ("_acc" if acc else "")
+    extra = {} if dn is None else dict(dn=dn, dk=dk)
+    return variant(name + (f"_d{dn}x{dk}" if dn is not None else ""), gemv=True, bn=bn, bk=bk, w=w, s=s, acc=acc,
+                   **extra)
 
 
 TRUSTED = grouped_variant(16, 32, 32, 4, 1)     # small tiles, no pipelining
@@ -416,9 +411,14 @@ GPU_GROUPED = [(16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (32, 64, 128, 4, 3), (3
 # BK 2048: a 2048-wide row in one step, every load issued before the first sum.
 GPU_GEMV = [(16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 128, 8), (8, 256, 4), (8, 512, 4),
             (16, 512, 8), (8, 2048, 8)]
+# The accumulating forms (the products summed elementwise, one reduction at the end, as the dense GEMV):
+# (bn, bk, warps, stages, down's bn, down's bk); about 32-64 f32 accumulators a thread.
+GPU_GEMV_ACC = [(8, 256, 4, 1, 16, 128), (8, 256, 4, 2, 16, 128), (16, 256, 4, 2, 16, 128), (8, 512, 4, 2, 8, 256),
+                (16, 128, 4, 2, 32, 64), (32, 128, 8, 2, 32, 128), (16, 512, 8, 1, 8, 512), (8, 256, 4, 3, 8, 128)]
 GEMV_MAX_ROWS = 64     # beyond this the gemv rereads each expert's weights for too many pairs
 CPU_GROUPED = [(32, 32, 64, 4, 1), (64, 64, 32, 4, 1)]
 CPU_GEMV = [(64, 64, 4)]
+CPU_GEMV_ACC = [(16, 32, 4, 1, 32, 16)]
 
 
 class MoeOp(Op):
@@ -433,8 +433,10 @@ class MoeOp(Op):
         return MoeShape(rows, s.e, s.k, s.h, s.i, s.act)
 
     def catalogue(self, s: MoeShape, dev) -> list[Variant]:
-        grouped, gemv = (CPU_GROUPED, CPU_GEMV) if dev.capability is None else (GPU_GROUPED, GPU_GEMV)
-        return [TRUSTED] + [grouped_variant(*t) for t in grouped] + [gemv_variant(*t) for t in gemv]
+        cpu = dev.capability is None
+        grouped, gemv, acc = (CPU_GROUPED, CPU_GEMV, CPU_GEMV_ACC) if cpu else (GPU_GROUPED, GPU_GEMV, GPU_GEMV_ACC)
+        return ([TRUSTED] + [grouped_variant(*t) for t in grouped] + [gemv_variant(*t) for t in gemv]
+                + [gemv_variant(bn, bk, w, st, True, dn, dk) for bn, bk, w, st, dn, dk in acc])
 
     def candidates(self, s: MoeShape, dev) -> list[Variant]:
         forms = self.catalogue(s, dev)
@@ -473,11 +475,14 @@ class MoeOp(Op):
         p, k, grid = v.p, s.k, (1,)
         kernels = [combine_kernel.warmup(a, i64, a, a, a, a, 1, KTOP=k, KP=next_pow2(k), H=s.h,
                                          BH=min(COMBINE_BH, next_pow2(s.h)), RNE=False, num_warps=4, grid=grid,
-                                         **EXACT_ROUNDING)]
+                                         **pdl(a), **EXACT_ROUNDING)]
         if p.get("gemv"):
-            opts = dict(BN=p["bn"], BK=p["bk"], RNE=False, num_warps=p["w"], num_stages=1, grid=grid)
-            kernels += [gemv_gate_up_kernel.warmup(a, a, i64, a, 1, KTOP=k, H=s.h, I=s.i, ACT=ACTS[s.act], **opts),
-                        gemv_down_kernel.warmup(a, a, i64, a, a, 1, H=s.h, I=s.i, **opts)]
+            opts = dict(RNE=False, ACC=p.get("acc", False), num_warps=p["w"], num_stages=p.get("s", 1), grid=grid,
+                        **pdl(a))
+            kernels += [gemv_gate_up_kernel.warmup(a, a, i64, a, 1, KTOP=k, H=s.h, I=s.i, ACT=ACTS[s.act], BN=p["bn"],
+                                                   BK=p["bk"], **opts),
+                        gemv_down_kernel.warmup(a, a, i64, a, a, 1, H=s.h, I=s.i, BN=p.get("dn", p["bn"]),
+                                                BK=p.get("dk", p["bk"]), **opts)]
             return kernels
         opts = dict(E=s.e, EP=next_pow2(s.e), H=s.h, I=s.i, BM=p["bm"], BN=p["bn"], BK=p["bk"], RNE=False,
                     **dot_flags(dtype), num_warps=p["w"], num_stages=p["s"], grid=grid)
@@ -486,9 +491,9 @@ class MoeOp(Op):
         return kernels
 
     def kernel_sources(self, v: Variant) -> list:
-        shared = [combine_kernel, gate_term, glu, activate, weighted, round_to]
+        shared = [combine_kernel, gate_term, glu, activate, weighted, round_to, pdl_wait]
         if v.p.get("gemv"):
-            return [gemv_gate_up_kernel, gemv_down_kernel] + shared
+            return [gemv_gate_up_kernel, gemv_down_kernel, tile_w, tile_x] + shared
         return [grouped_gate_up_kernel, grouped_down_kernel, expert_block, gemm.mma] + shared
 
     def supports(self, x, idx, weights, gate_up, down, act) -> bool:

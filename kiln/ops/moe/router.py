@@ -1,5 +1,6 @@
-"""Gemma 4's router after its projection in one launch (MoeReference.scaled_topk): softmax in f32, the
-k largest, renormalised by their f32 sum, times per_expert_scale[id]; the weights stay f32."""
+"""The routers after their projection, one launch each: Qwen's (ReferenceOps.router_topk: softmax in f32,
+the k largest, optionally renormalised, in the logits' dtype; one launch instead of torch's 6) and
+Gemma 4's (MoeReference.scaled_topk: renormalised, times per_expert_scale[id]; the weights stay f32)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,9 @@ MAX_EXPERTS = 1024   # one program holds a row of logits
 
 
 @triton.jit
-def scaled_topk_kernel(l_ptr, s_ptr, w_ptr, i_ptr, E: tl.constexpr, EP: tl.constexpr, KTOP: tl.constexpr,
-                       KP: tl.constexpr, PDL: tl.constexpr = False):
-    """Row t: the reference's softmax (exp(x - max) / sum), top-k in descending order (a tie to the
-    lower id), top / sum(top), then times the chosen experts' scales."""
-    t = tl.program_id(0).to(tl.int64)
-    pdl_wait(PDL)
+def softmax_topk(l_ptr, t, E: tl.constexpr, EP: tl.constexpr, KTOP: tl.constexpr, KP: tl.constexpr):
+    """Row t of the logits: the reference's softmax in f32 (exp(x - max) / sum), then the k largest in
+    descending order, a tie to the lower id -> (top [KP] f32, ids [KP] int32, slots; 0 past k)."""
     e = tl.arange(0, EP)
     x = tl.load(l_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
@@ -33,6 +31,29 @@ def scaled_topk_kernel(l_ptr, s_ptr, w_ptr, i_ptr, E: tl.constexpr, EP: tl.const
         top = tl.where(slots == j, best, top)
         idx = tl.where(slots == j, first, idx)
         work = tl.where(e == first, -2.0, work)
+    return top, idx, slots
+
+
+@triton.jit
+def router_kernel(l_ptr, w_ptr, i_ptr, E: tl.constexpr, EP: tl.constexpr, KTOP: tl.constexpr,
+                  KP: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
+    """Row t: softmax_topk, renormalised by the f32 sum of the k (RENORM), cast to w's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    pdl_wait(PDL)
+    top, idx, slots = softmax_topk(l_ptr, t, E, EP, KTOP, KP)
+    if RENORM:
+        top = top / tl.sum(top, axis=0)      # slots past k hold 0
+    tl.store(w_ptr + t * KTOP + slots, top.to(w_ptr.dtype.element_ty), mask=slots < KTOP)
+    tl.store(i_ptr + t * KTOP + slots, idx.to(tl.int64), mask=slots < KTOP)
+
+
+@triton.jit
+def scaled_topk_kernel(l_ptr, s_ptr, w_ptr, i_ptr, E: tl.constexpr, EP: tl.constexpr, KTOP: tl.constexpr,
+                       KP: tl.constexpr, PDL: tl.constexpr = False):
+    """Row t: softmax_topk, top / sum(top), then times the chosen experts' scales."""
+    t = tl.program_id(0).to(tl.int64)
+    pdl_wait(PDL)
+    top, idx, slots = softmax_topk(l_ptr, t, E, EP, KTOP, KP)
     top = top / tl.sum(top, axis=0)          # slots past k hold 0
     scale = tl.load(s_ptr + idx, mask=slots < KTOP, other=0.0).to(tl.float32)
     tl.store(w_ptr + t * KTOP + slots, top * scale, mask=slots < KTOP)
@@ -53,4 +74,16 @@ def scaled_topk(logits: torch.Tensor, expert_scale: torch.Tensor, k: int) -> tup
     if t:
         scaled_topk_kernel[(t,)](logits, expert_scale.contiguous(), w, idx, E=e, EP=next_pow2(e), KTOP=k,
                                  KP=next_pow2(k), num_warps=4, **pdl(logits))
+    return w, idx
+
+
+def router_topk(logits: torch.Tensor, k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReferenceOps.router_topk in one launch: logits [T, E] -> (weights [T, k] logits' dtype, ids [T, k] int64)."""
+    t, e = logits.shape
+    logits = logits.contiguous()
+    w = torch.empty((t, k), dtype=logits.dtype, device=logits.device)
+    idx = torch.empty((t, k), dtype=torch.long, device=logits.device)
+    if t:
+        router_kernel[(t,)](logits, w, idx, E=e, EP=next_pow2(e), KTOP=k, KP=next_pow2(k), RENORM=renormalize,
+                            num_warps=4, **pdl(logits))
     return w, idx
