@@ -179,7 +179,8 @@ def test_gpu_moe_real_shapes(model, t):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("form", [moe_kernels.gemv_variant(16, 256, 4), moe_kernels.gemv_variant(8, 256, 4, 2, True, 16, 128),
+@pytest.mark.parametrize("form", [moe_kernels.gemv_variant(16, 256, 4),
+                                  moe_kernels.gemv_variant(8, 256, 4, 2, True, 16, 128),
                                   moe_kernels.grouped_variant(16, 64, 128, 4, 3)], ids=lambda v: v.name)
 def test_gpu_moe_captures_in_a_cuda_graph(form):
     """No host sync anywhere: the op replays from a graph, and new routing gives new outputs."""

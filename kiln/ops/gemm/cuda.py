@@ -9,7 +9,7 @@ import torch
 from ..dispatch import TunedOps
 from ..quant.cuda import quant_act_down, quant_embed, quant_linear, quant_norm_linear
 from ..quant.reference import QuantizedWeight
-from . import activation, gemm, gemm_act, norm_gemm
+from . import activation, gelu, gemm, gemm_act, norm_gemm
 from .reference import GemmReference
 
 
@@ -115,6 +115,8 @@ class GemmCuda(TunedOps, GemmReference):
         return y
 
     def act_mul(self, g, u, act):
+        if self.on("gemm", g) and gelu.supports(g, u, act):
+            return gelu.gelu_mul(g, u)
         if not self.on("gemm", g) or not activation.supports(g, u, act):
             return super().act_mul(g, u, act)
         return activation.act_mul(g, u, act)
