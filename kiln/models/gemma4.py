@@ -330,8 +330,8 @@ class Gemma4(Model):
         x, ys = ops.residual_norms(x, h, eps, style, w[p + "post_attention_layernorm.weight"], outs=outs,
                                    router=w[p + "router.scale"] if moe else None)
         if moe:   # the routed experts on the post-attention residual: its norm ys[1], the router's input ys[2]
-            weights, idx = ops.scaled_topk(ops.linear(ys[2], w[p + "router.proj.weight"]),
-                                           w[p + "router.per_expert_scale"], c.top_k_experts)
+            weights, idx = ops.router_scaled_topk(ys[2], w[p + "router.proj.weight"], w[p + "router.per_expert_scale"],
+                                                  c.top_k_experts)
             # streamed experts: their misses' read starts here and overlaps the dense MLP
             ops.moe_prefetch(idx, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"])
         m = ops.gated_mlp(ys[0], w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"], c.hidden_activation)

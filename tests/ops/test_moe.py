@@ -227,6 +227,26 @@ def test_scaled_topk_kernel_equals_reference(t, e, k):
     assert (got_w - want_w).abs().max() <= 1e-6 * want_w.abs().max()
 
 
+@pytest.mark.parametrize("t,e,h,k", [(1, 128, 2816, 8), (2, 60, 200, 4), (1, 8, 48, 2)])
+def test_router_scaled_topk_fused_equals_reference(t, e, h, k):
+    """Gemma 4's router projection and top-k in one launch, the last program doing the top-k: each
+    row of x one-hot, so every logit is one weight, exact whatever the summation order and distinct
+    (a shuffled grid of 1/16). Run twice with other rows: the arrival counter resets itself."""
+    g = torch.Generator().manual_seed(t * e + h)
+    grid = torch.stack([torch.randperm(e, generator=g) for _ in range(h)], dim=1).float() - e / 2
+    proj = (grid / 16).to(device=DEVICE, dtype=torch.bfloat16)                  # [E, H]
+    scale = (torch.rand(e, generator=g) + 0.5).to(device=DEVICE, dtype=torch.bfloat16)
+    for _ in range(2):
+        x = torch.zeros(t, h, dtype=torch.bfloat16)
+        x[torch.arange(t), torch.randint(0, h, (t,), generator=g)] = 1.0
+        x = x.to(DEVICE)
+        want_w, want_i = REF.router_scaled_topk(x, proj, scale, k)
+        assert moe_router.fused_supports(x, proj, scale, k)
+        got_w, got_i = moe_router.router_scaled_topk(x, proj, scale, k)
+        assert got_w.dtype == want_w.dtype == torch.float32 and torch.equal(got_i, want_i)
+        assert (got_w - want_w).abs().max() <= 1e-6 * want_w.abs().max()
+
+
 def test_router_topk_ties_go_to_the_lower_expert():
     logits = torch.zeros(1, 16, device=DEVICE)
     logits[0, [3, 9, 12]] = 1.0

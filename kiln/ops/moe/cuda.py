@@ -42,6 +42,11 @@ class MoeCuda(TunedOps, MoeReference):
             return router.scaled_topk(logits, expert_scale, k)
         return super().scaled_topk(logits, expert_scale, k)
 
+    def router_scaled_topk(self, x, proj, expert_scale, k):
+        if self.on("moe", x) and router.fused_supports(x, proj, expert_scale, k):
+            return router.router_scaled_topk(x, proj, expert_scale, k)
+        return super().router_scaled_topk(x, proj, expert_scale, k)
+
     def shared_gate_add(self, routed, x, gate_w, shared):
         if (self.on("moe", x) and dense(gate_w) and x.dim() == 2 and gate_w.shape[0] == 1
                 and x.dtype in kernels.SUPPORTED and routed.dtype == shared.dtype == gate_w.dtype == x.dtype

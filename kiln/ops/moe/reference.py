@@ -79,3 +79,7 @@ class MoeReference:
         top, idx = torch.topk(probs, k, dim=-1)
         top = top / top.sum(dim=-1, keepdim=True)
         return top * expert_scale[idx], idx
+
+    def router_scaled_topk(self, x, proj, expert_scale, k: int):
+        """Gemma 4's whole router: scaled_topk of the projection linear(x, proj) (rounded to x's dtype)."""
+        return self.scaled_topk(self.linear(x, proj), expert_scale, k)

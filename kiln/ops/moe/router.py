@@ -8,9 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import SUPPORTED, next_pow2, pdl, pdl_wait
+from ..common import SUPPORTED, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from ..gemm.gemm import last_arrival
 
 MAX_EXPERTS = 1024   # one program holds a row of logits
+FUSED_ROWS = 2       # the fused router's last program runs the rows' top-k one after another
+FUSED_WIDTH = 8192   # ... and each program holds a whole weight row
+_COUNTERS: dict = {}
 
 
 @triton.jit
@@ -60,6 +64,33 @@ def scaled_topk_kernel(l_ptr, s_ptr, w_ptr, i_ptr, E: tl.constexpr, EP: tl.const
     tl.store(i_ptr + t * KTOP + slots, idx.to(tl.int64), mask=slots < KTOP)
 
 
+@triton.jit(do_not_specialize=["T"])
+def router_gemv_topk_kernel(x_ptr, w_ptr, s_ptr, l_ptr, count_ptr, wo_ptr, io_ptr, T, E: tl.constexpr,
+                            EP: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, KTOP: tl.constexpr,
+                            KP: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
+    """Gemma 4's router at decode in one launch: program e computes expert e's logit of each of the T
+    rows (its weight row loaded before the wait: the projection streams in while the kernel before
+    finishes), rounded to the logits' dtype as the reference's linear; the last program to arrive runs
+    scaled_topk_kernel's steps on the rows and resets the counter."""
+    e = tl.program_id(0)
+    cols = tl.arange(0, HP)
+    live = cols < H
+    w = tl.load(w_ptr + e.to(tl.int64) * H + cols, mask=live, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
+    for t in range(0, T):
+        x = tl.load(x_ptr + t * H + cols, mask=live, other=0.0).to(tl.float32)
+        tl.store(l_ptr + t * E + e, round_to(tl.sum(w * x, axis=0), l_ptr.dtype.element_ty, RNE))
+    if last_arrival(count_ptr, 0, E):
+        for t64 in range(0, T):
+            t = tl.cast(t64, tl.int64)
+            top, idx, slots = softmax_topk(l_ptr, t, E, EP, KTOP, KP)
+            top = top / tl.sum(top, axis=0)
+            scale = tl.load(s_ptr + idx, mask=slots < KTOP, other=0.0).to(tl.float32)
+            tl.store(wo_ptr + t * KTOP + slots, top * scale, mask=slots < KTOP)
+            tl.store(io_ptr + t * KTOP + slots, idx.to(tl.int64), mask=slots < KTOP)
+        tl.atomic_xchg(count_ptr, 0)
+
+
 def supports(logits, expert_scale, k: int) -> bool:
     return (logits.dim() == 2 and logits.dtype in SUPPORTED and logits.shape[1] <= MAX_EXPERTS
             and k <= logits.shape[1] and expert_scale.shape == logits.shape[1:])
@@ -86,4 +117,34 @@ def router_topk(logits: torch.Tensor, k: int, renormalize: bool = True) -> tuple
     if t:
         router_kernel[(t,)](logits, w, idx, E=e, EP=next_pow2(e), KTOP=k, KP=next_pow2(k), RENORM=renormalize,
                             num_warps=4, **pdl(logits))
+    return w, idx
+
+
+def fused_supports(x, proj, expert_scale, k: int) -> bool:
+    """Few rows (decode), a dense projection [E, H] in x's dtype whose rows a program holds whole."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= FUSED_ROWS and x.dtype in SUPPORTED and isinstance(proj, torch.Tensor)
+            and proj.dim() == 2 and proj.dtype == x.dtype and proj.shape[1] == x.shape[1] <= FUSED_WIDTH
+            and proj.shape[0] <= MAX_EXPERTS and k <= proj.shape[0] and expert_scale.shape == proj.shape[:1])
+
+
+def counter(device: torch.device) -> torch.Tensor:
+    """The fused router's arrival counter, zero between launches (the last arrival resets it).
+    NOTE: allocated on the first (eager) call, before any CUDA graph capture uses it."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def router_scaled_topk(x: torch.Tensor, proj: torch.Tensor, expert_scale: torch.Tensor,
+                       k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoeReference.router_scaled_topk in one launch: x [T, H], proj [E, H] -> (weights [T, k] f32, ids
+    [T, k] int64)."""
+    (t, h), e = x.shape, proj.shape[0]
+    x, proj = x.contiguous(), proj.contiguous()
+    logits = torch.empty((t, e), dtype=x.dtype, device=x.device)
+    w = torch.empty((t, k), dtype=torch.float32, device=x.device)
+    idx = torch.empty((t, k), dtype=torch.long, device=x.device)
+    router_gemv_topk_kernel[(e,)](x, proj, expert_scale.contiguous(), logits, counter(x.device), w, idx, t, E=e,
+                                  EP=next_pow2(e), H=h, HP=next_pow2(h), KTOP=k, KP=next_pow2(k),
+                                  RNE=rne_flag(x.dtype), num_warps=4, **pdl(x))
     return w, idx
