@@ -25,8 +25,9 @@ CASES = [(1, 2, 64, 32, "silu"), (3, 3, 48, 40, "gelu_pytorch_tanh"), (17, 3, 64
          (40, 2, 48, 40, "silu")]
 FORMS = [moe_kernels.TRUSTED, moe_kernels.grouped_variant(64, 64, 32, 4, 1),
          moe_kernels.grouped_variant(32, 32, 64, 4, 1), moe_kernels.gemv_variant(64, 64, 4),
-         moe_kernels.gemv_variant(16, 32, 4, 1, True, 32, 16)]     # accumulating, down on its own tiles
-GEMV_FORMS = 2     # the last ones: for few tokens (and slow interpreted)
+         moe_kernels.gemv_variant(16, 32, 4, 1, True, 32, 16),     # accumulating, down on its own tiles
+         moe_kernels.gemv_variant(16, 32, 4, 1, True, 32, 16, True)]   # ... and combining in its last arrival
+GEMV_FORMS = 3     # the last ones: for few tokens (and slow interpreted)
 
 
 def inputs(t, k, h, i, act, dtype, e=8, route_dtype=None, seed=0):
@@ -93,7 +94,8 @@ def test_moe_crowded_experts_and_exact_blocks():
     d = inputs(16, 2, 64, 32, "silu", torch.bfloat16, seed=7)
     d["idx"] = torch.tensor([[5, 2]] * 16, device=DEVICE)
     want = reference(d)
-    for v in (moe_kernels.TRUSTED, moe_kernels.grouped_variant(32, 32, 64, 4, 1), moe_kernels.gemv_variant(64, 64, 4)):
+    for v in (moe_kernels.TRUSTED, moe_kernels.grouped_variant(32, 32, 64, 4, 1), moe_kernels.gemv_variant(64, 64, 4),
+              FORMS[-1]):
         assert_close(run(d, v), want, 2, exact_fraction=0.99)
 
 
@@ -181,6 +183,7 @@ def test_gpu_moe_real_shapes(model, t):
 @gpu
 @pytest.mark.parametrize("form", [moe_kernels.gemv_variant(16, 256, 4),
                                   moe_kernels.gemv_variant(8, 256, 4, 2, True, 16, 128),
+                                  moe_kernels.gemv_variant(8, 256, 4, 3, True, 8, 128, True),
                                   moe_kernels.grouped_variant(16, 64, 128, 4, 3)], ids=lambda v: v.name)
 def test_gpu_moe_captures_in_a_cuda_graph(form):
     """No host sync anywhere: the op replays from a graph, and new routing gives new outputs."""
@@ -313,7 +316,7 @@ def test_moe_experts_gated_equals_reference(t, k, h, i, act, dtype):
     gate_w = (torch.randn(1, h, generator=g) * h ** -0.5).to(device=DEVICE, dtype=dtype)
     args = (d["x"], d["idx"], d["weights"], d["gate_up"], d["down"], act)
     want = REF.moe_experts_gated(*args, gate_w, shared).float()
-    for form in (moe_kernels.gemv_variant(64, 64, 4), moe_kernels.grouped_variant(32, 32, 64, 4, 1)):
+    for form in (moe_kernels.gemv_variant(64, 64, 4), moe_kernels.grouped_variant(32, 32, 64, 4, 1), FORMS[-1]):
         got = moe_kernels.moe_experts(*args, v=form, gate=(gate_w, shared)).float()
         ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
         assert (got - want).abs().max() <= ulp * want.abs().max(), form.name

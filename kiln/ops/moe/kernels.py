@@ -208,9 +208,14 @@ def gemv_gate_up_kernel(x_ptr, w_ptr, idx_ptr, h_ptr, P, KTOP: tl.constexpr, H: 
 
 @triton.jit(do_not_specialize=["P"])
 def gemv_down_kernel(h_ptr, w_ptr, idx_ptr, rw_ptr, y_ptr, P, H: tl.constexpr, I: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, RNE: tl.constexpr, ACC: tl.constexpr = False, PDL: tl.constexpr = False):
+                     BK: tl.constexpr, RNE: tl.constexpr, ACC: tl.constexpr = False, PDL: tl.constexpr = False,
+                     out_ptr=None, x_ptr=None, g_ptr=None, s_ptr=None, count_ptr=None, KTOP: tl.constexpr = 1,
+                     KP: tl.constexpr = 1, FINISH: tl.constexpr = False, GATE: tl.constexpr = False,
+                     HP: tl.constexpr = 16):
     """y[pair, n block] = round(round(down_e h[pair]) * routing weight). The expert id and its first
-    weight tile load before the wait: they never come from the kernel just before (gate_up)."""
+    weight tile load before the wait: they never come from the kernel just before (gate_up). FINISH:
+    the last of a token's k pairs to store its block also combines the token's block (combine_cols:
+    one launch fewer, the same sums in the same order)."""
     pair = tl.program_id(0)
     e = tl.load(idx_ptr + pair).to(tl.int64)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -231,26 +236,28 @@ def gemv_down_kernel(h_ptr, w_ptr, idx_ptr, rw_ptr, y_ptr, P, H: tl.constexpr, I
             total += tl.sum(tile_w(ws, k, rk, I, EVEN) * tile_x(hs, k, rk, I, EVEN), axis=1)
     y = weighted(total, tl.load(rw_ptr + pair).to(tl.float32), y_ptr.dtype.element_ty, RNE)
     tl.store(y_ptr + pair.to(tl.int64) * H + rn, y, mask=rn < H)
+    if FINISH:
+        t = (pair // KTOP).to(tl.int64)
+        at = t * tl.num_programs(1) + tl.program_id(1)
+        if gemm.last_arrival(count_ptr, at, KTOP):
+            combine_cols(y_ptr, idx_ptr, out_ptr, x_ptr, g_ptr, s_ptr, t, rn, KTOP, KP, H, RNE, GATE, HP)
+            tl.atomic_xchg(count_ptr + at, 0)
 
 
 # -- combine -----------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["T"])
-def combine_kernel(y_ptr, idx_ptr, out_ptr, x_ptr, g_ptr, s_ptr, T, KTOP: tl.constexpr, KP: tl.constexpr,
-                   H: tl.constexpr, BH: tl.constexpr, RNE: tl.constexpr, GATE: tl.constexpr = False,
-                   HP: tl.constexpr = 16, PDL: tl.constexpr = False):
-    """out[t] = the token's k contributions y[t * k + slot], added in ascending expert id with a
+@triton.jit
+def combine_cols(y_ptr, idx_ptr, out_ptr, x_ptr, g_ptr, s_ptr, t, cols, KTOP: tl.constexpr, KP: tl.constexpr,
+                 H: tl.constexpr, RNE: tl.constexpr, GATE: tl.constexpr, HP: tl.constexpr):
+    """out[t, cols] = the token's k contributions y[t * k + slot], added in ascending expert id with a
     rounding to out's dtype after each add; with GATE then + sigmoid(x[t] . g) * shared[t], rounded as
     gate_add_kernel. NOTE: assumes a token's k expert ids are distinct."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BH + tl.arange(0, BH)
     slots = tl.arange(0, KP)
-    pdl_wait(PDL)
     ids = tl.load(idx_ptr + t * KTOP + slots, mask=slots < KTOP, other=0).to(tl.int64)
     ids = tl.where(slots < KTOP, ids, (1 << 30) + slots)               # padding ranks last (ids < 2^30)
     rank = tl.sum((ids[:, None] < ids[None, :]).to(tl.int32), axis=0)    # [KP]: how many ids are smaller
     dtype = out_ptr.dtype.element_ty
-    acc = tl.zeros((BH,), dtype=tl.float32)
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
     for j in tl.static_range(KTOP):
         slot = tl.sum(tl.where(rank == j, slots, 0), axis=0)
         y = tl.load(y_ptr + (t * KTOP + slot) * H + cols, mask=cols < H, other=0.0).to(tl.float32)
@@ -258,6 +265,17 @@ def combine_kernel(y_ptr, idx_ptr, out_ptr, x_ptr, g_ptr, s_ptr, T, KTOP: tl.con
     if GATE:
         acc = round_to(acc + gate_term(x_ptr, g_ptr, s_ptr, t, cols, H, HP, dtype, RNE), dtype, RNE).to(tl.float32)
     tl.store(out_ptr + t * H + cols, acc.to(dtype), mask=cols < H)
+
+
+@triton.jit(do_not_specialize=["T"])
+def combine_kernel(y_ptr, idx_ptr, out_ptr, x_ptr, g_ptr, s_ptr, T, KTOP: tl.constexpr, KP: tl.constexpr,
+                   H: tl.constexpr, BH: tl.constexpr, RNE: tl.constexpr, GATE: tl.constexpr = False,
+                   HP: tl.constexpr = 16, PDL: tl.constexpr = False):
+    """Program (token, column block): combine_cols."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    pdl_wait(PDL)
+    combine_cols(y_ptr, idx_ptr, out_ptr, x_ptr, g_ptr, s_ptr, t, cols, KTOP, KP, H, RNE, GATE, HP)
 
 
 # -- shared-expert gate (one launch instead of torch's 4; the router is in router.py) ----------------
@@ -331,14 +349,21 @@ def run_grouped(x, idx, rw, gate_up, down, act, p: dict, y: torch.Tensor) -> Non
     grouped_down_kernel[(nb, cdiv(hd, p["bn"]))](h, down, order, starts, rw, y, t * k, H=hd, I=i, **common)
 
 
-def run_gemv(x, idx, rw, gate_up, down, act, p: dict, y: torch.Tensor) -> None:
+def run_gemv(x, idx, rw, gate_up, down, act, p: dict, y: torch.Tensor, out=None, gate=None) -> None:
+    """The two GEMVs into y [T*k, H]; with variant fin (and `out` given) the down kernel combines too."""
     (t, hd), k, i = x.shape, idx.shape[1], down.shape[2]
     h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
     rne, acc, dn, dk = rne_flag(x.dtype), p.get("acc", False), p.get("dn", p["bn"]), p.get("dk", p["bk"])
     opts = dict(ACC=acc, num_warps=p["w"], num_stages=p.get("s", 1), **pdl(x))
     gemv_gate_up_kernel[(t * k, cdiv(i, p["bn"]))](x, gate_up, idx, h, t * k, KTOP=k, H=hd, I=i, BN=p["bn"],
                                                    BK=p["bk"], ACT=ACTS[act], RNE=rne, **opts)
-    gemv_down_kernel[(t * k, cdiv(hd, dn))](h, down, idx, rw, y, t * k, H=hd, I=i, BN=dn, BK=dk, RNE=rne, **opts)
+    fin = {}
+    if out is not None:
+        g, s = (gate[0].contiguous(), gate[1].contiguous()) if gate is not None else (out, out)
+        fin = dict(out_ptr=out, x_ptr=x, g_ptr=g, s_ptr=s, count_ptr=gemm.arrival_counters(x.device, t * cdiv(hd, dn)),
+                   KTOP=k, KP=next_pow2(k), FINISH=True, GATE=gate is not None,
+                   HP=next_pow2(hd) if gate is not None else 16, **EXACT_ROUNDING)
+    gemv_down_kernel[(t * k, cdiv(hd, dn))](h, down, idx, rw, y, t * k, H=hd, I=i, BN=dn, BK=dk, RNE=rne, **opts, **fin)
 
 
 def combine(y: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, x: torch.Tensor | None = None,
@@ -369,6 +394,9 @@ def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_
         v = OP.default(MoeShape(t, gate_up.shape[0], k, x.shape[1], down.shape[2], act), device_info(x.device))
     x, idx, weights = x.contiguous(), idx.contiguous(), weights.contiguous()
     y = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)     # [T*k, H], pair order
+    if v.p.get("fin"):
+        run_gemv(x, idx, weights, gate_up, down, act, v.p, y, out, gate)
+        return out
     (run_gemv if v.p.get("gemv") else run_grouped)(x, idx, weights, gate_up, down, act, v.p, y)
     combine(y, idx, out, x, gate)
     return out
@@ -394,12 +422,13 @@ def grouped_variant(bm, bn, bk, w, s) -> Variant:
     return variant(f"grouped_bm{bm}_bn{bn}_bk{bk}_w{w}_s{s}", bm=bm, bn=bn, bk=bk, w=w, s=s)
 
 
-def gemv_variant(bn, bk, w, s=1, acc=False, dn=None, dk=None) -> Variant:
-    """gate_up's [bn, bk] tiles (down's [dn, dk], else the same), warps, pipeline stages; acc: reduce once."""
+def gemv_variant(bn, bk, w, s=1, acc=False, dn=None, dk=None, fin=False) -> Variant:
+    """gate_up's [bn, bk] tiles (down's [dn, dk], else the same), warps, pipeline stages; acc: reduce once;
+    fin: the down kernel's last arrival combines (no combine launch)."""
     name = f"gemv_bn{bn}_bk{bk}_w{w}" + (f"_s{s}" if s != 1 else "") + ("_acc" if acc else "")
-    extra = {} if dn is None else dict(dn=dn, dk=dk)
-    return variant(name + (f"_d{dn}x{dk}" if dn is not None else ""), gemv=True, bn=bn, bk=bk, w=w, s=s, acc=acc,
-                   **extra)
+    extra = ({} if dn is None else dict(dn=dn, dk=dk)) | ({"fin": True} if fin else {})
+    return variant(name + (f"_d{dn}x{dk}" if dn is not None else "") + ("_fin" if fin else ""), gemv=True, bn=bn,
+                   bk=bk, w=w, s=s, acc=acc, **extra)
 
 
 TRUSTED = grouped_variant(16, 32, 32, 4, 1)     # small tiles, no pipelining
@@ -415,10 +444,13 @@ GPU_GEMV = [(16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 128, 8)
 # (bn, bk, warps, stages, down's bn, down's bk); about 32-64 f32 accumulators a thread.
 GPU_GEMV_ACC = [(8, 256, 4, 1, 16, 128), (8, 256, 4, 2, 16, 128), (16, 256, 4, 2, 16, 128), (8, 512, 4, 2, 8, 256),
                 (16, 128, 4, 2, 32, 64), (32, 128, 8, 2, 32, 128), (16, 512, 8, 1, 8, 512), (8, 256, 4, 3, 8, 128)]
+# ... and the best of them (H200, bench/NOTES.md 2026-12-03) with the combine in the down kernel's last arrival
+GPU_GEMV_FIN = [(8, 256, 4, 3, 8, 128), (8, 512, 4, 2, 8, 256), (8, 256, 4, 1, 16, 128)]
 GEMV_MAX_ROWS = 64     # beyond this the gemv rereads each expert's weights for too many pairs
 CPU_GROUPED = [(32, 32, 64, 4, 1), (64, 64, 32, 4, 1)]
 CPU_GEMV = [(64, 64, 4)]
 CPU_GEMV_ACC = [(16, 32, 4, 1, 32, 16)]
+CPU_GEMV_FIN = [(16, 32, 4, 1, 32, 16)]
 
 
 class MoeOp(Op):
@@ -434,9 +466,11 @@ class MoeOp(Op):
 
     def catalogue(self, s: MoeShape, dev) -> list[Variant]:
         cpu = dev.capability is None
-        grouped, gemv, acc = (CPU_GROUPED, CPU_GEMV, CPU_GEMV_ACC) if cpu else (GPU_GROUPED, GPU_GEMV, GPU_GEMV_ACC)
+        grouped, gemv, acc, fin = ((CPU_GROUPED, CPU_GEMV, CPU_GEMV_ACC, CPU_GEMV_FIN) if cpu
+                                   else (GPU_GROUPED, GPU_GEMV, GPU_GEMV_ACC, GPU_GEMV_FIN))
         return ([TRUSTED] + [grouped_variant(*t) for t in grouped] + [gemv_variant(*t) for t in gemv]
-                + [gemv_variant(bn, bk, w, st, True, dn, dk) for bn, bk, w, st, dn, dk in acc])
+                + [gemv_variant(bn, bk, w, st, True, dn, dk) for bn, bk, w, st, dn, dk in acc]
+                + [gemv_variant(bn, bk, w, st, True, dn, dk, True) for bn, bk, w, st, dn, dk in fin])
 
     def candidates(self, s: MoeShape, dev) -> list[Variant]:
         forms = self.catalogue(s, dev)
@@ -472,6 +506,7 @@ class MoeOp(Op):
         # Only dtypes and 16-byte alignment specialise a kernel: small stand-ins serve for every tensor.
         a = torch.empty(64, dtype=dtype, device=device)
         i64 = torch.empty(64, dtype=torch.int64, device=device)
+        i32 = torch.empty(64, dtype=torch.int32, device=device)
         p, k, grid = v.p, s.k, (1,)
         kernels = [combine_kernel.warmup(a, i64, a, a, a, a, 1, KTOP=k, KP=next_pow2(k), H=s.h,
                                          BH=min(COMBINE_BH, next_pow2(s.h)), RNE=False, num_warps=4, grid=grid,
@@ -482,7 +517,7 @@ class MoeOp(Op):
             kernels += [gemv_gate_up_kernel.warmup(a, a, i64, a, 1, KTOP=k, H=s.h, I=s.i, ACT=ACTS[s.act], BN=p["bn"],
                                                    BK=p["bk"], **opts),
                         gemv_down_kernel.warmup(a, a, i64, a, a, 1, H=s.h, I=s.i, BN=p.get("dn", p["bn"]),
-                                                BK=p.get("dk", p["bk"]), **opts)]
+                                                BK=p.get("dk", p["bk"]), **opts, **finish_args(p, s, a, i32))]
             return kernels
         opts = dict(E=s.e, EP=next_pow2(s.e), H=s.h, I=s.i, BM=p["bm"], BN=p["bn"], BK=p["bk"], RNE=False,
                     **dot_flags(dtype), num_warps=p["w"], num_stages=p["s"], grid=grid)
@@ -491,13 +526,21 @@ class MoeOp(Op):
         return kernels
 
     def kernel_sources(self, v: Variant) -> list:
-        shared = [combine_kernel, gate_term, glu, activate, weighted, round_to, pdl_wait]
+        shared = [combine_kernel, combine_cols, gate_term, glu, activate, weighted, round_to, pdl_wait]
         if v.p.get("gemv"):
-            return [gemv_gate_up_kernel, gemv_down_kernel, tile_w, tile_x] + shared
+            return [gemv_gate_up_kernel, gemv_down_kernel, tile_w, tile_x, gemm.last_arrival] + shared
         return [grouped_gate_up_kernel, grouped_down_kernel, expert_block, gemm.mma] + shared
 
     def supports(self, x, idx, weights, gate_up, down, act) -> bool:
         return supports(x, gate_up, down, act) and weights.dtype in (x.dtype, torch.float32) and idx.dim() == 2
+
+
+def finish_args(p: dict, s: MoeShape, a: torch.Tensor, i32: torch.Tensor) -> dict:
+    """The down kernel's combine arguments for compiling a fin variant (without the gate: the moe op's)."""
+    if not p.get("fin"):
+        return {}
+    return dict(out_ptr=a, x_ptr=a, g_ptr=a, s_ptr=a, count_ptr=i32, KTOP=s.k, KP=next_pow2(s.k), FINISH=True,
+                GATE=False, HP=16, **EXACT_ROUNDING)
 
 
 def supports(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str = "silu") -> bool:
