@@ -77,9 +77,9 @@ def router_gemv_topk_kernel(x_ptr, w_ptr, s_ptr, l_ptr, count_ptr, wo_ptr, io_pt
     live = cols < H
     w = tl.load(w_ptr + e.to(tl.int64) * H + cols, mask=live, other=0.0).to(tl.float32)
     pdl_wait(PDL)
-    for t in range(0, T):
-        x = tl.load(x_ptr + t * H + cols, mask=live, other=0.0).to(tl.float32)
-        tl.store(l_ptr + t * E + e, round_to(tl.sum(w * x, axis=0), l_ptr.dtype.element_ty, RNE))
+    for row in range(0, T):
+        x = tl.load(x_ptr + row * H + cols, mask=live, other=0.0).to(tl.float32)
+        tl.store(l_ptr + row * E + e, round_to(tl.sum(w * x, axis=0), l_ptr.dtype.element_ty, RNE))
     if last_arrival(count_ptr, 0, E):
         for t64 in range(0, T):
             t = tl.cast(t64, tl.int64)
