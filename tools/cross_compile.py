@@ -92,26 +92,6 @@ def pretend_gpu(arch: int, sms: int) -> None:
                 setattr(mod, name, fake)
 
 
-def untuned_kernels(config: dict, dtype) -> list:
-    """(name, launch) of the kernels that are not tuned ops: the greedy choice, and for a Qwen MoE
-    the router and the shared-expert gate, at the model's decode shapes."""
-    from kiln.ops.moe import kernels as moe
-    from kiln.ops.moe import router as moe_router
-    from kiln.ops.sample import kernels as sample
-    one, h = torch.zeros(1, dtype=torch.long), config["hidden_size"]
-    out = [("greedy", lambda: sample.greedy_next(torch.empty(config["vocab_size"], dtype=dtype), one, one.clone()))]
-    if config.get("num_experts") and config.get("num_experts_per_tok"):
-        e, k = config["num_experts"], config["num_experts_per_tok"]
-        x = torch.empty(1, h, dtype=dtype)
-        out += [("router", lambda: moe_router.router_topk(torch.empty(1, e, dtype=dtype), k)),
-                ("shared_gate", lambda: moe.shared_gate_add(x, x, torch.empty(1, h, dtype=dtype), x)),
-                ("gated_combine", lambda: moe.combine(torch.empty(k, h, dtype=dtype),
-                                                      torch.zeros(1, k, dtype=torch.long),
-                                                      torch.empty(1, h, dtype=dtype), x,
-                                                      (torch.empty(1, h, dtype=dtype), x)))]
-    return out
-
-
 def attention_workloads(specs: list[str], m_values) -> list:
     """Prefill (each m > 1) and decode (a 4096-token context) attention workloads for H:KV:D[:WINDOW]."""
     from kiln.ops.attention import kernels as attention
@@ -179,7 +159,8 @@ def main() -> int:
                 why = " | ".join(line.strip() for line in str(e).strip().splitlines()[-3:])[:300]
                 failed.append(f"{w.label}: {v.name}: {type(e).__name__}: {why}")
                 print(f"[cross] FAIL {failed[-1]}", flush=True)
-    for name, launch in untuned_kernels(config, dtype):    # the plain kernels the decode step launches
+    from kiln.ops.plain import plain_kernels
+    for name, launch in plain_kernels(cfg, dtype, torch.device("cpu")):    # the kernels outside the tuner
         if ops is not None and name not in ops:
             continue
         seen.add(("untuned", name, name))

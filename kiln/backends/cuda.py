@@ -8,11 +8,13 @@ On CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1): slo
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 
 from ..errors import KilnError
+from ..ops import plain
 from ..ops.attention.cuda import AttentionCuda
 from ..ops.dispatch import families_off
 from ..ops.gdn.cuda import GdnCuda
@@ -55,6 +57,7 @@ class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, R
         self.tune_s: float | None = None
         self.tune_cache: str | None = None
         self._tuner: Tuner | None = None     # precompile's tuner, taken by prepare
+        self._warm = None                    # precompile's thread compiling the plain kernels
 
     def precompile(self, model_class, cfg, dtype: torch.dtype, *, retune: bool = False, pins=None,
                    budget_s: float | None = None, quiet: bool = True, max_batch: int = 1) -> None:
@@ -65,6 +68,7 @@ class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, R
             return
         self._tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
         self._tuner.precompile(self.dense_workloads(model_class, cfg, max_batch))
+        self._warm = plain.warm(cfg, dtype, self.device, log=lambda line: print(line, file=sys.stderr, flush=True))
 
     def drop_precompile(self) -> None:
         """The load failed before prepare(): stop precompile's workers (queued jobs cancelled)."""
@@ -98,6 +102,9 @@ class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, R
         if extra:
             base = dense_decode_workloads(model.w, base)
         self.plan, report = tuner.tune(base + extra)
+        if self._warm is not None:      # long done by now: it started before the weights
+            self._warm.join()
+            self._warm = None
         self.tune_s, self.tune_cache = time.perf_counter() - t0, "hit" if report.hit else "miss"
         return report
 

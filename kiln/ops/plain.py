@@ -1,0 +1,61 @@
+"""The kernels outside the tuner (nothing to measure): the greedy choice, the routers, the shared expert's
+gate, Gemma's GELU. Unwarmed, a cold start compiled them at its first prefill or decode step (Gemma 4:
+six kernels, ~2 s of its first prefill on the H200). The cuda backend compiles them on a thread while the
+weights load (`warm`); tools/cross_compile.py compiles them for another GPU. Each is launched once, at
+the model's shapes, on small stand-ins: the kernels specialise on widths and dtypes, not on rows.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from .gemm import gelu
+from .moe import kernels as moe
+from .moe import router
+from .sample import kernels as sample
+
+
+def plain_kernels(cfg, dtype: torch.dtype, device: torch.device) -> list[tuple[str, Callable]]:
+    """(name, launch) of the untuned kernels a model of config `cfg` runs."""
+    def empty(*shape):
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    one, h = torch.zeros(1, dtype=torch.long, device=device), cfg.hidden_size
+    out = [("greedy", lambda: sample.greedy_next(empty(cfg.vocab_size), one, one.clone()))]
+    if getattr(cfg, "hidden_activation", None) == "gelu_pytorch_tanh":      # Gemma's MLP
+        wide = getattr(cfg, "use_double_wide_mlp", False)
+        for n in sorted({cfg.intermediate_size, 2 * cfg.intermediate_size if wide else cfg.intermediate_size}):
+            out.append((f"gelu_mul_{n}", lambda n=n: gelu.gelu_mul(empty(1, n), empty(1, n))))
+    if getattr(cfg, "enable_moe_block", False):                              # Gemma 4's router
+        e, k = cfg.num_experts, cfg.top_k_experts
+        out += [("scaled_topk", lambda: router.scaled_topk(empty(1, e), empty(e), k)),
+                ("router_gemv_topk", lambda: router.router_scaled_topk(empty(1, h), empty(e, h), empty(e), k))]
+    elif getattr(cfg, "num_experts", None) and getattr(cfg, "num_experts_per_tok", None):     # Qwen's
+        e, k = cfg.num_experts, cfg.num_experts_per_tok
+        x = empty(1, h)
+        out += [("router", lambda: router.router_topk(empty(1, e), k)),
+                ("shared_gate", lambda: moe.shared_gate_add(x, x, empty(1, h), x)),
+                ("gated_combine", lambda: moe.combine(empty(k, h), torch.zeros(1, k, dtype=torch.long, device=device),
+                                                      empty(1, h), x, (empty(1, h), x)))]
+    return out
+
+
+def warm(cfg, dtype: torch.dtype, device: torch.device, log: Callable[[str], None] | None = None) -> threading.Thread:
+    """Compile (by launching once) every plain kernel of `cfg` on a daemon thread; join it before the
+    model runs. A kernel that fails here is only logged: its first real launch compiles it again."""
+    def run():
+        with torch.cuda.device(device):
+            for name, launch in plain_kernels(cfg, dtype, device):
+                try:
+                    launch()
+                except Exception as e:  # noqa: BLE001  (a warm-up, never a reason to fail the load)
+                    if log:
+                        log(f"[kiln] warning: plain kernel {name} not warmed ({type(e).__name__}: {e})")
+            torch.cuda.synchronize(device)
+
+    thread = threading.Thread(target=run, name="kiln-warm-plain", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,26 @@
+"""The kernels outside the tuner that a load warms while the weights load (kiln/ops/plain.py): each model
+family's list names what its forward launches, and every launch runs (here under the interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.models import model_config
+from kiln.ops import plain
+from kiln.weights.synth import synth_config
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("name,want", [
+    ("tiny-qwen3.5", {"greedy"}),
+    ("tiny-qwen3.5-moe", {"greedy", "router", "shared_gate", "gated_combine"}),
+    ("tiny-gemma4-moe-p2", {"greedy", "gelu_mul_96", "scaled_topk", "router_gemv_topk"}),
+])
+def test_plain_kernels_listed_and_launch(name, want):
+    _, cfg = model_config(synth_config(name))
+    kernels = plain.plain_kernels(cfg, torch.bfloat16, DEVICE)
+    assert {n for n, _ in kernels} == want
+    for _, launch in kernels:
+        launch()
