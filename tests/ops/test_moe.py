@@ -250,6 +250,27 @@ def test_router_scaled_topk_fused_equals_reference(t, e, h, k):
         assert (got_w - want_w).abs().max() <= 1e-6 * want_w.abs().max()
 
 
+@pytest.mark.gpu
+@gpu
+def test_gpu_router_scaled_topk_fused_in_a_cuda_graph():
+    """Gemma 4 26B-A4B's router shape, captured once and replayed with new rows: the arrival counter
+    resets itself inside the graph, and each replay gives the reference's experts for its rows."""
+    e, h, k = 128, 2816, 8
+    g = torch.Generator().manual_seed(5)
+    grid = torch.stack([torch.randperm(e, generator=g) for _ in range(h)], dim=1).float() - e / 2
+    proj = (grid / 16).to(device=DEVICE, dtype=torch.bfloat16)
+    scale = (torch.rand(e, generator=g) + 0.5).to(device=DEVICE, dtype=torch.bfloat16)
+    x = torch.zeros(1, h, dtype=torch.bfloat16, device=DEVICE)
+    graph, (w, idx) = captured(lambda: moe_router.router_scaled_topk(x, proj, scale, k))
+    for col in (7, 2000, 2815):
+        x.zero_()
+        x[0, col] = 1.0
+        graph.replay()
+        torch.cuda.synchronize()
+        want_w, want_i = REF.router_scaled_topk(x, proj, scale, k)
+        assert torch.equal(idx, want_i) and (w - want_w).abs().max() <= 1e-6 * want_w.abs().max()
+
+
 def test_router_topk_ties_go_to_the_lower_expert():
     logits = torch.zeros(1, 16, device=DEVICE)
     logits[0, [3, 9, 12]] = 1.0
