@@ -45,16 +45,17 @@ def plain_kernels(cfg, dtype: torch.dtype, device: torch.device) -> list[tuple[s
 
 def warm(cfg, dtype: torch.dtype, device: torch.device, log: Callable[[str], None] | None = None) -> threading.Thread:
     """Compile (by launching once) every plain kernel of `cfg` on a daemon thread; join it before the
-    model runs. A kernel that fails here is only logged: its first real launch compiles it again."""
+    model runs. A failure here is only logged (the rest are not warmed): a first real launch compiles."""
     def run():
-        with torch.cuda.device(device):
-            for name, launch in plain_kernels(cfg, dtype, device):
-                try:
+        name = "list"
+        try:            # a warm-up, never a reason to fail the load
+            with torch.cuda.device(device):
+                for name, launch in plain_kernels(cfg, dtype, device):
                     launch()
-                except Exception as e:  # noqa: BLE001  (a warm-up, never a reason to fail the load)
-                    if log:
-                        log(f"[kiln] warning: plain kernel {name} not warmed ({type(e).__name__}: {e})")
-            torch.cuda.synchronize(device)
+                torch.cuda.synchronize(device)
+        except Exception as e:  # noqa: BLE001
+            if log:
+                log(f"[kiln] warning: plain kernels not warmed, at {name} ({type(e).__name__}: {e})")
 
     thread = threading.Thread(target=run, name="kiln-warm-plain", daemon=True)
     thread.start()
