@@ -13,6 +13,10 @@ graph_ms_per_token, the graph replayed back to back (the GPU's own time, no host
 and the weight bytes a token reads (the bandwidth floor: k / E of the routed experts).
 Kernel names are Triton's function names (gemm_kernel, ...) with their launch grids folded together;
 the JSON lists the top kernels and the total.
+Read a PDL kernel's time with care (every kiln kernel launched with `launch_pdl`): it starts while the
+kernel before it finishes and waits in pdl_wait, and the profiler counts that wait as its own time
+(residual_norms: 7.9 us a call here against 2.2 us tuned alone, bench/NOTES.md 2026-12-03). The tune
+cache's times (each op alone) and graph_ms_per_token are the figures to add up.
 """
 
 from __future__ import annotations
