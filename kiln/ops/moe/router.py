@@ -9,12 +9,11 @@ import triton
 import triton.language as tl
 
 from ..common import SUPPORTED, next_pow2, pdl, pdl_wait, rne_flag, round_to
-from ..gemm.gemm import last_arrival
+from ..gemm.gemm import arrival_counters, last_arrival
 
 MAX_EXPERTS = 1024   # one program holds a row of logits
 FUSED_ROWS = 2       # the fused router's last program runs the rows' top-k one after another
 FUSED_WIDTH = 8192   # ... and each program holds a whole weight row
-_COUNTERS: dict = {}
 
 
 @triton.jit
@@ -127,14 +126,6 @@ def fused_supports(x, proj, expert_scale, k: int) -> bool:
             and proj.shape[0] <= MAX_EXPERTS and k <= proj.shape[0] and expert_scale.shape == proj.shape[:1])
 
 
-def counter(device: torch.device) -> torch.Tensor:
-    """The fused router's arrival counter, zero between launches (the last arrival resets it).
-    NOTE: allocated on the first (eager) call, before any CUDA graph capture uses it."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
-
-
 def router_scaled_topk(x: torch.Tensor, proj: torch.Tensor, expert_scale: torch.Tensor,
                        k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """MoeReference.router_scaled_topk in one launch: x [T, H], proj [E, H] -> (weights [T, k] f32, ids
@@ -144,7 +135,9 @@ def router_scaled_topk(x: torch.Tensor, proj: torch.Tensor, expert_scale: torch.
     logits = torch.empty((t, e), dtype=x.dtype, device=x.device)
     w = torch.empty((t, k), dtype=torch.float32, device=x.device)
     idx = torch.empty((t, k), dtype=torch.long, device=x.device)
-    router_gemv_topk_kernel[(e,)](x, proj, expert_scale.contiguous(), logits, counter(x.device), w, idx, t, E=e,
-                                  EP=next_pow2(e), H=h, HP=next_pow2(h), KTOP=k, KP=next_pow2(k),
-                                  RNE=rne_flag(x.dtype), num_warps=4, **pdl(x))
+    # gemm's split-K counters: every kernel touches them only after its PDL wait, so never two at once
+    count = arrival_counters(x.device, 1)
+    router_gemv_topk_kernel[(e,)](x, proj, expert_scale.contiguous(), logits, count, w, idx, t, E=e, EP=next_pow2(e),
+                                  H=h, HP=next_pow2(h), KTOP=k, KP=next_pow2(k), RNE=rne_flag(x.dtype), num_warps=4,
+                                  **pdl(x))
     return w, idx
