@@ -100,6 +100,10 @@ class GDNState:
     """Gated DeltaNet layer state: the last K conv inputs [K, C] in the activation dtype (as HF
     keeps them; K-1 would do) and the recurrent state [Hv, dk, dv] kept in f32."""
 
+    # A padded prefill (kiln.backends.graphs.PrefillGraphs): only the first `valid` rows (an int
+    # tensor [1] on the device) are the prompt's; the rows after it must leave both states untouched.
+    valid: torch.Tensor | None = None
+
     def __init__(self, conv_dim: int, kernel: int, heads: int, dk: int, dv: int, dtype, device):
         self.conv = torch.zeros(kernel, conv_dim, dtype=dtype, device=device)
         self.ssm = torch.zeros(heads, dk, dv, dtype=torch.float32, device=device)

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .backends.graphs import BatchGraphs, DecodeGraph, graphable, upload
+from .backends.graphs import BatchGraphs, DecodeGraph, PrefillGraphs, graphable, upload
 from .cache import SlotPool, StateBatch, restore, snapshot
 from .errors import KilnError
 from .sampling import Sampler, SamplingParams
@@ -82,8 +82,11 @@ class Engine:
         self.pool_limit: tuple[int, int] | None = None    # (slots, context) a --gpu-memory budget planned
         self._batch_graphs: BatchGraphs | None = None      # the pool's batched steps as graphs
         self.batch_graphs_on = graphs and batch_graphs and self.device.type == "cuda"
+        self.prefill_graphs: PrefillGraphs | None = None    # short prompts' prefill on the same state
         if graphs and self.device.type == "cuda":   # dropped at the first state if it is not graphable
             self.graph = DecodeGraph(model, self.device)
+            if PrefillGraphs.enabled():
+                self.prefill_graphs = PrefillGraphs(model, self.device, prefill_chunk)
 
     def new_state(self, tokens: int) -> list:
         """Per-layer state for a request of up to `tokens` positions: fresh, or with CUDA graphs the
@@ -167,7 +170,11 @@ class Engine:
     @torch.inference_mode()
     def prefill(self, ids: list[int], state, offset: int = 0) -> torch.Tensor:
         """Run the prompt through the model in chunks, from position `offset` on (the state already
-        holds the first `offset` tokens); logits of the last position."""
+        holds the first `offset` tokens); logits of the last position. A prompt that fits one chunk
+        from position 0 on the CUDA-graph state replays its length bucket's graph (PrefillGraphs)."""
+        if (offset == 0 and self.prefill_graphs is not None and isinstance(state, GraphState)
+                and (logits := self.prefill_graphs.run(ids, state, self.quiet)) is not None):
+            return logits
         logits = None
         for start in range(0, len(ids), self.prefill_chunk):
             chunk = upload(ids[start:start + self.prefill_chunk], self.device)

@@ -134,3 +134,55 @@ def test_gpu_batched_steps_replayed_as_graphs_give_the_eager_tokens(spec):
     assert any(inside for _, inside in launches)
     eng._batch_graphs = None
     assert run() == graphed
+
+
+def test_prefill_buckets_round_up_to_an_eighth_of_the_power_of_two():
+    runner = graphs.PrefillGraphs(None, torch.device("cpu"), 4096)
+    got = {n: runner.bucket(n) for n in (1, 16, 17, 100, 128, 129, 512, 513, 1000, 4096)}
+    assert got == {1: 16, 16: 16, 17: 32, 100: 112, 128: 128, 129: 160, 512: 512, 513: 640, 1000: 1024,
+                   4096: 4096}
+    assert runner.bucket(4097) is None
+
+
+@pytest.mark.parametrize("model", ["synth:tiny-qwen3.5-moe-p2", "synth:tiny-gemma4-moe-p2"])
+def test_a_padded_prefill_gives_the_prompts_logits_state_and_tokens(model, monkeypatch):
+    """What a prefill graph captures (PrefillGraphs._body: the prompt padded to its bucket, the GDN
+    layers told its length), run here on the cuda backend under the interpreter: the logits of the
+    prompt's last row and the decode steps after it equal those of the prompt prefilled alone (the
+    spare rows' K/V lie past the prompt, where decode overwrites them; a spare row adds exact zeros)."""
+    monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")
+    llm = kiln.load(model, device="cpu", dtype="f32", backend="cuda")
+    eng = llm.engine
+    runner = graphs.PrefillGraphs(llm.model, torch.device("cpu"), 512)
+    ids = [(7 * i + 3) % 397 for i in range(21)]
+    b = runner.bucket(len(ids))
+    assert b == 32
+    alone, padded = eng.new_state(64), eng.new_state(64)
+    want = [eng.prefill(ids, alone)]
+    got = [runner._body(padded, torch.tensor(ids + [1] * (b - len(ids))), torch.tensor([len(ids)]))[0]]
+    runner._set_length(padded, len(ids))
+    for k, tok in enumerate([5, 300, 42]):
+        want.append(eng.decode_step(tok, len(ids) + k, alone))
+        got.append(eng.decode_step(tok, len(ids) + k, padded))
+    assert torch.equal(torch.stack(got), torch.stack(want))    # f32, the same kernels: bit-equal
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model", ["synth:tiny-qwen3.5-moe-p2", "synth:tiny-gemma4-moe-p2"])
+def test_gpu_prefill_graph_replays_the_padded_forward(model):
+    """A prompt's first prefill runs the padded forward and captures it; the next one of its bucket
+    replays the graph: the same logits as the padded forward run eagerly on a fresh state, the same
+    greedy tokens as the first request, and the lengths of the prompt."""
+    llm = kiln.load(model, device="cuda", dtype="bf16")
+    eng, prompt = llm.engine, [(11 * i + 5) % 397 for i in range(40)]
+    first = llm.generate(prompt, max_new_tokens=8, temperature=0).token_ids
+    assert eng.prefill_graphs is not None and eng.prefill_graphs.captures == 1
+    assert llm.generate(prompt, max_new_tokens=8, temperature=0).token_ids == first
+    state = eng.new_state(64)
+    replayed = eng.prefill(prompt, state)
+    assert eng.prefill_graphs.captures == 1 and all(layer.length == 40 for layer in state)
+    b = eng.prefill_graphs.bucket(40)
+    eager = eng.prefill_graphs._body(eng.new_state(64), torch.tensor(prompt + [0] * (b - 40), device="cuda"),
+                                     torch.tensor([40], device="cuda"))[0]
+    assert torch.equal(replayed, eager)

@@ -387,3 +387,30 @@ def test_conv_state_carries_across_calls():
     padded = torch.cat([torch.zeros(3, 8), x])
     direct = torch.stack([(padded[t:t + 4].T * w[:, 0]).sum(-1) for t in range(11)])
     assert torch.allclose(whole, torch.nn.functional.silu(direct), atol=1e-6)
+
+
+@pytest.mark.parametrize("n,t,form", [(1, 16, 0), (2, 16, 1), (21, 32, 0), (64, 80, 1), (70, 80, 0)])
+def test_padded_prefill_leaves_the_state_of_the_prompt_alone(n, t, form):
+    """A prefill of t rows of which only the first n are the prompt (GDNState.valid = n, as a
+    prefill graph's bucket runs it) gives the prompt's rows, conv window and recurrent state of a
+    prefill of the n rows alone: the spare rows' gates make them leave the state as it was, and the
+    conv window is re-taken from the prompt's last rows (n < K - 1 reaches into the prior window).
+    Ragged n, both chunk forms, spare rows of random (finite) inputs."""
+    from kiln.backends.cuda import CudaOps
+
+    ops = CudaOps(DEVICE)
+    ops.choose = lambda op, shape: CHUNK_FORMS[form]
+    inp, st = case(t, torch.float32, seed=n)
+    p = {"conv1d.weight": inp["conv_w"], "A_log": inp["A_log"], "dt_bias": inp["dt_bias"], "norm.weight": inp["norm_w"]}
+    rows = [inp[k] for k in ("qkv", "z", "b", "a")]
+    alone = GDNState(inp["qkv"].shape[1], 4, 4, 16, 32, torch.float32, DEVICE)
+    alone.conv, alone.ssm, alone.length = st.conv.clone(), st.ssm.clone(), 3
+    want = ops.gated_deltanet(*(r[:n] for r in rows), p, alone, inp["dims"])
+    padded = GDNState(inp["qkv"].shape[1], 4, 4, 16, 32, torch.float32, DEVICE)
+    padded.conv, padded.ssm, padded.length = st.conv.clone(), st.ssm.clone(), 3
+    padded.valid = torch.tensor([n], device=DEVICE)
+    got = ops.gated_deltanet(*rows, p, padded, inp["dims"])
+    assert padded.valid is not None and got.shape[0] == t
+    assert torch.equal(padded.conv, alone.conv)
+    assert_close(padded.ssm, alone.ssm, "ssm")
+    assert_close(got[:n], want, "y")

@@ -4,14 +4,32 @@ buffers, where the kernels do not apply."""
 
 from __future__ import annotations
 
+import torch
+
 from ...cache import GDNState, SlotGDN
 from ..dispatch import TunedOps
 from . import kernels
 from .reference import GdnReference
 
+# b and a of a padded prefill's spare rows: sigmoid(b) and softplus(a + dt_bias) are then exactly 0
+# in f32, so such a row's beta and log-decay are 0 and it leaves the recurrent state as it was.
+PAD_GATE = -1.0e4
+
+
+def conv_tail(conv, old, x, n) -> None:
+    """conv = the last K conv inputs of the first n rows of x (n an int tensor [1] on the device):
+    rows n-1+j, j < K, of [old[1:] | x], as the conv kernel keeps them after exactly n rows."""
+    k = conv.shape[0]
+    i = n - 1 + torch.arange(k, device=conv.device)
+    from_old = old.index_select(0, (i + 1).clamp(max=k - 1))
+    from_x = x.index_select(0, (i - (k - 1)).clamp(min=0))
+    conv.copy_(torch.where((i < k - 1)[:, None], from_old, from_x.to(conv.dtype)))
+
 
 class GdnCuda(TunedOps, GdnReference):
     def gated_deltanet(self, qkv, z, b, a, p, state, dims):
+        if isinstance(state, GDNState) and state.valid is not None:
+            return self._padded(qkv, z, b, a, p, state, dims)
         conv_w = p["conv1d.weight"]
         if (not self.on("gdn", qkv) or not isinstance(state, GDNState)
                 or not kernels.PREFILL.supports(qkv, conv_w, state.ssm, dims)):
@@ -24,6 +42,21 @@ class GdnCuda(TunedOps, GdnReference):
         else:
             y = kernels.gdn_prefill(*args, v=self.choose(kernels.PREFILL, shape))
         state.length += t
+        return y
+
+    def _padded(self, qkv, z, b, a, p, state, dims):
+        """A prefill whose rows from state.valid on are padding (their outputs are junk, never read):
+        those rows' gates pushed to PAD_GATE, then the conv state re-taken from the prompt's rows."""
+        n, t = state.valid, qkv.shape[0]
+        pad = (torch.arange(t, device=qkv.device) >= n)[:, None]
+        b, a = b.masked_fill(pad, PAD_GATE), a.masked_fill(pad, PAD_GATE)
+        old = state.conv.clone()
+        state.valid = None
+        try:
+            y = self.gated_deltanet(qkv, z, b, a, p, state, dims)
+        finally:
+            state.valid = n
+        conv_tail(state.conv, old, qkv, n)
         return y
 
     def gated_deltanet_rows(self, qkv, z, b, a, p, states, dims):
