@@ -255,8 +255,10 @@ class PrefillGraphs:
             layer.length = n
 
     def _capture(self, key: tuple, inputs: tuple, state: list, n: int, quiet: bool) -> None:
-        """Capture the bucket's forward (the state already holds the prompt: the capture runs nothing)."""
+        """Capture the bucket's forward. The state already holds the prompt (the capture runs nothing),
+        but the forward reads each layer's length as where the prompt starts: 0 while capturing."""
         torch.cuda.synchronize(self.device)
+        self._set_length(state, 0)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

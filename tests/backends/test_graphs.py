@@ -6,6 +6,8 @@ graph's body (the reference backend's ops)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ from kiln.backends import graphs
 def test_gpu_decode_graph_gives_the_eager_tokens_and_counts_launches():
     """The decode step replayed as a CUDA graph gives the tokens of the same kernels run eagerly,
     across two requests on the one persistent state (the second replays the first's graph)."""
-    prompt = [(11 * i + 5) % 397 for i in range(40)]
+    prompt = [(11 * i + 5) % 300 for i in range(40)]
     eager = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cuda", dtype="bf16", enforce_eager=True)
     want = eager.generate(prompt, max_new_tokens=12, temperature=0).token_ids
     graph = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cuda", dtype="bf16")
@@ -175,7 +177,7 @@ def test_gpu_prefill_graph_replays_the_padded_forward(model):
     replays the graph: the same logits as the padded forward run eagerly on a fresh state, the same
     greedy tokens as the first request, and the lengths of the prompt."""
     llm = kiln.load(model, device="cuda", dtype="bf16")
-    eng, prompt = llm.engine, [(11 * i + 5) % 397 for i in range(40)]
+    eng, prompt = llm.engine, [(11 * i + 5) % 300 for i in range(40)]
     first = llm.generate(prompt, max_new_tokens=8, temperature=0).token_ids
     assert eng.prefill_graphs is not None and eng.prefill_graphs.captures == 1
     assert llm.generate(prompt, max_new_tokens=8, temperature=0).token_ids == first
@@ -186,3 +188,38 @@ def test_gpu_prefill_graph_replays_the_padded_forward(model):
     eager = eng.prefill_graphs._body(eng.new_state(64), torch.tensor(prompt + [0] * (b - 40), device="cuda"),
                                      torch.tensor([40], device="cuda"))[0]
     assert torch.equal(replayed, eager)
+
+
+def test_a_prefill_graph_is_captured_from_position_0_and_leaves_the_prompts_lengths(monkeypatch):
+    """The capture (faked here: CPU) follows the eager run of the bucket's first prompt, whose state
+    then holds the prompt; the forward it records must still start at position 0 (the layers'
+    lengths, which it reads as the start, are 0 while it runs), and every run leaves the prompt's
+    length. The replay path fills the graph's inputs and takes the logits of the captured output."""
+    llm = kiln.load("synth:tiny-llama", device="cpu", dtype="f32")
+    runner = graphs.PrefillGraphs(llm.model, torch.device("cpu"), 512)
+    seen, body = [], runner._body
+
+    def recording(state, ids, n):
+        seen.append({layer.length for layer in state})
+        return body(state, ids, n)
+
+    class FakeGraph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(runner, "_body", recording)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    state = llm.engine.new_state(64)
+    ids = [5, 9, 77, 3, 8]
+    first = runner.run(ids, state)
+    assert seen == [{0}, {0}] and runner.captures == 1      # the eager run, then the capture
+    assert {layer.length for layer in state} == {5}
+    for layer in state:
+        layer.reset()
+    again = runner.run(ids, state)                          # replayed: the captured output's row
+    assert len(seen) == 2 and torch.equal(again, first)
+    assert {layer.length for layer in state} == {5}
