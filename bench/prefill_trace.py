@@ -40,12 +40,14 @@ def trace(eng, ids) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         eng.prefill(ids, state)
         torch.cuda.synchronize()
-    kernels, syncs, host = Counter(), Counter(), Counter()
+    kernels, syncs, host, kernel_us = Counter(), Counter(), Counter(), Counter()
     gpu_us = 0.0
     for e in p.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name[:60]] += 1
-            gpu_us += e.device_time if hasattr(e, "device_time") else e.cuda_time
+            us = e.device_time if hasattr(e, "device_time") else e.cuda_time
+            kernel_us[e.name[:60]] += us
+            gpu_us += us
         elif e.name in SYNCS:
             syncs[e.name] += 1
     for e in p.key_averages():
@@ -53,6 +55,7 @@ def trace(eng, ids) -> dict:
             host[e.key[:60]] = round(e.self_cpu_time_total / 1e3, 3)
     return {"launches": sum(kernels.values()), "kernel_ms": round(gpu_us / 1e3, 3),
             "syncs": dict(syncs), "top_kernels": kernels.most_common(25),
+            "top_kernel_ms": [(k, round(v / 1e3, 3)) for k, v in kernel_us.most_common(25)],
             "top_host_ms": sorted(host.items(), key=lambda kv: -kv[1])[:30]}
 
 

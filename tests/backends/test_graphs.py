@@ -181,12 +181,13 @@ def test_gpu_prefill_graph_replays_the_padded_forward(model):
     first = llm.generate(prompt, max_new_tokens=8, temperature=0).token_ids
     assert eng.prefill_graphs is not None and eng.prefill_graphs.captures == 1
     assert llm.generate(prompt, max_new_tokens=8, temperature=0).token_ids == first
-    state = eng.new_state(64)
-    replayed = eng.prefill(prompt, state)
-    assert eng.prefill_graphs.captures == 1 and all(layer.length == 40 for layer in state)
-    b = eng.prefill_graphs.bucket(40)
-    eager = eng.prefill_graphs._body(eng.new_state(64), torch.tensor(prompt + [0] * (b - 40), device="cuda"),
-                                     torch.tensor([40], device="cuda"))[0]
+    with torch.inference_mode():        # as the engine runs (the state was made inside it)
+        state = eng.new_state(64)
+        replayed = eng.prefill(prompt, state)
+        assert eng.prefill_graphs.captures == 1 and all(layer.length == 40 for layer in state)
+        b = eng.prefill_graphs.bucket(40)
+        eager = eng.prefill_graphs._body(eng.new_state(64), torch.tensor(prompt + [0] * (b - 40), device="cuda"),
+                                         torch.tensor([40], device="cuda"))[0]
     assert torch.equal(replayed, eager)
 
 
