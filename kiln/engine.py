@@ -545,6 +545,10 @@ class Batch:
             end = self._part_end(r, budget)
             if parts and end < len(r.ids) and end != r.keep_at:
                 break               # cut by the budget: its own chunk comes next
+            if self._graphable(r, end):
+                if not parts:       # a graph prefills it alone (one launch: no host time to share)
+                    parts.append((r, end))
+                break
             parts.append((r, end))
             budget -= end - r.pos
             if not self.group_prefill or budget <= 0:
@@ -575,9 +579,22 @@ class Batch:
         end = min(r.pos + budget, len(r.ids))
         return r.keep_at if r.pos < r.keep_at < end else end
 
+    def _graphable(self, r: BatchRequest, end: int) -> bool:
+        """Whether r's prompt, whole from position 0 on a pool slot, may run as a prefill graph."""
+        graphs = self.engine.prefill_graphs
+        return (graphs is not None and self.pool is not None and r.pos == 0 and end == len(r.ids)
+                and SlotPool.slots_of([r.state]) is not None and graphs.applies(len(r.ids), self.pool.capacity))
+
     def _prefill(self, parts: list[tuple[BatchRequest, int]]) -> None:
         """Each request's prompt from r.pos to its end in one forward (several: Engine.prefill_rows),
-        decode steps run between its layers when interleaving."""
+        decode steps run between its layers when interleaving; a short prompt alone as a prefill graph
+        (PrefillGraphs.run_slot: no decode steps inside it, which would use the scratch slot it fills)."""
+        if len(parts) == 1 and self._graphable(*parts[0]):
+            (r, end), = parts
+            logits = self.engine.prefill_graphs.run_slot(r.ids, r.state, self.pool, self.engine.quiet)
+            if logits is not None:
+                self._prefilled(r, end, logits)
+                return
         eng = self.engine
         model = eng.model
         model.between_layers = self._between_layers if self.interleave else None

@@ -184,17 +184,19 @@ class PrefillGraphs:
     the prompt where decode overwrites them, and the GDN layers are told the prompt's length
     (GDNState.valid) so spare rows leave their states as they were. The logits are row n-1's.
 
-    A bucket's first prompt runs the padded forward eagerly (it compiles, allocates) and is then
-    captured (the capture runs nothing); later prompts of the bucket replay it. The graphs hold the
-    engine's persistent state (GraphState): a KV buffer that grows changes the key. KILN_PREFILL_GRAPHS=0
-    turns them off."""
+    Two forms: `run` on the engine's persistent state (GraphState; a KV buffer that grows changes the
+    key), and `run_slot` for a batch's request on a pool slot: the graph prefills the pool's scratch
+    slot, which no request holds, then copies it into the request's slot (a device input), so one
+    graph a bucket serves every slot. A bucket's first prompt runs the forward eagerly (it compiles,
+    allocates), then it is captured (the capture runs nothing); later prompts replay it.
+    KILN_PREFILL_GRAPHS=0 turns them off."""
 
     KEEP = 8            # graphs kept (least recently used dropped); they share one memory pool
     MIN = 16            # the smallest bucket
 
     def __init__(self, model, device: torch.device, max_tokens: int):
         self.model, self.device, self.max_tokens = model, device, max_tokens
-        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()    # key -> (graph, logits, ids, n)
+        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()    # key -> (graph, logits, ids, tail)
         self.pool = None
         self.failed = False
         self.captures = 0
@@ -209,25 +211,52 @@ class PrefillGraphs:
         b = -(-n // step) * step
         return b if b <= self.max_tokens else None
 
-    def fits(self, state: list, b: int) -> bool:
-        """A fresh persistent state whose KV buffers already hold b positions (no growth while captured)."""
-        return (getattr(self.model, "expert_store", None) is None
-                and all(layer.length == 0 for layer in state)
-                and all(layer.capacity >= b for layer in state if isinstance(layer, KVCache)))
+    def applies(self, n: int, room: int) -> bool:
+        """Whether a fresh prompt of n tokens, with room for `room` positions, may run as a graph."""
+        b = self.bucket(n)
+        return not self.failed and b is not None and b <= room
+
+    def _usable(self, state: list, b: int | None, room: int) -> bool:
+        """No failed capture, a bucket, room for b positions in every KV buffer (no growth while
+        captured), a fresh state, and no streamed experts (their placement runs on the host)."""
+        return (not self.failed and b is not None and b <= room
+                and getattr(self.model, "expert_store", None) is None
+                and all(layer.length == 0 for layer in state))
 
     def run(self, ids: list[int], state: list, quiet: bool = True) -> torch.Tensor | None:
         """The logits of the prompt's last token with `state` fed the prompt, or None where no graph
         applies (the caller prefills eagerly)."""
-        n, b = len(ids), self.bucket(len(ids))
-        if self.failed or b is None or not self.fits(state, b):
+        b = self.bucket(len(ids))
+        room = min((layer.capacity for layer in state if isinstance(layer, KVCache)), default=b or 0)
+        if not self._usable(state, b, room):
             return None
-        host = torch.tensor(ids + [0] * (b - n) + [n], dtype=torch.long)
-        key = (b, signature(state))
+        body = lambda ids, tail: self._body(state, ids, tail)   # noqa: E731
+        return self._run((b, signature(state)), ids, b, [], body, state, quiet)
+
+    def run_slot(self, ids: list[int], state: list, pool, quiet: bool = True) -> torch.Tensor | None:
+        """`run` for a request whose state is a slot of `pool` (kiln.cache.SlotPool)."""
+        b = self.bucket(len(ids))
+        if not self._usable(state, b, pool.capacity):
+            return None
+        scratch = pool.scratch
+        self._set_length(scratch, 0)
+        body = lambda ids, tail: self._slot_body(scratch, ids, tail)   # noqa: E731
+        key = (b, pool.count, pool.capacity, signature(scratch))
+        logits = self._run(key, ids, b, [state[0].slot], body, scratch, quiet)
+        self._set_length(scratch, 0)
+        self._set_length(state, len(ids))
+        return logits
+
+    def _run(self, key: tuple, ids: list[int], b: int, extra: list[int], body, state: list, quiet: bool):
+        """body(ids [b], tail [1 + len(extra)]: the prompt's length, then `extra`) replayed, or run and
+        captured at the bucket's first prompt; `state`'s lengths left at the prompt's."""
+        n = len(ids)
+        host = torch.tensor(ids + [0] * (b - n) + [n] + extra, dtype=torch.long)
         if key not in self.graphs:
             inputs = host[:b].to(self.device), host[b:].to(self.device)
-            logits = self._body(state, *inputs)
+            logits = body(*inputs)
             self._set_length(state, n)
-            self._capture(key, inputs, state, n, quiet)
+            self._capture(key, inputs, body, state, quiet)
             return logits[0]
         self.graphs.move_to_end(key)
         graph, logits, *inputs = self.graphs[key]
@@ -238,7 +267,8 @@ class PrefillGraphs:
         self._set_length(state, n)
         return logits[0].clone()
 
-    def _body(self, state: list, ids: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    def _body(self, state: list, ids: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        n = tail[:1]
         gdn = [layer for layer in state if isinstance(layer, GDNState)]
         for layer in gdn:
             layer.valid = n
@@ -249,14 +279,34 @@ class PrefillGraphs:
             for layer in gdn:
                 layer.valid = None
 
+    def _slot_body(self, scratch: list, ids: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        """The prompt prefilled into the fresh scratch slot, then its K/V rows and GDN states copied
+        into slot tail[1] of each layer's pool."""
+        slot, b = tail[1:2], ids.shape[0]
+        for layer in scratch:
+            if isinstance(layer, GDNState):
+                layer.conv.zero_()
+                layer.ssm.zero_()
+        logits = self._body(scratch, ids, tail)
+        for layer in scratch:      # (the sources are cloned: index_copy_ refuses a view of its own pool)
+            if isinstance(layer, GDNState):
+                layer.pool_conv.index_copy_(0, slot, layer.conv[None].clone())
+                layer.pool_ssm.index_copy_(0, slot, layer.ssm[None].clone())
+            else:
+                rows = slot * layer.pool_k.shape[1] + torch.arange(b, device=ids.device)
+                for pool, part in ((layer.pool_k, layer.k), (layer.pool_v, layer.v)):
+                    pool.view(-1, *pool.shape[2:]).index_copy_(0, rows, part[:b].clone())
+        return logits
+
     @staticmethod
     def _set_length(state: list, n: int) -> None:
         for layer in state:
             layer.length = n
 
-    def _capture(self, key: tuple, inputs: tuple, state: list, n: int, quiet: bool) -> None:
+    def _capture(self, key: tuple, inputs: tuple, body, state: list, quiet: bool) -> None:
         """Capture the bucket's forward. The state already holds the prompt (the capture runs nothing),
         but the forward reads each layer's length as where the prompt starts: 0 while capturing."""
+        n = state[0].length
         torch.cuda.synchronize(self.device)
         self._set_length(state, 0)
         if self.pool is None:
@@ -264,7 +314,7 @@ class PrefillGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._body(state, *inputs)
+                logits = body(*inputs)
         except Exception as e:        # noqa: BLE001 - any capture error means: prefill eagerly
             self.failed = True
             torch.cuda.synchronize(self.device)

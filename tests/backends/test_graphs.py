@@ -130,12 +130,37 @@ def test_gpu_batched_steps_replayed_as_graphs_give_the_eager_tokens(spec):
     # (the prompt's), the lengths, every decode row launched once; and some steps ran inside prefills
     # (a host-bound prefill of 24 layers against a ~1 ms step)
     launches = []
+    graphs_on, eng.prefill_graphs = eng.prefill_graphs, None   # a prompt prefilled as a graph has no layer hook
     mixed = run(interleave=True, launches=launches)
+    eng.prefill_graphs = graphs_on
     assert [t[:1] for t in mixed] == [t[:1] for t in graphed] and list(map(len, mixed)) == budgets
     assert sum(rows for rows, _ in launches) == sum(budgets) - len(budgets)
     assert any(inside for _, inside in launches)
     eng._batch_graphs = None
     assert run() == graphed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_batchs_prompts_prefilled_as_slot_graphs_replay_their_first_run():
+    """A batch's fresh prompts run as prefill graphs on the pool (PrefillGraphs.run_slot): a bucket's
+    first prompt runs eagerly and is captured, the next ones replay; a second batch of the same
+    prompts (every bucket replayed, on other slots) gives the same tokens as the first."""
+    from kiln.engine import Batch
+
+    llm = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cuda", dtype="bf16", max_batch=4)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, llm.model.cfg.vocab_size, (n,), generator=g).tolist() for n in (40, 7, 45, 64, 5)]
+
+    def run():
+        batch = Batch(llm.engine, set(), slots=4)
+        requests = [batch.add(p, kiln.SamplingParams(max_new_tokens=8)) for p in prompts]
+        return [list(r.stream.ids) for r in requests]
+
+    first = run()
+    runner = llm.engine.prefill_graphs
+    assert runner is not None and not runner.failed and runner.captures == 3     # buckets 48, 16, 64
+    assert run() == first and runner.captures == 3
 
 
 def test_prefill_buckets_round_up_to_an_eighth_of_the_power_of_two():
@@ -191,6 +216,45 @@ def test_gpu_prefill_graph_replays_the_padded_forward(model):
     assert torch.equal(replayed, eager)
 
 
+def _fake_capture(monkeypatch) -> None:
+    """CUDA graph capture faked on CPU: the capture runs its body eagerly, a replay does nothing."""
+    class FakeGraph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+
+
+def test_a_slot_prefill_fills_the_requests_slot_as_an_eager_prefill(monkeypatch):
+    """run_slot's first prompt (its forward run, then captured; the capture faked) on the cuda backend
+    under the interpreter: prefilled through the pool's scratch slot and copied into its own slot,
+    a prompt gives the logits and decode steps of the same prompt prefilled eagerly into another
+    slot, and the scratch slot is left empty."""
+    monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")
+    _fake_capture(monkeypatch)
+    llm = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cpu", dtype="f32", backend="cuda")
+    eng = llm.engine
+    pool = eng.slot_pool(3)
+    runner = graphs.PrefillGraphs(llm.model, torch.device("cpu"), 512)
+    ids = [(7 * i + 3) % 300 for i in range(21)]
+    alone, slotted = pool.take(), pool.take()
+    for layer in slotted:          # a slot with stale contents: the copies must overwrite them
+        for t in (layer.k, layer.v) if hasattr(layer, "pool_k") else (layer.conv, layer.ssm):
+            t.fill_(7.0)
+    want = [eng.prefill(ids, alone)]
+    got = [runner.run_slot(ids, slotted, pool)]
+    assert runner.captures == 1 and {layer.length for layer in slotted} == {21}
+    assert {layer.length for layer in pool.scratch} == {0}
+    for k, tok in enumerate([5, 200, 42]):
+        want.append(eng.decode_step(tok, 21 + k, alone))
+        got.append(eng.decode_step(tok, 21 + k, slotted))
+    assert torch.equal(torch.stack(got), torch.stack(want))
+
+
 def test_a_prefill_graph_is_captured_from_position_0_and_leaves_the_prompts_lengths(monkeypatch):
     """The capture (faked here: CPU) follows the eager run of the bucket's first prompt, whose state
     then holds the prompt; the forward it records must still start at position 0 (the layers'
@@ -204,16 +268,8 @@ def test_a_prefill_graph_is_captured_from_position_0_and_leaves_the_prompts_leng
         seen.append({layer.length for layer in state})
         return body(state, ids, n)
 
-    class FakeGraph:
-        def replay(self):
-            pass
-
     monkeypatch.setattr(runner, "_body", recording)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    _fake_capture(monkeypatch)
     state = llm.engine.new_state(64)
     ids = [5, 9, 77, 3, 8]
     first = runner.run(ids, state)
