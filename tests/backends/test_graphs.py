@@ -163,6 +163,26 @@ def test_gpu_a_batchs_prompts_prefilled_as_slot_graphs_replay_their_first_run():
     assert run() == first and runner.captures == 3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_prompt_split_where_the_prefix_cache_keeps_its_state_prefills_its_first_part_as_a_graph():
+    """With the prefix cache (as the server runs), a prompt is prefilled up to its last block boundary,
+    its state kept there, then the rest: the first part, from position 0, runs as a slot graph. A
+    prompt run again starts from the kept state, and gets the tokens it got the first time."""
+    from kiln.engine import Batch
+
+    llm = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cuda", dtype="bf16", max_batch=4)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, llm.model.cfg.vocab_size, (n,), generator=g).tolist() for n in (100, 90)]
+    batch = Batch(llm.engine, set(), slots=4, prefix_cache=True)
+    first = [batch.add(p, kiln.SamplingParams(max_new_tokens=6)) for p in prompts]
+    first = [list(r.stream.ids) for r in first]
+    runner = llm.engine.prefill_graphs
+    assert not runner.failed and runner.captures == 1          # both split at 64: one bucket
+    again = batch.add(prompts[0], kiln.SamplingParams(max_new_tokens=6))
+    assert list(again.stream.ids) == first[0] and again.stream.times.cached_tokens == 64
+
+
 def test_prefill_buckets_round_up_to_an_eighth_of_the_power_of_two():
     runner = graphs.PrefillGraphs(None, torch.device("cpu"), 4096)
     got = {n: runner.bucket(n) for n in (1, 16, 17, 100, 128, 129, 512, 513, 1000, 4096)}
