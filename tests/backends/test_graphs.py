@@ -300,3 +300,65 @@ def test_a_prefill_graph_is_captured_from_position_0_and_leaves_the_prompts_leng
     again = runner.run(ids, state)                          # replayed: the captured output's row
     assert len(seen) == 2 and torch.equal(again, first)
     assert {layer.length for layer in state} == {5}
+
+
+def _replaying_capture(monkeypatch, runner) -> list:
+    """PrefillGraphs' capture emulated on CPU: the 'graph' re-runs the body on its input buffers at
+    each replay and copies the result into the captured output, as a replay refills it; the capture
+    itself runs nothing. Returns the list of (bucket, replays) seen."""
+    replays = []
+
+    class Replaying:
+        def __init__(self, body, inputs, out, key):
+            self.body, self.inputs, self.out, self.key = body, inputs, out, key
+
+        def replay(self):
+            replays.append(self.key[0])
+            self.out.copy_(self.body(*self.inputs))
+
+    def capture(key, inputs, body, state, quiet):
+        out = torch.empty_like(runner._last)     # shaped as the eager run's logits
+        runner.graphs[key] = (Replaying(body, inputs, out, key), out, *inputs)
+        runner.captures += 1
+
+    run = runner._run
+
+    def remembering(key, ids, b, extra, body, state, quiet):
+        def kept(*a):
+            runner._last = body(*a)
+            return runner._last
+        return run(key, ids, b, extra, kept, state, quiet)
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    monkeypatch.setattr(runner, "_run", remembering)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    return replays
+
+
+def test_a_batch_with_the_prefix_cache_prefills_through_slot_graphs_as_without(monkeypatch):
+    """The server's path on CPU (the cuda backend with its kernel families off: the plumbing, not the
+    kernels, which the tests above cover), graph replays emulated: with
+    the prefix cache each prompt is cut at its last 64-token boundary, the part before it runs as a
+    slot graph (replayed for the second prompt of a bucket), the rest eagerly; a repeated prompt
+    starts from the kept state. Every request gets the tokens of the same batch run without graphs."""
+    from kiln.engine import Batch
+
+    monkeypatch.setenv("KILN_KERNELS_OFF", "attention,gdn,moe,gemm,norm,rope")   # the plumbing, not the kernels
+    llm = kiln.load("synth:tiny-qwen3.5-moe", device="cpu", dtype="f32", backend="cuda")
+    eng = llm.engine
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (70, 66, 30, 20)]
+    prompts.append(prompts[0])
+
+    def run():
+        batch = Batch(eng, set(), slots=3, prefix_cache=True, interleave=False)
+        requests = [batch.add(p, kiln.SamplingParams(max_new_tokens=3)) for p in prompts]
+        return [list(r.stream.ids) for r in requests], requests
+
+    want, _ = run()
+    eng.prefill_graphs = runner = graphs.PrefillGraphs(llm.model, torch.device("cpu"), 512)
+    replays = _replaying_capture(monkeypatch, runner)
+    got, requests = run()
+    assert got == want
+    assert runner.captures == 2 and sorted(replays) == [32, 64]      # buckets 64 (70, 66: cut at 64), 32
+    assert requests[-1].stream.times.cached_tokens == 64
