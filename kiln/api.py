@@ -15,6 +15,7 @@ import torch
 
 from . import hub
 from .backends import get_ops
+from .backends.graphs import PREFILL_GRAPH_ROWS
 from .cache import KVCache, RingKVCache, SlotPool
 from .engine import POOL_CONTEXT, Engine, TokenStream
 from .errors import KilnError
@@ -325,9 +326,10 @@ def memory_plan(ckpt, ops, dtype, limit: int, gpu_memory: float | None, slots: i
     if auto and (free is None or not stacks):
         return None
     chunk = min(ops.prefill_chunk, limit)
+    graph_rows = min(chunk, PREFILL_GRAPH_ROWS) if getattr(ops, "graphs", False) else 0   # the prefill graphs' pool
     plan = MemoryPlan(auto_budget(free) if auto else int(gpu_memory * GB), core=0,
                       cache=state_bytes(cls, cfg, ops, dtype, limit, chunk),
-                      workspace=workspace_bytes(cls, cfg, view.shapes, names, chunk),
+                      workspace=workspace_bytes(cls, cfg, view.shapes, names, chunk + graph_rows),
                       policy=policy or "lfu", auto=auto)
     item = torch.empty((), dtype=dtype).element_size()
     if auto and plan.need + sum(_numel(view.shapes[n]) for n in names) * item <= plan.budget:
@@ -428,7 +430,8 @@ def _layer_state_bytes(state, limit: int, chunk: int) -> int:
 
 
 def workspace_bytes(cls, cfg, shapes: dict, names: list[str], chunk: int) -> int:
-    """WORKSPACE_FIXED plus a prefill chunk's activations: each row 6 hidden-wide vectors (the
+    """WORKSPACE_FIXED plus `chunk` rows of prefill activations (a chunk's, and on a backend with
+    CUDA graphs the largest prefill graph's, held in the graphs' pool): each row 6 hidden-wide vectors (the
     residual, its normed copy, the attention output, the MoE sum, the shared expert's, a spare) and
     2 of the widest output a layer computes for one token (a merged projection, or top_k experts'
     gate|up rows), at 4 bytes (f32, the widest dtype an op keeps)."""

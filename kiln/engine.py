@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .backends.graphs import BatchGraphs, DecodeGraph, PrefillGraphs, graphable, upload
+from .backends.graphs import PREFILL_GRAPH_ROWS, BatchGraphs, DecodeGraph, PrefillGraphs, graphable, upload
 from .cache import SlotPool, StateBatch, restore, snapshot
 from .errors import KilnError
 from .sampling import Sampler, SamplingParams
@@ -86,7 +86,7 @@ class Engine:
         if graphs and self.device.type == "cuda":   # dropped at the first state if it is not graphable
             self.graph = DecodeGraph(model, self.device)
             if PrefillGraphs.enabled():
-                self.prefill_graphs = PrefillGraphs(model, self.device, prefill_chunk)
+                self.prefill_graphs = PrefillGraphs(model, self.device, min(prefill_chunk, PREFILL_GRAPH_ROWS))
 
     def new_state(self, tokens: int) -> list:
         """Per-layer state for a request of up to `tokens` positions: fresh, or with CUDA graphs the

@@ -173,6 +173,11 @@ class DecodeGraph:
                   f"(context bucket {cap})", file=sys.stderr)
 
 
+# The largest prefill graph's rows: its activations stay reserved in the graphs' memory pool (kiln.api
+# counts them in a --gpu-memory budget); longer prompts are bound by the GPU, not the host, anyway.
+PREFILL_GRAPH_ROWS = 2048
+
+
 class PrefillGraphs:
     """Short prompts' prefill from position 0 as CUDA graphs, one per length bucket. A short prefill is
     bound by the host issuing its few hundred kernels (bench/NOTES.md: a 1,000-token prompt of the
