@@ -57,8 +57,8 @@ from .hf_reference import load_hf_reference
 DEFAULT_LENGTHS = (512, 2048, 8192, 32768, 81920)
 FIELDS = ("engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
           "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "first_token_s", "tune_s",
-          "tune_cache", "peak_mem_gb", "launches_per_token", "quant", "bytes_per_token", "expert_store", "results",
-          "baseline")
+          "tune_cache", "peak_mem_gb", "launches_per_token", "prefill_graphs", "quant", "bytes_per_token",
+          "expert_store", "results", "baseline")
 
 
 # -- flags -------------------------------------------------------------------------------------------
@@ -392,6 +392,14 @@ def _backend_fact(llm, name: str):
     return None
 
 
+def _prefill_graphs(llm) -> dict | None:
+    """The prefill graphs the runs captured (their row buckets), or None where they are off."""
+    runner = getattr(llm.engine, "prefill_graphs", None)
+    if runner is None:
+        return None
+    return {"captures": runner.captures, "failed": runner.failed, "buckets": sorted(key[0] for key in runner.graphs)}
+
+
 def _gpu_fits_both(llm) -> bool:
     """Whether free GPU memory can hold transformers' copy of the weights beside kiln's."""
     dev = llm.engine.device
@@ -428,7 +436,8 @@ def main(a) -> int:
               "command": command_line(), "load_s": round(llm.load_s, 3),
               "load_stages": llm.load_stages or None, "first_token_s": None, "tune_s": _backend_fact(llm, "tune_s"),
               "tune_cache": _backend_fact(llm, "tune_cache"), "peak_mem_gb": None,
-              "launches_per_token": _backend_fact(llm, "launches_per_token"), "quant": quant_summary(llm.model),
+              "launches_per_token": _backend_fact(llm, "launches_per_token"), "prefill_graphs": None,
+              "quant": quant_summary(llm.model),
               "bytes_per_token": token_bytes(llm.model), "expert_store": None}
     limit = llm.engine.max_context
     lengths = a.prompt_lengths or fitted_defaults(limit, gen, say)   # explicit lengths that do not fit are skipped
@@ -446,6 +455,7 @@ def main(a) -> int:
         report["first_token_s"] = first_token_s(kiln_runner, report["load_stages"])
         report["peak_mem_gb"] = round(peak_mem_gb(dev), 3)
         report["launches_per_token"] = _backend_fact(llm, "launches_per_token")   # known once decode ran
+        report["prefill_graphs"] = _prefill_graphs(llm)
         report["expert_store"] = _expert_store(llm)
         save_expert_profile(llm, a)
         if a.baseline is not None and not together:

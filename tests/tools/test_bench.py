@@ -22,8 +22,8 @@ from kiln.tools.profile import OpTimer
 
 BENCH_FIELDS = ["engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
                 "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "first_token_s", "tune_s",
-                "tune_cache", "peak_mem_gb", "launches_per_token", "quant", "bytes_per_token", "expert_store",
-                "results", "baseline"]     # expert_store: issue 21; first_token_s: issue 23
+                "tune_cache", "peak_mem_gb", "launches_per_token", "prefill_graphs", "quant", "bytes_per_token",
+                "expert_store", "results", "baseline"]     # expert_store: issue 21; first_token_s, prefill_graphs: 23
 RESULT_TYPES = {"prompt_tokens": int, "prefill_tok_s": float, "decode_tok_s": float, "gen_tokens": int}
 
 
@@ -82,6 +82,7 @@ def test_bench_json_has_exactly_the_issue_fields_and_types(acceptance):
     stages = rep["load_stages"] or {}
     assert rep["first_token_s"] > rep["load_s"] - stages.get("weights", 0.0) > 0
     assert rep["tune_s"] is None and rep["tune_cache"] is None and rep["launches_per_token"] is None
+    assert rep["prefill_graphs"] is None      # the cpu backend captures no graph
     assert isinstance(rep["peak_mem_gb"], float) and 0.5 < rep["peak_mem_gb"] < 64  # 135M f32 weights alone are 0.54 GB
     base = rep["baseline"]
     assert list(base) == ["engine", "version", "results"] and base["engine"] == "transformers"
