@@ -545,10 +545,6 @@ class Batch:
             end = self._part_end(r, budget)
             if parts and end < len(r.ids) and end != r.keep_at:
                 break               # cut by the budget: its own chunk comes next
-            if self._graphable(r, end):
-                if not parts:       # a graph prefills it alone (one launch: no host time to share)
-                    parts.append((r, end))
-                break
             parts.append((r, end))
             budget -= end - r.pos
             if not self.group_prefill or budget <= 0:
@@ -588,8 +584,10 @@ class Batch:
 
     def _prefill(self, parts: list[tuple[BatchRequest, int]]) -> None:
         """Each request's prompt from r.pos to its end in one forward (several: Engine.prefill_rows),
-        decode steps run between its layers when interleaving; a short prompt alone as a prefill graph
-        (PrefillGraphs.run_slot: no decode steps inside it, which would use the scratch slot it fills)."""
+        decode steps run between its layers when interleaving; a part alone from position 0 as a
+        prefill graph (PrefillGraphs.run_slot: no decode steps inside it, which would use the scratch
+        slot it fills). Several waiting prompts still share one eager forward (group_prefill): with
+        decode steps between its layers, the GPU is kept as busy as by their graphs one by one."""
         if len(parts) == 1 and self._graphable(*parts[0]):
             (r, end), = parts
             logits = self.engine.prefill_graphs.run_slot(r.ids[:end], r.state, self.pool, self.engine.quiet)

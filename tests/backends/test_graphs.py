@@ -143,9 +143,10 @@ def test_gpu_batched_steps_replayed_as_graphs_give_the_eager_tokens(spec):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_a_batchs_prompts_prefilled_as_slot_graphs_replay_their_first_run():
-    """A batch's fresh prompts run as prefill graphs on the pool (PrefillGraphs.run_slot): a bucket's
-    first prompt runs eagerly and is captured, the next ones replay; a second batch of the same
-    prompts (every bucket replayed, on other slots) gives the same tokens as the first."""
+    """A batch's fresh prompts, each prefilled alone, run as prefill graphs on the pool
+    (PrefillGraphs.run_slot): a bucket's first prompt runs eagerly and is captured, the next ones
+    replay; a second batch of the same prompts (every bucket replayed, on other slots) gives the
+    same tokens as the first."""
     from kiln.engine import Batch
 
     llm = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cuda", dtype="bf16", max_batch=4)
@@ -153,7 +154,7 @@ def test_gpu_a_batchs_prompts_prefilled_as_slot_graphs_replay_their_first_run():
     prompts = [torch.randint(0, llm.model.cfg.vocab_size, (n,), generator=g).tolist() for n in (40, 7, 45, 64, 5)]
 
     def run():
-        batch = Batch(llm.engine, set(), slots=4)
+        batch = Batch(llm.engine, set(), slots=4, group_prefill=False)   # grouped prompts run eagerly
         requests = [batch.add(p, kiln.SamplingParams(max_new_tokens=8)) for p in prompts]
         return [list(r.stream.ids) for r in requests]
 
@@ -174,7 +175,7 @@ def test_gpu_a_prompt_split_where_the_prefix_cache_keeps_its_state_prefills_its_
     llm = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cuda", dtype="bf16", max_batch=4)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, llm.model.cfg.vocab_size, (n,), generator=g).tolist() for n in (100, 90)]
-    batch = Batch(llm.engine, set(), slots=4, prefix_cache=True)
+    batch = Batch(llm.engine, set(), slots=4, prefix_cache=True, group_prefill=False)
     first = [batch.add(p, kiln.SamplingParams(max_new_tokens=6)) for p in prompts]
     first = [list(r.stream.ids) for r in first]
     runner = llm.engine.prefill_graphs
@@ -351,7 +352,7 @@ def test_a_batch_with_the_prefix_cache_prefills_through_slot_graphs_as_without(m
     prompts.append(prompts[0])
 
     def run():
-        batch = Batch(eng, set(), slots=3, prefix_cache=True, interleave=False)
+        batch = Batch(eng, set(), slots=3, prefix_cache=True, interleave=False, group_prefill=False)
         requests = [batch.add(p, kiln.SamplingParams(max_new_tokens=3)) for p in prompts]
         return [list(r.stream.ids) for r in requests], requests
 
