@@ -576,21 +576,21 @@ class Batch:
         return r.keep_at if r.pos < r.keep_at < end else end
 
     def _graphable(self, r: BatchRequest, end: int) -> bool:
-        """Whether r's next part, from position 0 to `end` (the prompt's end, or where the prefix cache
-        keeps its state) on a pool slot, may run as a prefill graph."""
+        """Whether r's next part, from r.pos to `end` (the prompt's end, or where the prefix cache keeps
+        its state), on a pool slot, may run as a prefill graph."""
         graphs = self.engine.prefill_graphs
-        return (graphs is not None and self.pool is not None and r.pos == 0
-                and SlotPool.slots_of([r.state]) is not None and graphs.applies(end, self.pool.capacity))
+        return (graphs is not None and self.pool is not None and SlotPool.slots_of([r.state]) is not None
+                and graphs.applies(end - r.pos, self.pool.capacity - r.pos))
 
     def _prefill(self, parts: list[tuple[BatchRequest, int]]) -> None:
         """Each request's prompt from r.pos to its end in one forward (several: Engine.prefill_rows),
-        decode steps run between its layers when interleaving; a part alone from position 0 as a
-        prefill graph (PrefillGraphs.run_slot: no decode steps inside it, which would use the scratch
+        decode steps run between its layers when interleaving; a part alone as a prefill graph where
+        one applies (PrefillGraphs.run_slot: no decode steps inside it, which would use the scratch
         slot it fills). Several waiting prompts still share one eager forward (group_prefill): with
         decode steps between its layers, the GPU is kept as busy as by their graphs one by one."""
         if len(parts) == 1 and self._graphable(*parts[0]):
             (r, end), = parts
-            logits = self.engine.prefill_graphs.run_slot(r.ids[:end], r.state, self.pool, self.engine.quiet)
+            logits = self.engine.prefill_graphs.run_slot(r.ids[r.pos:end], r.state, self.pool, r.pos, self.engine.quiet)
             if logits is not None:
                 self._prefilled(r, end, logits)
                 return

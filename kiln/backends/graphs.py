@@ -198,10 +198,12 @@ class PrefillGraphs:
 
     KEEP = 8            # graphs kept (least recently used dropped); they share one memory pool
     MIN = 16            # the smallest bucket
+    SEEN = 256          # (bucket, offset) keys of later parts remembered, waiting for a second use
 
     def __init__(self, model, device: torch.device, max_tokens: int):
         self.model, self.device, self.max_tokens = model, device, max_tokens
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()    # key -> (graph, logits, ids, tail)
+        self.seen: OrderedDict[tuple, int] = OrderedDict()        # later parts' keys met once
         self.pool = None
         self.failed = False
         self.captures = 0
@@ -221,12 +223,12 @@ class PrefillGraphs:
         b = self.bucket(n)
         return not self.failed and b is not None and b <= room
 
-    def _usable(self, state: list, b: int | None, room: int) -> bool:
+    def _usable(self, state: list, b: int | None, room: int, start: int = 0) -> bool:
         """No failed capture, a bucket, room for b positions in every KV buffer (no growth while
-        captured), a fresh state, and no streamed experts (their placement runs on the host)."""
+        captured), a state holding `start` tokens, and no streamed experts (placed on the host)."""
         return (not self.failed and b is not None and b <= room
                 and getattr(self.model, "expert_store", None) is None
-                and all(layer.length == 0 for layer in state))
+                and all(layer.length == start for layer in state))
 
     def run(self, ids: list[int], state: list, quiet: bool = True) -> torch.Tensor | None:
         """The logits of the prompt's last token with `state` fed the prompt, or None where no graph
@@ -236,32 +238,41 @@ class PrefillGraphs:
         if not self._usable(state, b, room):
             return None
         body = lambda ids, tail: self._body(state, ids, tail)   # noqa: E731
-        return self._run((b, signature(state)), ids, b, [], body, state, quiet)
+        return self._run((b, signature(state)), ids, b, [], body, state, 0, quiet)
 
-    def run_slot(self, ids: list[int], state: list, pool, quiet: bool = True) -> torch.Tensor | None:
-        """`run` for a request whose state is a slot of `pool` (kiln.cache.SlotPool)."""
+    def run_slot(self, ids: list[int], state: list, pool, offset: int = 0, quiet: bool = True) -> torch.Tensor | None:
+        """`run` for a request whose state is a slot of `pool` (kiln.cache.SlotPool) holding `offset`
+        tokens: a prompt's first part (offset 0), or a later one (the rest after where the prefix
+        cache keeps its state). Offsets vary with the prompts, so a later part's (bucket, offset) is
+        graphed only from the second time it comes (None the first time: the caller runs it)."""
         b = self.bucket(len(ids))
-        if not self._usable(state, b, pool.capacity):
+        if not self._usable(state, b, pool.capacity - offset, offset):
             return None
         scratch = pool.scratch
+        key = (b, offset, pool.count, pool.capacity, signature(scratch))
+        if offset and key not in self.graphs and self.seen.setdefault(key, 0) == 0:
+            self.seen[key] = 1
+            while len(self.seen) > self.SEEN:
+                self.seen.popitem(last=False)
+            return None
+        self._set_length(scratch, offset)
+        body = lambda ids, tail: self._slot_body(scratch, ids, tail, offset)   # noqa: E731
+        logits = self._run(key, ids, b, [state[0].slot], body, scratch, offset, quiet)
         self._set_length(scratch, 0)
-        body = lambda ids, tail: self._slot_body(scratch, ids, tail)   # noqa: E731
-        key = (b, pool.count, pool.capacity, signature(scratch))
-        logits = self._run(key, ids, b, [state[0].slot], body, scratch, quiet)
-        self._set_length(scratch, 0)
-        self._set_length(state, len(ids))
+        self._set_length(state, offset + len(ids))
         return logits
 
-    def _run(self, key: tuple, ids: list[int], b: int, extra: list[int], body, state: list, quiet: bool):
-        """body(ids [b], tail [1 + len(extra)]: the prompt's length, then `extra`) replayed, or run and
-        captured at the bucket's first prompt; `state`'s lengths left at the prompt's."""
+    def _run(self, key: tuple, ids: list[int], b: int, extra: list[int], body, state: list, start: int,
+             quiet: bool):
+        """body(ids [b], tail [1 + len(extra)]: the part's length, then `extra`) replayed, or run and
+        captured at the key's first use; `state` (holding `start` tokens) left holding the part too."""
         n = len(ids)
         host = torch.tensor(ids + [0] * (b - n) + [n] + extra, dtype=torch.long)
         if key not in self.graphs:
             inputs = host[:b].to(self.device), host[b:].to(self.device)
             logits = body(*inputs)
-            self._set_length(state, n)
-            self._capture(key, inputs, body, state, quiet)
+            self._set_length(state, start + n)
+            self._capture(key, inputs, body, state, start, quiet)
             return logits[0]
         self.graphs.move_to_end(key)
         graph, logits, *inputs = self.graphs[key]
@@ -269,38 +280,46 @@ class PrefillGraphs:
         inputs[0].copy_(host[:b], non_blocking=True)
         inputs[1].copy_(host[b:], non_blocking=True)
         graph.replay()
-        self._set_length(state, n)
+        self._set_length(state, start + n)
         return logits[0].clone()
 
-    def _body(self, state: list, ids: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    def _body(self, state: list, ids: torch.Tensor, tail: torch.Tensor, start: int = 0) -> torch.Tensor:
         n = tail[:1]
         gdn = [layer for layer in state if isinstance(layer, GDNState)]
         for layer in gdn:
             layer.valid = n
         try:
-            pos = torch.arange(ids.shape[0], device=ids.device)
+            pos = start + torch.arange(ids.shape[0], device=ids.device)
             return self.model.forward(ids, pos, state, last_only=n - 1)
         finally:
             for layer in gdn:
                 layer.valid = None
 
-    def _slot_body(self, scratch: list, ids: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-        """The prompt prefilled into the fresh scratch slot, then its K/V rows and GDN states copied
+    def _slot_body(self, scratch: list, ids: torch.Tensor, tail: torch.Tensor, offset: int) -> torch.Tensor:
+        """The part prefilled in the scratch slot (first given the request's state: its GDN states and
+        its first `offset` K/V rows; fresh at offset 0), then the states and the part's K/V rows copied
         into slot tail[1] of each layer's pool."""
         slot, b = tail[1:2], ids.shape[0]
         for layer in scratch:
             if isinstance(layer, GDNState):
-                layer.conv.zero_()
-                layer.ssm.zero_()
-        logits = self._body(scratch, ids, tail)
+                for mine, pool in ((layer.conv, layer.pool_conv), (layer.ssm, layer.pool_ssm)):
+                    if offset:
+                        mine.copy_(pool.index_select(0, slot)[0])
+                    else:
+                        mine.zero_()
+            elif offset:
+                rows = slot * layer.pool_k.shape[1] + torch.arange(offset, device=ids.device)
+                for pool, part in ((layer.pool_k, layer.k), (layer.pool_v, layer.v)):
+                    part[:offset].copy_(pool.view(-1, *pool.shape[2:]).index_select(0, rows))
+        logits = self._body(scratch, ids, tail, offset)
         for layer in scratch:      # (the sources are cloned: index_copy_ refuses a view of its own pool)
             if isinstance(layer, GDNState):
                 layer.pool_conv.index_copy_(0, slot, layer.conv[None].clone())
                 layer.pool_ssm.index_copy_(0, slot, layer.ssm[None].clone())
             else:
-                rows = slot * layer.pool_k.shape[1] + torch.arange(b, device=ids.device)
+                rows = slot * layer.pool_k.shape[1] + offset + torch.arange(b, device=ids.device)
                 for pool, part in ((layer.pool_k, layer.k), (layer.pool_v, layer.v)):
-                    pool.view(-1, *pool.shape[2:]).index_copy_(0, rows, part[:b].clone())
+                    pool.view(-1, *pool.shape[2:]).index_copy_(0, rows, part[offset:offset + b].clone())
         return logits
 
     @staticmethod
@@ -308,12 +327,12 @@ class PrefillGraphs:
         for layer in state:
             layer.length = n
 
-    def _capture(self, key: tuple, inputs: tuple, body, state: list, quiet: bool) -> None:
-        """Capture the bucket's forward. The state already holds the prompt (the capture runs nothing),
-        but the forward reads each layer's length as where the prompt starts: 0 while capturing."""
+    def _capture(self, key: tuple, inputs: tuple, body, state: list, start: int, quiet: bool) -> None:
+        """Capture the bucket's forward. The state already holds the part (the capture runs nothing),
+        but the forward reads each layer's length as where the part starts: `start` while capturing."""
         n = state[0].length
         torch.cuda.synchronize(self.device)
-        self._set_length(state, 0)
+        self._set_length(state, start)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -334,7 +353,8 @@ class PrefillGraphs:
             self.graphs.popitem(last=False)
         self.captures += 1
         if not quiet:
-            print(f"[kiln] prefill of up to {key[0]} tokens captured as one CUDA graph", file=sys.stderr)
+            at = f" at position {key[1]}" if len(key) > 2 and key[1] else ""
+            print(f"[kiln] prefill of up to {key[0]} tokens{at} captured as one CUDA graph", file=sys.stderr)
 
 
 def count_nodes(graph: torch.cuda.CUDAGraph) -> int | None:

@@ -168,20 +168,26 @@ def test_gpu_a_batchs_prompts_prefilled_as_slot_graphs_replay_their_first_run():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_a_prompt_split_where_the_prefix_cache_keeps_its_state_prefills_its_first_part_as_a_graph():
     """With the prefix cache (as the server runs), a prompt is prefilled up to its last block boundary,
-    its state kept there, then the rest: the first part, from position 0, runs as a slot graph. A
-    prompt run again starts from the kept state, and gets the tokens it got the first time."""
+    its state kept there, then the rest: the first part, from position 0, runs as a slot graph; the
+    rest, at position 64, runs eagerly the first time its (bucket, position) comes and as a graph
+    from the second (the prompt repeated, started from the kept state), replayed the third time
+    with the tokens of the second."""
     from kiln.engine import Batch
 
     llm = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cuda", dtype="bf16", max_batch=4)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, llm.model.cfg.vocab_size, (n,), generator=g).tolist() for n in (100, 90)]
     batch = Batch(llm.engine, set(), slots=4, prefix_cache=True, group_prefill=False)
-    first = [batch.add(p, kiln.SamplingParams(max_new_tokens=6)) for p in prompts]
-    first = [list(r.stream.ids) for r in first]
+    for r in [batch.add(p, kiln.SamplingParams(max_new_tokens=6)) for p in prompts]:
+        assert len(list(r.stream.ids)) == 6
     runner = llm.engine.prefill_graphs
-    assert not runner.failed and runner.captures == 1          # both split at 64: one bucket
-    again = batch.add(prompts[0], kiln.SamplingParams(max_new_tokens=6))
-    assert list(again.stream.ids) == first[0] and again.stream.times.cached_tokens == 64
+    assert not runner.failed and runner.captures == 1          # both cut at 64: one bucket from 0
+    again, tokens = [], []
+    for _ in range(2):                  # one after the other: each decodes alone, as the first did
+        again.append(batch.add(prompts[0], kiln.SamplingParams(max_new_tokens=6)))
+        tokens.append(list(again[-1].stream.ids))
+    assert runner.captures == 2 and tokens[0] == tokens[1]     # the rest at 64: captured, then replayed
+    assert all(r.stream.times.cached_tokens == 64 for r in again)
 
 
 def test_prefill_buckets_round_up_to_an_eighth_of_the_power_of_two():
@@ -250,57 +256,37 @@ def _fake_capture(monkeypatch) -> None:
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
 
 
-def test_a_slot_prefill_fills_the_requests_slot_as_an_eager_prefill(monkeypatch):
-    """run_slot's first prompt (its forward run, then captured; the capture faked) on the cuda backend
-    under the interpreter: prefilled through the pool's scratch slot and copied into its own slot,
-    a prompt gives the logits and decode steps of the same prompt prefilled eagerly into another
-    slot, and the scratch slot is left empty."""
+@pytest.mark.parametrize("start", [0, 13])
+def test_a_slot_prefill_fills_the_requests_slot_as_an_eager_prefill(start, monkeypatch):
+    """run_slot (its forward run, then captured; the capture emulated) on the cuda backend under the
+    interpreter: a prompt's part from `start`, prefilled through the pool's scratch slot (given the
+    slot's first `start` K/V rows and GDN states) and copied into its own slot, gives the logits and
+    decode steps of the same part prefilled eagerly into another slot; stale contents of the
+    request's slot (from 0) or of the scratch slot are overwritten, and the scratch is left empty. A
+    later part's (bucket, offset) runs the first time as the caller's, from the second as a graph."""
     monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")
-    _fake_capture(monkeypatch)
     llm = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cpu", dtype="f32", backend="cuda")
     eng = llm.engine
     pool = eng.slot_pool(3)
     runner = graphs.PrefillGraphs(llm.model, torch.device("cpu"), 512)
+    _replaying_capture(monkeypatch, runner)     # (a capture that ran its body would feed the part twice)
     ids = [(7 * i + 3) % 300 for i in range(21)]
     alone, slotted = pool.take(), pool.take()
-    for layer in slotted:          # a slot with stale contents: the copies must overwrite them
+    for layer in (pool.scratch if start else slotted):   # stale contents: the copies must overwrite them
         for t in (layer.k, layer.v) if hasattr(layer, "pool_k") else (layer.conv, layer.ssm):
             t.fill_(7.0)
-    want = [eng.prefill(ids, alone)]
-    got = [runner.run_slot(ids, slotted, pool)]
+    if start:
+        eng.prefill(ids[:start], alone)
+        eng.prefill(ids[:start], slotted)
+        assert runner.run_slot(ids[start:], slotted, pool, start) is None and runner.captures == 0
+    want = [eng.prefill(ids[start:], alone, offset=start)]
+    got = [runner.run_slot(ids[start:], slotted, pool, start)]
     assert runner.captures == 1 and {layer.length for layer in slotted} == {21}
     assert {layer.length for layer in pool.scratch} == {0}
     for k, tok in enumerate([5, 200, 42]):
         want.append(eng.decode_step(tok, 21 + k, alone))
         got.append(eng.decode_step(tok, 21 + k, slotted))
     assert torch.equal(torch.stack(got), torch.stack(want))
-
-
-def test_a_prefill_graph_is_captured_from_position_0_and_leaves_the_prompts_lengths(monkeypatch):
-    """The capture (faked here: CPU) follows the eager run of the bucket's first prompt, whose state
-    then holds the prompt; the forward it records must still start at position 0 (the layers'
-    lengths, which it reads as the start, are 0 while it runs), and every run leaves the prompt's
-    length. The replay path fills the graph's inputs and takes the logits of the captured output."""
-    llm = kiln.load("synth:tiny-llama", device="cpu", dtype="f32")
-    runner = graphs.PrefillGraphs(llm.model, torch.device("cpu"), 512)
-    seen, body = [], runner._body
-
-    def recording(state, ids, n):
-        seen.append({layer.length for layer in state})
-        return body(state, ids, n)
-
-    monkeypatch.setattr(runner, "_body", recording)
-    _fake_capture(monkeypatch)
-    state = llm.engine.new_state(64)
-    ids = [5, 9, 77, 3, 8]
-    first = runner.run(ids, state)
-    assert seen == [{0}, {0}] and runner.captures == 1      # the eager run, then the capture
-    assert {layer.length for layer in state} == {5}
-    for layer in state:
-        layer.reset()
-    again = runner.run(ids, state)                          # replayed: the captured output's row
-    assert len(seen) == 2 and torch.equal(again, first)
-    assert {layer.length for layer in state} == {5}
 
 
 def _replaying_capture(monkeypatch, runner) -> list:
@@ -317,18 +303,18 @@ def _replaying_capture(monkeypatch, runner) -> list:
             replays.append(self.key[0])
             self.out.copy_(self.body(*self.inputs))
 
-    def capture(key, inputs, body, state, quiet):
+    def capture(key, inputs, body, state, start, quiet):
         out = torch.empty_like(runner._last)     # shaped as the eager run's logits
         runner.graphs[key] = (Replaying(body, inputs, out, key), out, *inputs)
         runner.captures += 1
 
     run = runner._run
 
-    def remembering(key, ids, b, extra, body, state, quiet):
+    def remembering(key, ids, b, extra, body, state, start, quiet):
         def kept(*a):
             runner._last = body(*a)
             return runner._last
-        return run(key, ids, b, extra, kept, state, quiet)
+        return run(key, ids, b, extra, kept, state, start, quiet)
 
     monkeypatch.setattr(runner, "_capture", capture)
     monkeypatch.setattr(runner, "_run", remembering)
@@ -338,10 +324,12 @@ def _replaying_capture(monkeypatch, runner) -> list:
 
 def test_a_batch_with_the_prefix_cache_prefills_through_slot_graphs_as_without(monkeypatch):
     """The server's path on CPU (the cuda backend with its kernel families off: the plumbing, not the
-    kernels, which the tests above cover), graph replays emulated: with
-    the prefix cache each prompt is cut at its last 64-token boundary, the part before it runs as a
-    slot graph (replayed for the second prompt of a bucket), the rest eagerly; a repeated prompt
-    starts from the kept state. Every request gets the tokens of the same batch run without graphs."""
+    kernels, which the tests above cover), graph replays emulated. With the prefix cache each prompt
+    is cut at its last 64-token boundary: the part before it runs as a slot graph from position 0
+    (replayed for the next prompt of its bucket); the rest, at position 64, runs eagerly the first
+    time its (bucket, position) comes, is captured the second time and replayed the third (a
+    repeated prompt, started from the kept state). Every request gets the tokens of the same batch
+    run without graphs."""
     from kiln.engine import Batch
 
     monkeypatch.setenv("KILN_KERNELS_OFF", "attention,gdn,moe,gemm,norm,rope")   # the plumbing, not the kernels
@@ -361,5 +349,5 @@ def test_a_batch_with_the_prefix_cache_prefills_through_slot_graphs_as_without(m
     replays = _replaying_capture(monkeypatch, runner)
     got, requests = run()
     assert got == want
-    assert runner.captures == 2 and sorted(replays) == [32, 64]      # buckets 64 (70, 66: cut at 64), 32
+    assert runner.captures == 3 and sorted(replays) == [16, 32, 64]     # 64 at 0 (70, 66), 32 at 0, 16 at 64
     assert requests[-1].stream.times.cached_tokens == 64
