@@ -196,7 +196,7 @@ class PrefillGraphs:
     allocates), then it is captured (the capture runs nothing); later prompts replay it.
     KILN_PREFILL_GRAPHS=0 turns them off."""
 
-    KEEP = 8            # graphs kept (least recently used dropped); they share one memory pool
+    KEEP = 32           # graphs kept (least recently used dropped): one memory pool, so each costs little
     MIN = 16            # the smallest bucket
     SEEN = 256          # (bucket, offset) keys of later parts remembered, waiting for a second use
 
