@@ -179,7 +179,7 @@ PREFILL_GRAPH_ROWS = 2048
 
 
 class PrefillGraphs:
-    """Short prompts' prefill from position 0 as CUDA graphs, one per length bucket. A short prefill is
+    """Short prompts' prefill as CUDA graphs, one per length bucket (and start). A short prefill is
     bound by the host issuing its few hundred kernels (bench/NOTES.md: a 1,000-token prompt of the
     0.8b spends 5.7 ms in kernels and 18.8 ms of wall); a graph issues them in one launch.
 
@@ -192,9 +192,10 @@ class PrefillGraphs:
     Two forms: `run` on the engine's persistent state (GraphState; a KV buffer that grows changes the
     key), and `run_slot` for a batch's request on a pool slot: the graph prefills the pool's scratch
     slot, which no request holds, then copies it into the request's slot (a device input), so one
-    graph a bucket serves every slot. A bucket's first prompt runs the forward eagerly (it compiles,
-    allocates), then it is captured (the capture runs nothing); later prompts replay it.
-    KILN_PREFILL_GRAPHS=0 turns them off."""
+    graph a bucket serves every slot; it also runs a prompt's later part (after a cached prefix),
+    the scratch slot given the request's state first. A bucket's first prompt runs the forward
+    eagerly (it compiles, allocates), then it is captured (the capture runs nothing); later prompts
+    replay it. KILN_PREFILL_GRAPHS=0 turns them off."""
 
     KEEP = 32           # graphs kept (least recently used dropped): one memory pool, so each costs little
     MIN = 16            # the smallest bucket
@@ -203,7 +204,7 @@ class PrefillGraphs:
     def __init__(self, model, device: torch.device, max_tokens: int):
         self.model, self.device, self.max_tokens = model, device, max_tokens
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()    # key -> (graph, logits, ids, tail)
-        self.seen: OrderedDict[tuple, int] = OrderedDict()        # later parts' keys met once
+        self.seen: OrderedDict[tuple, None] = OrderedDict()       # later parts' keys met once (a set, oldest first)
         self.pool = None
         self.failed = False
         self.captures = 0
@@ -219,7 +220,7 @@ class PrefillGraphs:
         return b if b <= self.max_tokens else None
 
     def applies(self, n: int, room: int) -> bool:
-        """Whether a fresh prompt of n tokens, with room for `room` positions, may run as a graph."""
+        """Whether a part of n tokens, with room for `room` more positions, may run as a graph."""
         b = self.bucket(n)
         return not self.failed and b is not None and b <= room
 
@@ -250,8 +251,8 @@ class PrefillGraphs:
             return None
         scratch = pool.scratch
         key = (b, offset, pool.count, pool.capacity, signature(scratch))
-        if offset and key not in self.graphs and self.seen.setdefault(key, 0) == 0:
-            self.seen[key] = 1
+        if offset and key not in self.graphs and key not in self.seen:
+            self.seen[key] = None
             while len(self.seen) > self.SEEN:
                 self.seen.popitem(last=False)
             return None
