@@ -82,7 +82,7 @@ class Engine:
         self.pool_limit: tuple[int, int] | None = None    # (slots, context) a --gpu-memory budget planned
         self._batch_graphs: BatchGraphs | None = None      # the pool's batched steps as graphs
         self.batch_graphs_on = graphs and batch_graphs and self.device.type == "cuda"
-        self.prefill_graphs: PrefillGraphs | None = None    # short prompts' prefill on the same state
+        self.prefill_graphs: PrefillGraphs | None = None    # short prefills as graphs: GraphState and pool slots
         if graphs and self.device.type == "cuda":   # dropped at the first state if it is not graphable
             self.graph = DecodeGraph(model, self.device)
             if PrefillGraphs.enabled():
