@@ -221,8 +221,7 @@ class PrefillGraphs:
 
     def applies(self, n: int, room: int) -> bool:
         """Whether a part of n tokens, with room for `room` more positions, may run as a graph."""
-        b = self.bucket(n)
-        return not self.failed and b is not None and b <= room
+        return self._usable([], self.bucket(n), room)
 
     def _usable(self, state: list, b: int | None, room: int, start: int = 0) -> bool:
         """No failed capture, a bucket, room for b positions in every KV buffer (no growth while
@@ -230,6 +229,11 @@ class PrefillGraphs:
         return (not self.failed and b is not None and b <= room
                 and getattr(self.model, "expert_store", None) is None
                 and all(layer.length == start for layer in state))
+
+    @staticmethod
+    def _rows(layer, slot: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """Rows start..start+count of slot `slot` (a device tensor [1]) in layer's pool seen as [S*cap, KV, D]."""
+        return slot * layer.pool_k.shape[1] + start + torch.arange(count, device=slot.device)
 
     def run(self, ids: list[int], state: list, quiet: bool = True) -> torch.Tensor | None:
         """The logits of the prompt's last token with `state` fed the prompt, or None where no graph
@@ -309,7 +313,7 @@ class PrefillGraphs:
                     else:
                         mine.zero_()
             elif offset:
-                rows = slot * layer.pool_k.shape[1] + torch.arange(offset, device=ids.device)
+                rows = self._rows(layer, slot, 0, offset)
                 for pool, part in ((layer.pool_k, layer.k), (layer.pool_v, layer.v)):
                     part[:offset].copy_(pool.view(-1, *pool.shape[2:]).index_select(0, rows))
         logits = self._body(scratch, ids, tail, offset)
@@ -318,7 +322,7 @@ class PrefillGraphs:
                 layer.pool_conv.index_copy_(0, slot, layer.conv[None].clone())
                 layer.pool_ssm.index_copy_(0, slot, layer.ssm[None].clone())
             else:
-                rows = slot * layer.pool_k.shape[1] + offset + torch.arange(b, device=ids.device)
+                rows = self._rows(layer, slot, offset, b)
                 for pool, part in ((layer.pool_k, layer.k), (layer.pool_v, layer.v)):
                     pool.view(-1, *pool.shape[2:]).index_copy_(0, rows, part[offset:offset + b].clone())
         return logits

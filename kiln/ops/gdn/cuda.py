@@ -30,6 +30,9 @@ class GdnCuda(TunedOps, GdnReference):
     def gated_deltanet(self, qkv, z, b, a, p, state, dims):
         if isinstance(state, GDNState) and state.valid is not None:
             return self._padded(qkv, z, b, a, p, state, dims)
+        return self._mixer(qkv, z, b, a, p, state, dims)
+
+    def _mixer(self, qkv, z, b, a, p, state, dims):
         conv_w = p["conv1d.weight"]
         if (not self.on("gdn", qkv) or not isinstance(state, GDNState)
                 or not kernels.PREFILL.supports(qkv, conv_w, state.ssm, dims)):
@@ -51,11 +54,7 @@ class GdnCuda(TunedOps, GdnReference):
         pad = (torch.arange(t, device=qkv.device) >= n)[:, None]
         b, a = b.masked_fill(pad, PAD_GATE), a.masked_fill(pad, PAD_GATE)
         old = state.conv.clone()
-        state.valid = None
-        try:
-            y = self.gated_deltanet(qkv, z, b, a, p, state, dims)
-        finally:
-            state.valid = n
+        y = self._mixer(qkv, z, b, a, p, state, dims)
         conv_tail(state.conv, old, qkv, n)
         return y
 
