@@ -208,6 +208,7 @@ class PrefillGraphs:
         self.pool = None
         self.failed = False
         self.captures = 0
+        self.replays = 0
 
     @staticmethod
     def enabled() -> bool:
@@ -285,6 +286,7 @@ class PrefillGraphs:
         inputs[0].copy_(host[:b], non_blocking=True)
         inputs[1].copy_(host[b:], non_blocking=True)
         graph.replay()
+        self.replays += 1
         self._set_length(state, start + n)
         return logits[0].clone()
 

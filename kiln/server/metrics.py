@@ -19,6 +19,8 @@ class ServeStats:
     cached_tokens: int = 0         # prompt tokens whose state was reused, not prefilled
     generated_tokens: int = 0
     state_bytes: int = 0           # KV caches and recurrent states of the running requests
+    prefill_graphs: int = 0        # prefill CUDA graphs captured (kiln.backends.graphs.PrefillGraphs)
+    prefill_graph_replays: int = 0  # prompts or prompt parts prefilled by replaying one
     finished: dict = field(default_factory=dict)     # OpenAI finish reason (or error, cancelled) -> count
     _recent: deque = field(default_factory=deque)    # (time, tokens) of the last RATE_WINDOW_S
 
@@ -58,12 +60,22 @@ class ServeStats:
              [("", round(self.output_tok_s(), 3))]),
             ("kiln_state_bytes", "gauge", "bytes of KV cache and recurrent state the running requests hold",
              [("", self.state_bytes)]),
+            ("kiln_prefill_graphs", "gauge", "prefill CUDA graphs captured", [("", self.prefill_graphs)]),
+            ("kiln_prefill_graph_replays_total", "counter", "prompt parts prefilled by replaying a CUDA graph",
+             [("", self.prefill_graph_replays)]),
         ]
         out = []
         for name, kind, help_, samples in rows:
             out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
             out += [f"{name}{{{m}{labels}}} {value}" for labels, value in samples]
         return "\n".join(out) + "\n"
+
+
+def count_graphs(stats: ServeStats, engine) -> None:
+    """Copy the engine's prefill-graph counts into the stats (none where the graphs are off)."""
+    graphs = getattr(engine, "prefill_graphs", None)
+    if graphs is not None:
+        stats.prefill_graphs, stats.prefill_graph_replays = graphs.captures, graphs.replays
 
 
 def state_bytes(state) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ..api import LLM, Generation
 from ..engine import Batch, BatchRequest
 from ..sampling import SamplingParams
-from .metrics import ServeStats, state_bytes
+from .metrics import ServeStats, count_graphs, state_bytes
 
 
 @dataclass
@@ -130,6 +130,7 @@ class Worker:
             finish = OPENAI_FINISH.get(run.finish_reason, "length")
             outcome = Outcome(finish, len(prompt_ids), len(run.token_ids), run.stream.times.cached_tokens)
             self.stats.state_bytes = state_bytes(self.llm.engine.live_state)
+            count_graphs(self.stats, self.llm.engine)
             self.stats.done(finish, len(prompt_ids), outcome.cached_tokens)
             self.stats.running = 0          # before the client hears it is done
             job.emit("done", (index, outcome))
@@ -190,6 +191,7 @@ class Worker:
                 slots.clear()
                 continue
             self.stats.state_bytes = sum(state_bytes(slot.request.state) for slot in slots)
+            count_graphs(self.stats, self.llm.engine)
             drain()
         for slot in slots:          # shutting down
             slot.job.cancelled.set()

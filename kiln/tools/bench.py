@@ -397,7 +397,8 @@ def _prefill_graphs(llm) -> dict | None:
     runner = getattr(llm.engine, "prefill_graphs", None)
     if runner is None:
         return None
-    return {"captures": runner.captures, "failed": runner.failed, "buckets": sorted(key[0] for key in runner.graphs)}
+    return {"captures": runner.captures, "replays": runner.replays, "failed": runner.failed,
+            "buckets": sorted(key[0] for key in runner.graphs)}
 
 
 def _gpu_fits_both(llm) -> bool:

@@ -225,6 +225,25 @@ def model_card(endpoint: Endpoint) -> dict:
     return card
 
 
+def server_counters(endpoint: Endpoint) -> dict[str, float]:
+    """kiln's counters from the server's /metrics (kiln_*_total samples labelled with the model only),
+    or {} where it has none (another server, or no /metrics)."""
+    try:
+        status, raw = endpoint.get("/metrics")
+    except (OSError, http.client.HTTPException):
+        return {}
+    out = {}
+    for line in raw.decode(errors="replace").splitlines() if status == 200 else ():
+        sample, _, value = line.rpartition(" ")
+        name = sample.split("{")[0]
+        if name.startswith("kiln_") and name.endswith("_total") and "," not in sample:
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
 # -- requests ------------------------------------------------------------------------------------------
 @dataclass
 class Planned:
@@ -603,8 +622,12 @@ class Bench:
         levels = []
         for c, n in zip(self.a.concurrency, self.counts):
             self.say(f"concurrency {c}: {n} requests")
+            before = server_counters(self.endpoint)
             results, duration = run_level(self.send, self.plans(n), c)
             level = summarise(c, results, duration)
+            after = server_counters(self.endpoint)
+            # what the server counted over the level (prefix-cached tokens, prefill graph replays)
+            level["server_counters"] = {k: v - before.get(k, 0) for k, v in after.items()} or None
             self.say(f"concurrency {c}: {level['completed']}/{n} completed in {duration:.2f} s, "
                      f"{_num(level['output_tok_s'])} output tok/s" + _trouble(level))
             levels.append(level)

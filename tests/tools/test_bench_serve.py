@@ -27,6 +27,7 @@ from kiln.tools.bench_serve import (
     percentile,
     read_requests_file,
     read_stream,
+    server_counters,
     sse_data,
     summarise,
     svg_plot,
@@ -36,7 +37,7 @@ from ..server.support import Server, build_tool_model, free_port
 
 RESULT_KEYS = {"concurrency", "requests", "completed", "failed", "rejected", "duration_s", "request_throughput",
                "output_tok_s", "total_tok_s", "prompt_tokens", "output_tokens", "cached_tokens", "ttft_ms", "itl_ms",
-               "e2e_ms", "errors"}
+               "e2e_ms", "errors", "server_counters"}
 
 
 # -- helpers on hand-made input ------------------------------------------------------------------------
@@ -113,6 +114,29 @@ def test_summarise_counts_429_as_rejected_and_keeps_the_errors():
     assert level["ttft_ms"] == {"p50": 100.0, "p90": 100.0, "p99": 100.0}
     assert level["itl_ms"]["p50"] == pytest.approx(20.0)
     assert level["errors"] == {"HTTP 429: the server is busy": 1, "ConnectionResetError: reset": 1}
+
+
+def test_server_counters_reads_kilns_totals_from_metrics():
+    """The *_total samples labelled with the model only (not by finish reason), and nothing from a
+    server without /metrics."""
+    from kiln.server.metrics import ServeStats
+
+    stats = ServeStats(prompt_tokens=40, cached_tokens=32, prefill_graphs=3, prefill_graph_replays=7)
+    stats.done("stop")
+
+    class Fake:
+        def __init__(self, status, body):
+            self.answer = (status, body)
+
+        def get(self, path):
+            assert path == "/metrics"
+            return self.answer
+
+    got = server_counters(Fake(200, stats.text("m").encode()))
+    assert got["kiln_prompt_tokens_total"] == 40 and got["kiln_prefix_cached_tokens_total"] == 32
+    assert got["kiln_prefill_graph_replays_total"] == 7 and "kiln_prefill_graphs" not in got
+    assert not any("requests_total" in k for k in got)
+    assert server_counters(Fake(404, b"kiln_x_total 3\n")) == {}
 
 
 def test_parse_url_takes_the_base_with_or_without_v1():
@@ -252,6 +276,8 @@ def test_random_prompts_against_a_url(served, tmp_path, capsys):
         assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["duration_s"], rel=1e-3)
         assert ordered(r["ttft_ms"]) and ordered(r["itl_ms"]) and ordered(r["e2e_ms"])
         assert r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
+        grew = r["server_counters"]        # the server's own counts over the level agree with the client's
+        assert grew["kiln_generated_tokens_total"] == 12 and grew["kiln_prompt_tokens_total"] == 24, grew
     head, *rows = table_rows(std.out)
     assert head[:3] == ["concurrency", "completed", "failed"] and "TTFT p50 ms" in head and len(rows) == 2
     assert [row[0] for row in rows] == ["1", "2"] and all(float(row[6].replace(",", "")) > 0 for row in rows)
