@@ -146,6 +146,23 @@ def test_max_blocks_bounds_the_padded_layout():
                 assert int(((counts + bm - 1) // bm).sum()) <= moe_kernels.max_blocks(pairs, e, bm)
 
 
+@pytest.mark.parametrize("t,k,e", [(1, 1, 1), (1, 2, 8), (7, 3, 5), (45, 4, 60), (300, 8, 256)])
+def test_sort_pairs_groups_every_pair_under_its_expert(t, k, e):
+    """The counting sort against a stable sort: the same starts, and within each expert's rows the
+    same pairs (in any order: the atomics' order is not fixed, nor need it be)."""
+    idx = torch.stack([torch.randperm(e)[:k] if k <= e else torch.randint(0, e, (k,)) for _ in range(t)])
+    idx = idx.to(DEVICE)
+    order, starts = moe_kernels.sort_pairs(idx, e)
+    flat = idx.reshape(-1)
+    want = torch.searchsorted(torch.sort(flat).values, torch.arange(e + 1, device=DEVICE))
+    assert order.dtype == starts.dtype == torch.int64
+    assert starts.tolist() == want.tolist()
+    assert sorted(order.tolist()) == list(range(t * k))
+    for x in range(e):
+        got = order[starts[x]:starts[x + 1]]
+        assert (flat[got] == x).all() and got.unique().numel() == got.numel()
+
+
 # -- on the GPU: the real shapes ---------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
