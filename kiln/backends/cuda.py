@@ -31,6 +31,9 @@ from .reference import ReferenceOps
 PREFILL_CHUNK = 512               # the engine's chunk on the reference backend: tuned as well
 DECODE_ROWS = 1
 DECODE_CONTEXTS = (2048, 32768)   # decode attention is measured at these context lengths
+# the routed experts also at the prefill graphs' larger buckets (kiln.backends.graphs): their best tile
+# at 1,024 rows is not the 4,096-row chunk's (bench/NOTES.md, 2026-12-03: 0.366 against 0.379 ms)
+MOE_ROWS = (1024, 2048)
 # what a batched decode step runs at B rows (attention and the GDN step run per request's row)
 BATCH_OPS = ("gemm", "gemm_act", "rmsnorm", "residual_norms", "qk_rope", "moe")
 OPS = ("gemm", "rmsnorm", "residual_norms", "rmsnorm_gemm", "gdn_prefill", "gdn_decode", "moe", "attention",
@@ -79,8 +82,13 @@ class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, R
     def dense_workloads(self, model_class, cfg, max_batch: int = 1, m_values=None) -> list[Workload]:
         """Every (op, shape) the config gives (all but the quantised weights' formats, which the
         weights give): prefill chunks, one-row decode, and the batched decode buckets."""
+        default = not m_values
         m_values = m_values or tuple(dict.fromkeys((PREFILL_CHUNK, self.prefill_chunk, DECODE_ROWS)))
         base = workloads(model_class, cfg, m_values, off=self.off)
+        if default:
+            chunk = max(m_values)
+            base += [Workload(w.op, w.op.with_rows(w.shape, r)) for w in base if w.op.name == "moe"
+                     and w.shape.rows == chunk for r in MOE_ROWS if PREFILL_CHUNK < r < chunk]
         buckets = tuple(b for b in batch_buckets(max_batch) if b not in m_values)
         if buckets:    # and the projections that run on one row only alone (the LM head) at every bucket
             heads = [Workload(w.op, w.op.with_rows(w.shape, b)) for w in base if w.op.name == "gemm"

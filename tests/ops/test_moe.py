@@ -24,7 +24,8 @@ REF = ReferenceOps(DEVICE)
 CASES = [(1, 2, 64, 32, "silu"), (3, 3, 48, 40, "gelu_pytorch_tanh"), (17, 3, 64, 32, "gelu_pytorch_tanh"),
          (40, 2, 48, 40, "silu")]
 FORMS = [moe_kernels.TRUSTED, moe_kernels.grouped_variant(64, 64, 32, 4, 1),
-         moe_kernels.grouped_variant(32, 32, 64, 4, 1), moe_kernels.gemv_variant(64, 64, 4),
+         moe_kernels.grouped_variant(32, 32, 64, 4, 1, 64, 16),     # down on tiles of its own
+         moe_kernels.gemv_variant(64, 64, 4),
          moe_kernels.gemv_variant(16, 32, 4, 1, True, 32, 16),     # accumulating, down on its own tiles
          moe_kernels.gemv_variant(16, 32, 4, 1, True, 32, 16, True)]   # ... and combining in its last arrival
 GEMV_FORMS = 3     # the last ones: for few tokens (and slow interpreted)

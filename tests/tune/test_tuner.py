@@ -360,6 +360,19 @@ def test_batch_buckets_and_their_workloads():
     assert {4, 16} <= {w.shape.rows for w in work}
 
 
+def test_the_routed_experts_are_also_tuned_at_the_prefill_graphs_buckets():
+    """With a 4,096-row chunk the moe op (only it) is measured at 1,024 and 2,048 rows too."""
+    from kiln.backends.cuda import CudaOps
+
+    ops = CudaOps.__new__(CudaOps)
+    ops.prefill_chunk, ops.off = 4096, frozenset()
+    cls, cfg = model_config(synth_config("qwen3.5-35b-a3b"))
+    work = ops.dense_workloads(cls, cfg)
+    rows = lambda name: {w.shape.rows for w in work if w.op.name == name}   # noqa: E731
+    assert rows("moe") == {1, 512, 1024, 2048, 4096} and rows("gemm") == {1, 512, 4096}
+    assert {w.shape.rows for w in ops.dense_workloads(cls, cfg, m_values=(4096, 1)) if w.op.name == "moe"} == {1, 4096}
+
+
 def test_workloads_of_qwen35_08b_are_its_projections():
     cls, cfg = model_config(synth_config("qwen3.5-0.8b"))
     work = workloads(cls, cfg, (PREFILL_CHUNK, DECODE_ROWS))

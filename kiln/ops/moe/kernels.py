@@ -388,7 +388,9 @@ def run_grouped(x, idx, rw, gate_up, down, act, p: dict, y: torch.Tensor) -> Non
                   **dot_flags(x.dtype), num_warps=p["w"], num_stages=p["s"])
     grouped_gate_up_kernel[(nb, cdiv(i, p["bn"]))](x, gate_up, order, starts, h, t * k, KTOP=k, H=hd, I=i,
                                                    ACT=ACTS[act], **common)
-    grouped_down_kernel[(nb, cdiv(hd, p["bn"]))](h, down, order, starts, rw, y, t * k, H=hd, I=i, **common)
+    dn, dk = p.get("dn", p["bn"]), p.get("dk", p["bk"])
+    grouped_down_kernel[(nb, cdiv(hd, dn))](h, down, order, starts, rw, y, t * k, H=hd, I=i,
+                                            **(common | dict(BN=dn, BK=dk)))
 
 
 def run_gemv(x, idx, rw, gate_up, down, act, p: dict, y: torch.Tensor, out=None, gate=None) -> None:
@@ -460,8 +462,11 @@ class MoeShape:
         return (self.e, self.k, self.h, self.i, self.act)
 
 
-def grouped_variant(bm, bn, bk, w, s) -> Variant:
-    return variant(f"grouped_bm{bm}_bn{bn}_bk{bk}_w{w}_s{s}", bm=bm, bn=bn, bk=bk, w=w, s=s)
+def grouped_variant(bm, bn, bk, w, s, dn=None, dk=None) -> Variant:
+    """Row blocks of bm, gate_up's [bn, bk] tiles (down's [dn, dk], else the same), warps, stages."""
+    extra = {} if dn is None else dict(dn=dn, dk=dk)
+    return variant(f"grouped_bm{bm}_bn{bn}_bk{bk}_w{w}_s{s}" + (f"_d{dn}x{dk}" if dn is not None else ""),
+                   bm=bm, bn=bn, bk=bk, w=w, s=s, **extra)
 
 
 def gemv_variant(bn, bk, w, s=1, acc=False, dn=None, dk=None, fin=False) -> Variant:
@@ -475,9 +480,11 @@ def gemv_variant(bn, bk, w, s=1, acc=False, dn=None, dk=None, fin=False) -> Vari
 
 TRUSTED = grouped_variant(16, 32, 32, 4, 1)     # small tiles, no pipelining
 # (bm, bn, bk, warps, stages): BM 16/32 for few rows per expert (decode batches, short prompts), 64 for prefill.
+# (..., dn, dk): down on tiles of its own (its K is the expert's FFN size, gate_up's the hidden size).
 GPU_GROUPED = [(16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (32, 64, 128, 4, 3), (32, 128, 64, 4, 3),
                (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4), (64, 64, 128, 4, 3),
-               (64, 256, 32, 8, 3)]
+               (64, 256, 32, 8, 3), (64, 64, 64, 4, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 3, 128, 64),
+               (64, 64, 64, 4, 3, 64, 128), (64, 64, 64, 4, 4, 128, 128), (128, 64, 64, 8, 3)]
 # (bn, bk, warps). BN 8: 4x the programs of BN 32, more of the experts' bytes in flight at once;
 # BK 2048: a 2048-wide row in one step, every load issued before the first sum.
 GPU_GEMV = [(16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 128, 8), (8, 256, 4), (8, 512, 4),
@@ -564,14 +571,18 @@ class MoeOp(Op):
         opts = dict(E=s.e, EP=next_pow2(s.e), H=s.h, I=s.i, BM=p["bm"], BN=p["bn"], BK=p["bk"], RNE=False,
                     **dot_flags(dtype), num_warps=p["w"], num_stages=p["s"], grid=grid)
         kernels += [grouped_gate_up_kernel.warmup(a, a, i64, i64, a, 1, KTOP=k, ACT=ACTS[s.act], **opts),
-                    grouped_down_kernel.warmup(a, a, i64, i64, a, a, 1, **opts)]
+                    grouped_down_kernel.warmup(a, a, i64, i64, a, a, 1,
+                                               **(opts | dict(BN=p.get("dn", p["bn"]), BK=p.get("dk", p["bk"])))),
+                    rank_kernel.warmup(i64, i32, i32, 1, BLOCK=SORT_BLOCK, grid=grid),
+                    place_kernel.warmup(i64, i32, i32, i64, i64, 1, E=s.e, EP=next_pow2(s.e), BLOCK=SORT_BLOCK,
+                                        grid=grid)]
         return kernels
 
     def kernel_sources(self, v: Variant) -> list:
         shared = [combine_kernel, combine_cols, gate_term, glu, activate, weighted, round_to, pdl_wait]
         if v.p.get("gemv"):
             return [gemv_gate_up_kernel, gemv_down_kernel, tile_w, tile_x, gemm.last_arrival] + shared
-        return [grouped_gate_up_kernel, grouped_down_kernel, expert_block, gemm.mma] + shared
+        return [grouped_gate_up_kernel, grouped_down_kernel, expert_block, rank_kernel, place_kernel, gemm.mma] + shared
 
     def supports(self, x, idx, weights, gate_up, down, act) -> bool:
         return supports(x, gate_up, down, act) and weights.dtype in (x.dtype, torch.float32) and idx.dim() == 2
