@@ -89,20 +89,6 @@ def test_moe_f32_routing_weights(form):
     assert_close(run(d, form), reference(d), 3, exact_fraction=0.99)
 
 
-@pytest.mark.parametrize("t,k,h,i,act", CASES)
-def test_moe_tma_forms_equal_reference(t, k, h, i, act):
-    """The weight tiles through tensor descriptors (16-bit; f32 runs the same tiles without them):
-    ragged I (the gate tile's last columns read up's rows, the up tile's the next expert's: not
-    stored) and down's K past I zero-filled."""
-    for dtype in (torch.bfloat16, torch.float32):
-        d = inputs(t, k, h, i, act, dtype, seed=t + 1)
-        want = reference(d)
-        for v in (moe_kernels.grouped_variant(32, 32, 32, 4, 1, tma=True),
-                  moe_kernels.grouped_variant(16, 16, 32, 4, 1, 32, 16, tma=True)):
-            assert v.name.startswith("grouped_tma_")
-            assert_close(run(d, v), want, k, exact_fraction=0.99)
-
-
 def test_moe_crowded_experts_and_exact_blocks():
     """Every token on the same two experts (one expert's rows fill whole BM blocks, the others
     none), and tokens whose experts are listed in descending id (the combine sorts them)."""

@@ -85,11 +85,9 @@ def expert_block(starts_ptr, b, P, E: tl.constexpr, EP: tl.constexpr, BM: tl.con
 def grouped_gate_up_kernel(x_ptr, w_ptr, order_ptr, starts_ptr, h_ptr, P, E: tl.constexpr, EP: tl.constexpr,
                            KTOP: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                            BK: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                           RNE: tl.constexpr, TMA: tl.constexpr = False):
+                           RNE: tl.constexpr):
     """h[sorted rows, n block] for one block of one expert: x rows gathered by token, the gate tile
-    (w rows n..) and the up tile (w rows I + n..) of gate_up [E, 2I, H] in one pass over H.
-    TMA: w is a tensor descriptor of gate_up as [E * 2I, H] with [BN, BK] blocks (the copy engine
-    loads the tiles; columns past I read the next rows, whose outputs are not stored)."""
+    (w rows n..) and the up tile (w rows I + n..) of gate_up [E, 2I, H] in one pass over H."""
     e, row0, row_end = expert_block(starts_ptr, tl.program_id(0), P, E, EP, BM)
     if e >= E:
         return
@@ -98,20 +96,12 @@ def grouped_gate_up_kernel(x_ptr, w_ptr, order_ptr, starts_ptr, h_ptr, P, E: tl.
     rk = tl.arange(0, BK)
     tok = tl.load(order_ptr + tl.minimum(rm, P - 1)) // KTOP       # rows past the expert read a valid row
     xs = x_ptr + tok.to(tl.int64)[:, None] * H + rk[None, :]
-    if not TMA:
-        gs = w_ptr + e.to(tl.int64) * (2 * I * H) + tl.minimum(rn, I - 1).to(tl.int64)[None, :] * H + rk[:, None]
-        us = gs + I * H
+    gs = w_ptr + e.to(tl.int64) * (2 * I * H) + tl.minimum(rn, I - 1).to(tl.int64)[None, :] * H + rk[:, None]
+    us = gs + I * H
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, H, BK):
-        if TMA:
-            if H % BK == 0:
-                a = tl.load(xs)
-            else:
-                a = tl.load(xs, mask=(rk + k < H)[None, :], other=0.0)
-            bg = w_ptr.load([e * (2 * I) + tl.program_id(1) * BN, k]).T
-            bu = w_ptr.load([e * (2 * I) + I + tl.program_id(1) * BN, k]).T
-        elif H % BK == 0:
+        if H % BK == 0:
             a = tl.load(xs)
             bg = tl.load(gs)
             bu = tl.load(us)
@@ -123,9 +113,8 @@ def grouped_gate_up_kernel(x_ptr, w_ptr, order_ptr, starts_ptr, h_ptr, P, E: tl.
         acc_g = gemm.mma(acc_g, a, bg, UPCAST, IEEE)
         acc_u = gemm.mma(acc_u, a, bu, UPCAST, IEEE)
         xs += BK
-        if not TMA:
-            gs += BK
-            us += BK
+        gs += BK
+        us += BK
     keep = (rm < row_end)[:, None] & (rn < I)[None, :]
     h = glu(acc_g, acc_u, h_ptr.dtype.element_ty, ACT, RNE)
     tl.store(h_ptr + rm.to(tl.int64)[:, None] * I + rn[None, :], h, mask=keep)
@@ -134,10 +123,9 @@ def grouped_gate_up_kernel(x_ptr, w_ptr, order_ptr, starts_ptr, h_ptr, P, E: tl.
 @triton.jit(do_not_specialize=["P"])
 def grouped_down_kernel(h_ptr, w_ptr, order_ptr, starts_ptr, rw_ptr, y_ptr, P, E: tl.constexpr, EP: tl.constexpr,
                         H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr, TMA: tl.constexpr = False):
+                        UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr):
     """y[pair, n block] = round(round(h @ down_e^T) * routing weight) for one block of one expert;
-    h rows are in sorted order, y rows in pair order (token * k + slot). TMA: w is a tensor
-    descriptor of down as [E * H, I] with [BN, BK] blocks (zero past I)."""
+    h rows are in sorted order, y rows in pair order (token * k + slot)."""
     e, row0, row_end = expert_block(starts_ptr, tl.program_id(0), P, E, EP, BM)
     if e >= E:
         return
@@ -145,17 +133,10 @@ def grouped_down_kernel(h_ptr, w_ptr, order_ptr, starts_ptr, rw_ptr, y_ptr, P, E
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     hs = h_ptr + tl.minimum(rm, P - 1).to(tl.int64)[:, None] * I + rk[None, :]
-    if not TMA:
-        ws = w_ptr + e.to(tl.int64) * (H * I) + tl.minimum(rn, H - 1).to(tl.int64)[None, :] * I + rk[:, None]
+    ws = w_ptr + e.to(tl.int64) * (H * I) + tl.minimum(rn, H - 1).to(tl.int64)[None, :] * I + rk[:, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, I, BK):
-        if TMA:
-            if I % BK == 0:
-                a = tl.load(hs)
-            else:
-                a = tl.load(hs, mask=(rk + k < I)[None, :], other=0.0)
-            b = w_ptr.load([e * H + tl.program_id(1) * BN, k]).T
-        elif I % BK == 0:
+        if I % BK == 0:
             a = tl.load(hs)
             b = tl.load(ws)
         else:
@@ -164,8 +145,7 @@ def grouped_down_kernel(h_ptr, w_ptr, order_ptr, starts_ptr, rw_ptr, y_ptr, P, E
             b = tl.load(ws, mask=inside[:, None], other=0.0)
         acc = gemm.mma(acc, a, b, UPCAST, IEEE)
         hs += BK
-        if not TMA:
-            ws += BK
+        ws += BK
     inside = rm < row_end
     pair = tl.load(order_ptr + rm, mask=inside, other=0)
     rw = tl.load(rw_ptr + pair, mask=inside, other=0.0).to(tl.float32)
@@ -399,35 +379,17 @@ def sort_pairs(idx: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Ten
     return order, starts
 
 
-def tma_weights(gate_up: torch.Tensor, down: torch.Tensor, p: dict) -> tuple:
-    """The expert stacks as tensor descriptors of [E * 2I, H] and [E * H, I] (the TMA forms' w)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    (e, i2, hd), i = gate_up.shape, down.shape[2]
-    return (TensorDescriptor(gate_up, [e * i2, hd], [hd, 1], [p["bn"], p["bk"]]),
-            TensorDescriptor(down, [e * hd, i], [i, 1], [p.get("dn", p["bn"]), p.get("dk", p["bk"])]))
-
-
-def tma_fits(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """16-bit contiguous stacks on 16-byte aligned bases and rows (what the copy engine takes)."""
-    return (x.dtype != torch.float32 and gate_up.is_contiguous() and down.is_contiguous()
-            and all(t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in (gate_up, down)))
-
-
 def run_grouped(x, idx, rw, gate_up, down, act, p: dict, y: torch.Tensor) -> None:
-    """A TMA form on weights the copy engine cannot take (f32, unaligned) runs its tiles without it."""
     (t, hd), (e, k), i = x.shape, (gate_up.shape[0], idx.shape[1]), down.shape[2]
     order, starts = sort_pairs(idx, e)
     h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
     nb = max_blocks(t * k, e, p["bm"])
-    tma = bool(p.get("tma")) and tma_fits(x, gate_up, down)
-    gw, dw = tma_weights(gate_up, down, p) if tma else (gate_up, down)
-    common = dict(E=e, EP=next_pow2(e), BM=p["bm"], BN=p["bn"], BK=p["bk"], RNE=rne_flag(x.dtype), TMA=tma,
+    common = dict(E=e, EP=next_pow2(e), BM=p["bm"], BN=p["bn"], BK=p["bk"], RNE=rne_flag(x.dtype),
                   **dot_flags(x.dtype), num_warps=p["w"], num_stages=p["s"])
-    grouped_gate_up_kernel[(nb, cdiv(i, p["bn"]))](x, gw, order, starts, h, t * k, KTOP=k, H=hd, I=i,
+    grouped_gate_up_kernel[(nb, cdiv(i, p["bn"]))](x, gate_up, order, starts, h, t * k, KTOP=k, H=hd, I=i,
                                                    ACT=ACTS[act], **common)
     dn, dk = p.get("dn", p["bn"]), p.get("dk", p["bk"])
-    grouped_down_kernel[(nb, cdiv(hd, dn))](h, dw, order, starts, rw, y, t * k, H=hd, I=i,
+    grouped_down_kernel[(nb, cdiv(hd, dn))](h, down, order, starts, rw, y, t * k, H=hd, I=i,
                                             **(common | dict(BN=dn, BK=dk)))
 
 
@@ -500,12 +462,11 @@ class MoeShape:
         return (self.e, self.k, self.h, self.i, self.act)
 
 
-def grouped_variant(bm, bn, bk, w, s, dn=None, dk=None, tma=False) -> Variant:
-    """Row blocks of bm, gate_up's [bn, bk] tiles (down's [dn, dk], else the same), warps, stages;
-    tma: the weight tiles loaded by the copy engine (tensor descriptors)."""
-    extra = ({} if dn is None else dict(dn=dn, dk=dk)) | ({"tma": True} if tma else {})
-    return variant(f"grouped_{'tma_' if tma else ''}bm{bm}_bn{bn}_bk{bk}_w{w}_s{s}"
-                   + (f"_d{dn}x{dk}" if dn is not None else ""), bm=bm, bn=bn, bk=bk, w=w, s=s, **extra)
+def grouped_variant(bm, bn, bk, w, s, dn=None, dk=None) -> Variant:
+    """Row blocks of bm, gate_up's [bn, bk] tiles (down's [dn, dk], else the same), warps, stages."""
+    extra = {} if dn is None else dict(dn=dn, dk=dk)
+    return variant(f"grouped_bm{bm}_bn{bn}_bk{bk}_w{w}_s{s}" + (f"_d{dn}x{dk}" if dn is not None else ""),
+                   bm=bm, bn=bn, bk=bk, w=w, s=s, **extra)
 
 
 def gemv_variant(bn, bk, w, s=1, acc=False, dn=None, dk=None, fin=False) -> Variant:
@@ -524,10 +485,6 @@ GPU_GROUPED = [(16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (32, 64, 128, 4, 3), (3
                (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4), (64, 64, 128, 4, 3),
                (64, 256, 32, 8, 3), (64, 64, 64, 4, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 3, 128, 64),
                (64, 64, 64, 4, 3, 64, 128), (64, 64, 64, 4, 4, 128, 128), (128, 64, 64, 8, 3)]
-# the same with the weight tiles through the copy engine (GPUs with TMA): (bm, bn, bk, warps, stages, dn, dk)
-GPU_GROUPED_TMA = [(16, 64, 128, 4, 3, None, None), (32, 64, 64, 4, 4, None, None), (64, 64, 64, 4, 3, None, None),
-                   (64, 64, 64, 4, 4, None, None), (64, 128, 64, 4, 3, None, None), (64, 128, 64, 8, 4, None, None),
-                   (128, 64, 64, 8, 3, None, None), (64, 64, 64, 4, 3, 128, 64), (64, 64, 128, 4, 3, 128, 128)]
 # (bn, bk, warps). BN 8: 4x the programs of BN 32, more of the experts' bytes in flight at once;
 # BK 2048: a 2048-wide row in one step, every load issued before the first sum.
 GPU_GEMV = [(16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 128, 8), (8, 256, 4), (8, 512, 4),
@@ -560,9 +517,7 @@ class MoeOp(Op):
         cpu = dev.capability is None
         grouped, gemv, acc, fin = ((CPU_GROUPED, CPU_GEMV, CPU_GEMV_ACC, CPU_GEMV_FIN) if cpu
                                    else (GPU_GROUPED, GPU_GEMV, GPU_GEMV_ACC, GPU_GEMV_FIN))
-        aligned = dev.tma and s.h % 8 == 0 and s.i % 8 == 0
-        tma = [grouped_variant(*t, tma=True) for t in GPU_GROUPED_TMA] if aligned else []
-        return ([TRUSTED] + [grouped_variant(*t) for t in grouped] + tma + [gemv_variant(*t) for t in gemv]
+        return ([TRUSTED] + [grouped_variant(*t) for t in grouped] + [gemv_variant(*t) for t in gemv]
                 + [gemv_variant(bn, bk, w, st, True, dn, dk) for bn, bk, w, st, dn, dk in acc]
                 + [gemv_variant(bn, bk, w, st, True, dn, dk, True) for bn, bk, w, st, dn, dk in fin])
 
@@ -613,15 +568,10 @@ class MoeOp(Op):
                         gemv_down_kernel.warmup(a, a, i64, a, a, 1, H=s.h, I=s.i, BN=p.get("dn", p["bn"]),
                                                 BK=p.get("dk", p["bk"]), **opts, **finish_args(p, s, a, i32))]
             return kernels
-        tma = bool(p.get("tma")) and dtype != torch.float32
-        gw, dw = (a, a)
-        if tma:      # stand-in stacks of the real widths (a descriptor's strides are part of it)
-            gw, dw = tma_weights(torch.empty((1, 2 * s.i, s.h), dtype=dtype, device=device),
-                                 torch.empty((1, s.h, s.i), dtype=dtype, device=device), p)
-        opts = dict(E=s.e, EP=next_pow2(s.e), H=s.h, I=s.i, BM=p["bm"], BN=p["bn"], BK=p["bk"], RNE=False, TMA=tma,
+        opts = dict(E=s.e, EP=next_pow2(s.e), H=s.h, I=s.i, BM=p["bm"], BN=p["bn"], BK=p["bk"], RNE=False,
                     **dot_flags(dtype), num_warps=p["w"], num_stages=p["s"], grid=grid)
-        kernels += [grouped_gate_up_kernel.warmup(a, gw, i64, i64, a, 1, KTOP=k, ACT=ACTS[s.act], **opts),
-                    grouped_down_kernel.warmup(a, dw, i64, i64, a, a, 1,
+        kernels += [grouped_gate_up_kernel.warmup(a, a, i64, i64, a, 1, KTOP=k, ACT=ACTS[s.act], **opts),
+                    grouped_down_kernel.warmup(a, a, i64, i64, a, a, 1,
                                                **(opts | dict(BN=p.get("dn", p["bn"]), BK=p.get("dk", p["bk"])))),
                     rank_kernel.warmup(i64, i32, i32, 1, BLOCK=SORT_BLOCK, grid=grid),
                     place_kernel.warmup(i64, i32, i32, i64, i64, 1, E=s.e, EP=next_pow2(s.e), BLOCK=SORT_BLOCK,
