@@ -389,8 +389,28 @@ def test_conv_state_carries_across_calls():
     assert torch.allclose(whole, torch.nn.functional.silu(direct), atol=1e-6)
 
 
-@pytest.mark.parametrize("n,t,form", [(1, 16, 0), (2, 16, 1), (21, 32, 0), (64, 80, 1), (70, 80, 0)])
-def test_padded_prefill_leaves_the_state_of_the_prompt_alone(n, t, form):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("t,widths", [(1, (8, 4, 2, 2)), (17, (40, 24, 4, 4)), (5, (1100, 16, 8, 8))])
+def test_unpack_equals_the_copies_it_replaces(t, widths, dtype):
+    """The packed projection's four column views copied out in one launch: each part contiguous and
+    equal to its view (bit-equal: copies), with and without the padded rows' b and a; anything but
+    such views (separate tensors, a column slice of a wider buffer) is left to torch."""
+    from kiln.ops.gdn.unpack import unpack, unpack_reference
+
+    whole = torch.randn(t, sum(widths), device=DEVICE).to(dtype)
+    parts = torch.split(whole, list(widths), dim=1)
+    for n in (None, torch.tensor([max(t - 2, 0)], device=DEVICE)):
+        got, want = unpack(*parts, n, -1.0e4), unpack_reference(*parts, n, -1.0e4)
+        for g, w in zip(got, want):
+            assert g.is_contiguous() and g.dtype == dtype and torch.equal(g, w)
+    assert unpack(*(torch.randn(t, w, device=DEVICE).to(dtype) for w in widths)) is None
+    wider = torch.randn(t, sum(widths) + 3, device=DEVICE).to(dtype)
+    assert unpack(*torch.split(wider, list(widths) + [3], dim=1)[:4]) is None
+
+
+@pytest.mark.parametrize("n,t,form,packed", [(1, 16, 0, False), (2, 16, 1, False), (21, 32, 0, False),
+                                             (64, 80, 1, False), (70, 80, 0, False), (21, 32, 1, True)])
+def test_padded_prefill_leaves_the_state_of_the_prompt_alone(n, t, form, packed):
     """A prefill of t rows of which only the first n are the prompt (GDNState.valid = n, as a
     prefill graph's bucket runs it) gives the prompt's rows, conv window and recurrent state of a
     prefill of the n rows alone: the spare rows' gates make them leave the state as it was, and the
@@ -403,6 +423,8 @@ def test_padded_prefill_leaves_the_state_of_the_prompt_alone(n, t, form):
     inp, st = case(t, torch.float32, seed=n)
     p = {"conv1d.weight": inp["conv_w"], "A_log": inp["A_log"], "dt_bias": inp["dt_bias"], "norm.weight": inp["norm_w"]}
     rows = [inp[k] for k in ("qkv", "z", "b", "a")]
+    if packed:      # column views of one buffer, as the model's packed projection gives (one unpack launch)
+        rows = list(torch.split(torch.cat(rows, dim=1), [r.shape[1] for r in rows], dim=1))
     alone = GDNState(inp["qkv"].shape[1], 4, 4, 16, 32, torch.float32, DEVICE)
     alone.conv, alone.ssm, alone.length = st.conv.clone(), st.ssm.clone(), 3
     want = ops.gated_deltanet(*(r[:n] for r in rows), p, alone, inp["dims"])

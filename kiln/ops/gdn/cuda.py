@@ -10,6 +10,7 @@ from ...cache import GDNState, SlotGDN
 from ..dispatch import TunedOps
 from . import kernels
 from .reference import GdnReference
+from .unpack import unpack
 
 # b and a of a padded prefill's spare rows: sigmoid(b) and softplus(a + dt_bias) are then exactly 0
 # in f32, so such a row's beta and log-decay are 0 and it leaves the recurrent state as it was.
@@ -37,6 +38,8 @@ class GdnCuda(TunedOps, GdnReference):
         if (not self.on("gdn", qkv) or not isinstance(state, GDNState)
                 or not kernels.PREFILL.supports(qkv, conv_w, state.ssm, dims)):
             return self._gdn_in_place(qkv, z, b, a, p, state, dims)
+        if qkv.shape[0] > 1 and (parts := unpack(qkv, z, b, a)) is not None:    # one launch, not four copies
+            qkv, z, b, a = parts
         args = (qkv, z, b, a, conv_w, p["A_log"], p["dt_bias"], p["norm.weight"], state.conv, state.ssm, dims)
         t, (hk, hv, dk, dv, _) = qkv.shape[0], dims
         shape = kernels.GdnShape(t, hk, hv, dk, dv, conv_w.shape[-1])
@@ -51,8 +54,12 @@ class GdnCuda(TunedOps, GdnReference):
         """A prefill whose rows from state.valid on are padding (their outputs are junk, never read):
         those rows' gates pushed to PAD_GATE, then the conv state re-taken from the prompt's rows."""
         n, t = state.valid, qkv.shape[0]
-        pad = (torch.arange(t, device=qkv.device) >= n)[:, None]
-        b, a = b.masked_fill(pad, PAD_GATE), a.masked_fill(pad, PAD_GATE)
+        parts = unpack(qkv, z, b, a, n, PAD_GATE) if self.on("gdn", qkv) else None    # copies and gates at once
+        if parts is None:
+            pad = (torch.arange(t, device=qkv.device) >= n)[:, None]
+            b, a = b.masked_fill(pad, PAD_GATE), a.masked_fill(pad, PAD_GATE)
+        else:
+            qkv, z, b, a = parts
         old = state.conv.clone()
         y = self._mixer(qkv, z, b, a, p, state, dims)
         conv_tail(state.conv, old, qkv, n)
@@ -69,6 +76,8 @@ class GdnCuda(TunedOps, GdnReference):
         v = self.choose(kernels.DECODE, kernels.GdnShape(1, hk, hv, dk, dv, conv_w.shape[-1]))
         if v.p["form"] == "unfused":
             return None
+        if qkv.shape[0] > 1 and (parts := unpack(qkv, z, b, a)) is not None:
+            qkv, z, b, a = parts
         y = kernels.gdn_decode_rows(qkv, z, b, a, conv_w, p["A_log"], p["dt_bias"], p["norm.weight"],
                                     first.pool_conv, first.pool_ssm, states.slots, dims, v)
         for s in states:
