@@ -1,8 +1,9 @@
 """The kernels outside the tuner (nothing to measure): the greedy choice, the routers, the shared expert's
-gate, Gemma's GELU. Unwarmed, a cold start compiled them at its first prefill or decode step (Gemma 4:
-six kernels, ~2 s of its first prefill on the H200). The cuda backend compiles them on a thread while the
-weights load (`warm`); tools/cross_compile.py compiles them for another GPU. Each is launched once, at
-the model's shapes, on small stand-ins: the kernels specialise on widths and dtypes, not on rows.
+gate, Gemma's GELU, the GDN's unpacking of its packed projection. Unwarmed, a cold start compiled them at
+its first prefill or decode step (Gemma 4: six kernels, ~2 s of its first prefill on the H200). The cuda
+backend compiles them on a thread while the weights load (`warm`); tools/cross_compile.py compiles them
+for another GPU. Each is launched once, at the model's shapes, on small stand-ins: the kernels
+specialise on widths and dtypes, not on rows.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from .gdn import unpack
 from .gemm import gelu
 from .moe import kernels as moe
 from .moe import router
@@ -25,6 +27,15 @@ def plain_kernels(cfg, dtype: torch.dtype, device: torch.device) -> list[tuple[s
 
     one, h = torch.zeros(1, dtype=torch.long, device=device), cfg.hidden_size
     out = [("greedy", lambda: sample.greedy_next(empty(cfg.vocab_size), one, one.clone()))]
+    if "linear_attention" in (getattr(cfg, "layer_types", None) or ()):       # the GDN's packed inputs
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        widths = [2 * hk * dk + hv * dv, hv * dv, hv, hv]
+
+        def gdn_unpack(padded: bool):
+            parts = torch.split(empty(2, sum(widths)), widths, dim=1)
+            unpack.unpack(*parts, one if padded else None, -1.0e4)
+        out += [("gdn_unpack", lambda: gdn_unpack(False)), ("gdn_unpack_padded", lambda: gdn_unpack(True))]
     if getattr(cfg, "hidden_activation", None) == "gelu_pytorch_tanh":      # Gemma's MLP
         wide = getattr(cfg, "use_double_wide_mlp", False)
         for n in sorted({cfg.intermediate_size, 2 * cfg.intermediate_size if wide else cfg.intermediate_size}):

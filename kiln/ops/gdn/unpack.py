@@ -27,7 +27,7 @@ def copy_part(src, dst, t, T, OFF: tl.constexpr, W: tl.constexpr, BLOCK: tl.cons
         v = tl.load(src + OFF + c, mask=inside)
         if PADDED:
             v = tl.where(pad, PAD, v)
-        tl.store(dst + OFF * T + t * W + c, v, mask=inside)
+        tl.store(dst + OFF * T.to(tl.int64) + t.to(tl.int64) * W + c, v, mask=inside)
 
 
 @triton.jit(do_not_specialize=["T", "stride"])
