@@ -475,6 +475,7 @@ def summarise(concurrency: int, results: list[Result], duration: float) -> dict:
         "itl_ms": _ms([gap for r in done for gap in r.itl]),
         "e2e_ms": _ms([r.latency for r in done]),
         "errors": errors,
+        "server_counters": None,        # Bench.run fills it from the server's /metrics
     }
 
 
