@@ -27,6 +27,12 @@ def conv_tail(conv, old, x, n) -> None:
     conv.copy_(torch.where((i < k - 1)[:, None], from_old, from_x.to(conv.dtype)))
 
 
+def contiguous_parts(qkv, z, b, a) -> tuple:
+    """The mixer's inputs, copied out of the packed projection in one launch where they are its column
+    views (more than one row; a row alone is contiguous already), else as given."""
+    return (unpack(qkv, z, b, a) if qkv.shape[0] > 1 else None) or (qkv, z, b, a)
+
+
 class GdnCuda(TunedOps, GdnReference):
     def gated_deltanet(self, qkv, z, b, a, p, state, dims):
         if isinstance(state, GDNState) and state.valid is not None:
@@ -38,8 +44,7 @@ class GdnCuda(TunedOps, GdnReference):
         if (not self.on("gdn", qkv) or not isinstance(state, GDNState)
                 or not kernels.PREFILL.supports(qkv, conv_w, state.ssm, dims)):
             return self._gdn_in_place(qkv, z, b, a, p, state, dims)
-        if qkv.shape[0] > 1 and (parts := unpack(qkv, z, b, a)) is not None:    # one launch, not four copies
-            qkv, z, b, a = parts
+        qkv, z, b, a = contiguous_parts(qkv, z, b, a)
         args = (qkv, z, b, a, conv_w, p["A_log"], p["dt_bias"], p["norm.weight"], state.conv, state.ssm, dims)
         t, (hk, hv, dk, dv, _) = qkv.shape[0], dims
         shape = kernels.GdnShape(t, hk, hv, dk, dv, conv_w.shape[-1])
@@ -76,8 +81,7 @@ class GdnCuda(TunedOps, GdnReference):
         v = self.choose(kernels.DECODE, kernels.GdnShape(1, hk, hv, dk, dv, conv_w.shape[-1]))
         if v.p["form"] == "unfused":
             return None
-        if qkv.shape[0] > 1 and (parts := unpack(qkv, z, b, a)) is not None:
-            qkv, z, b, a = parts
+        qkv, z, b, a = contiguous_parts(qkv, z, b, a)
         y = kernels.gdn_decode_rows(qkv, z, b, a, conv_w, p["A_log"], p["dt_bias"], p["norm.weight"],
                                     first.pool_conv, first.pool_ssm, states.slots, dims, v)
         for s in states:
