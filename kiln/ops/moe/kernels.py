@@ -4,7 +4,7 @@ w[t, e] * down_e(act(gate_e(x[t])) * up_e(x[t])), rounded where ReferenceOps.moe
 Two forms, both measured by the tuner:
 - grouped (prefill): the T*k (token, slot) pairs are grouped by expert on the device (a counting
   sort); each program takes a block of BM rows of one expert (each expert's rows padded to whole
-  blocks, found from the per-expert counts inside the kernel) and runs a tensor-core GEMM. Kernel 1: gate_up with the
+  blocks, read from a table the sort writes) and runs a tensor-core GEMM. Kernel 1: gate_up with the
   activation and the product in its epilogue -> h [T*k, I]; kernel 2: down, times the routing weight
   -> y [T*k, H]; kernel 3: the combine.
 - gemv (decode, few tokens): one program per (pair, column block), no sorting, no padded tile rows.
@@ -63,32 +63,37 @@ def weighted(acc, w, dtype: tl.constexpr, RNE: tl.constexpr):
 
 
 @triton.jit
-def expert_block(starts_ptr, b, P, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
-    """Block b of the padded layout -> (expert, first sorted row, end of the expert's rows).
-    starts [E + 1]: where each expert's rows begin among the P sorted pairs. Blocks past the last
-    get an expert >= E."""
+def block_rows(counts, begins, b, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
+    """Blocks b [TB] of the padded layout -> (expert, first sorted row, end of the expert's rows), each
+    [TB]. counts, begins [EP]: each expert's rows and where they begin among the sorted pairs (0 past E).
+    Blocks past the last get the expert E."""
     ids = tl.arange(0, EP)
-    s0 = tl.load(starts_ptr + ids, mask=ids < E, other=P)
-    counts = tl.load(starts_ptr + 1 + ids, mask=ids < E, other=P) - s0        # 0 on the padding
     nblk = (counts + BM - 1) // BM
     blk_end = tl.cumsum(nblk, axis=0)
-    e = tl.sum((blk_end <= b).to(tl.int32), axis=0)
-    here = ids == e
-    first = tl.sum(tl.where(here, s0, 0), axis=0)
-    row0 = first + (b - tl.sum(tl.where(here, blk_end - nblk, 0), axis=0)) * BM
-    return e, row0, first + tl.sum(tl.where(here, counts, 0), axis=0)
+    e = tl.sum((blk_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+    here = ids[None, :] == e[:, None]
+    first = tl.sum(tl.where(here, begins[None, :], 0), axis=1)
+    row0 = first + (b - tl.sum(tl.where(here, (blk_end - nblk)[None, :], 0), axis=1)) * BM
+    return tl.minimum(e, E), row0, first + tl.sum(tl.where(here, counts[None, :], 0), axis=1)
+
+
+@triton.jit
+def table_block(blocks_ptr):
+    """This program's row block from the table place_kernel wrote: (expert, first row, end of rows)."""
+    b = blocks_ptr + tl.program_id(0) * 4
+    return tl.load(b), tl.load(b + 1), tl.load(b + 2)
 
 
 # -- grouped (prefill) -----------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["P"])
-def grouped_gate_up_kernel(x_ptr, w_ptr, order_ptr, starts_ptr, h_ptr, P, E: tl.constexpr, EP: tl.constexpr,
-                           KTOP: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+def grouped_gate_up_kernel(x_ptr, w_ptr, order_ptr, blocks_ptr, h_ptr, P, E: tl.constexpr, KTOP: tl.constexpr,
+                           H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                            RNE: tl.constexpr):
     """h[sorted rows, n block] for one block of one expert: x rows gathered by token, the gate tile
     (w rows n..) and the up tile (w rows I + n..) of gate_up [E, 2I, H] in one pass over H."""
-    e, row0, row_end = expert_block(starts_ptr, tl.program_id(0), P, E, EP, BM)
+    e, row0, row_end = table_block(blocks_ptr)
     if e >= E:
         return
     rm = row0 + tl.arange(0, BM)
@@ -121,12 +126,12 @@ def grouped_gate_up_kernel(x_ptr, w_ptr, order_ptr, starts_ptr, h_ptr, P, E: tl.
 
 
 @triton.jit(do_not_specialize=["P"])
-def grouped_down_kernel(h_ptr, w_ptr, order_ptr, starts_ptr, rw_ptr, y_ptr, P, E: tl.constexpr, EP: tl.constexpr,
-                        H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr):
+def grouped_down_kernel(h_ptr, w_ptr, order_ptr, blocks_ptr, rw_ptr, y_ptr, P, E: tl.constexpr, H: tl.constexpr,
+                        I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
+                        IEEE: tl.constexpr, RNE: tl.constexpr):
     """y[pair, n block] = round(round(h @ down_e^T) * routing weight) for one block of one expert;
     h rows are in sorted order, y rows in pair order (token * k + slot)."""
-    e, row0, row_end = expert_block(starts_ptr, tl.program_id(0), P, E, EP, BM)
+    e, row0, row_end = table_block(blocks_ptr)
     if e >= E:
         return
     rm = row0 + tl.arange(0, BM)
@@ -342,11 +347,14 @@ def rank_kernel(idx_ptr, counts_ptr, rank_ptr, P, BLOCK: tl.constexpr):
     tl.store(rank_ptr + offs, rank, mask=inside)
 
 
-@triton.jit(do_not_specialize=["P"])
-def place_kernel(idx_ptr, counts_ptr, rank_ptr, order_ptr, starts_ptr, P, E: tl.constexpr, EP: tl.constexpr,
-                 BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["P", "NB"])
+def place_kernel(idx_ptr, counts_ptr, rank_ptr, order_ptr, starts_ptr, blocks_ptr, P, NB, E: tl.constexpr,
+                 EP: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr):
     """order[starts[e] + rank] = pair, starts[e] = the counts of the experts before e (each program
-    sums them again: E is small); program 0 also writes starts [E + 1]."""
+    sums them again: E is small); program 0 also writes starts [E + 1]. With BM > 0 the programs
+    also write the grouped kernels' table of row blocks, BLOCK entries each, NB in all: [NB, 4] int32
+    (expert, first sorted row, end of the expert's rows, unused), so that each of their programs loads
+    its block instead of summing the counts again (at 1,000 tokens the down GEMM runs ~10,000)."""
     ids = tl.arange(0, EP)
     counts = tl.load(counts_ptr + ids, mask=ids < E, other=0)
     begins = tl.cumsum(counts, axis=0) - counts
@@ -359,37 +367,55 @@ def place_kernel(idx_ptr, counts_ptr, rank_ptr, order_ptr, starts_ptr, P, E: tl.
     rank = tl.load(rank_ptr + offs, mask=inside, other=0)
     first = tl.sum(tl.where(ids[None, :] < e[:, None], counts[None, :], 0), axis=1)
     tl.store(order_ptr + first + rank, offs.to(tl.int64), mask=inside)
+    if BM > 0:
+        if tl.program_id(0) * BLOCK < NB:
+            be, row0, end = block_rows(counts, begins, offs, E, EP, BM)
+            row = blocks_ptr + offs * 4
+            keep = offs < NB
+            tl.store(row, be, mask=keep)
+            tl.store(row + 1, row0, mask=keep)
+            tl.store(row + 2, end, mask=keep)
 
 
-def sort_pairs(idx: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_pairs(idx: torch.Tensor, experts: int, bm: int = 0):
     """(order, starts): pair ids grouped by expert in ascending expert id, and where each expert's
     rows begin among them ([E + 1], the last is T*k). A counting sort in two launches (torch.sort's
     radix passes cost ~50 us a layer at 8,000 pairs); the order within an expert is whatever the
     atomics give, which changes nothing computed: every row of the grouped GEMMs is its own. All on
-    the device: no host sync."""
+    the device: no host sync. With bm: (order, starts, blocks), the row blocks of bm rows
+    (place_kernel), as many as grid_blocks() says."""
     flat = idx.reshape(-1)
     p = flat.numel()
     counts = torch.zeros(experts, dtype=torch.int32, device=idx.device)
     rank = torch.empty(p, dtype=torch.int32, device=idx.device)
     order = torch.empty(p, dtype=torch.int64, device=idx.device)
     starts = torch.empty(experts + 1, dtype=torch.int64, device=idx.device)
+    nb = grid_blocks(p, experts, bm) if bm else 0
+    blocks = torch.empty((max(nb, 1), 4), dtype=torch.int32, device=idx.device)
     grid = (cdiv(max(p, 1), SORT_BLOCK),)
     rank_kernel[grid](flat, counts, rank, p, BLOCK=SORT_BLOCK)
-    place_kernel[grid](flat, counts, rank, order, starts, p, E=experts, EP=next_pow2(experts), BLOCK=SORT_BLOCK)
-    return order, starts
+    place_kernel[grid](flat, counts, rank, order, starts, blocks, p, nb, E=experts, EP=next_pow2(experts),
+                       BLOCK=SORT_BLOCK, BM=bm)
+    return (order, starts, blocks[:nb]) if bm else (order, starts)
+
+
+def grid_blocks(pairs: int, experts: int, bm: int) -> int:
+    """The grouped kernels' grid: max_blocks, and never past the sort's programs (SORT_BLOCK table
+    entries each), which bound the real blocks anyway: each holds at least one of the pairs."""
+    return min(max_blocks(pairs, experts, bm), cdiv(max(pairs, 1), SORT_BLOCK) * SORT_BLOCK)
 
 
 def run_grouped(x, idx, rw, gate_up, down, act, p: dict, y: torch.Tensor) -> None:
     (t, hd), (e, k), i = x.shape, (gate_up.shape[0], idx.shape[1]), down.shape[2]
-    order, starts = sort_pairs(idx, e)
+    order, starts, blocks = sort_pairs(idx, e, p["bm"])
     h = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
-    nb = max_blocks(t * k, e, p["bm"])
-    common = dict(E=e, EP=next_pow2(e), BM=p["bm"], BN=p["bn"], BK=p["bk"], RNE=rne_flag(x.dtype),
+    nb = blocks.shape[0]
+    common = dict(E=e, BM=p["bm"], BN=p["bn"], BK=p["bk"], RNE=rne_flag(x.dtype),
                   **dot_flags(x.dtype), num_warps=p["w"], num_stages=p["s"])
-    grouped_gate_up_kernel[(nb, cdiv(i, p["bn"]))](x, gate_up, order, starts, h, t * k, KTOP=k, H=hd, I=i,
+    grouped_gate_up_kernel[(nb, cdiv(i, p["bn"]))](x, gate_up, order, blocks, h, t * k, KTOP=k, H=hd, I=i,
                                                    ACT=ACTS[act], **common)
     dn, dk = p.get("dn", p["bn"]), p.get("dk", p["bk"])
-    grouped_down_kernel[(nb, cdiv(hd, dn))](h, down, order, starts, rw, y, t * k, H=hd, I=i,
+    grouped_down_kernel[(nb, cdiv(hd, dn))](h, down, order, blocks, rw, y, t * k, H=hd, I=i,
                                             **(common | dict(BN=dn, BK=dk)))
 
 
@@ -568,21 +594,22 @@ class MoeOp(Op):
                         gemv_down_kernel.warmup(a, a, i64, a, a, 1, H=s.h, I=s.i, BN=p.get("dn", p["bn"]),
                                                 BK=p.get("dk", p["bk"]), **opts, **finish_args(p, s, a, i32))]
             return kernels
-        opts = dict(E=s.e, EP=next_pow2(s.e), H=s.h, I=s.i, BM=p["bm"], BN=p["bn"], BK=p["bk"], RNE=False,
+        opts = dict(E=s.e, H=s.h, I=s.i, BM=p["bm"], BN=p["bn"], BK=p["bk"], RNE=False,
                     **dot_flags(dtype), num_warps=p["w"], num_stages=p["s"], grid=grid)
-        kernels += [grouped_gate_up_kernel.warmup(a, a, i64, i64, a, 1, KTOP=k, ACT=ACTS[s.act], **opts),
-                    grouped_down_kernel.warmup(a, a, i64, i64, a, a, 1,
+        kernels += [grouped_gate_up_kernel.warmup(a, a, i64, i32, a, 1, KTOP=k, ACT=ACTS[s.act], **opts),
+                    grouped_down_kernel.warmup(a, a, i64, i32, a, a, 1,
                                                **(opts | dict(BN=p.get("dn", p["bn"]), BK=p.get("dk", p["bk"])))),
                     rank_kernel.warmup(i64, i32, i32, 1, BLOCK=SORT_BLOCK, grid=grid),
-                    place_kernel.warmup(i64, i32, i32, i64, i64, 1, E=s.e, EP=next_pow2(s.e), BLOCK=SORT_BLOCK,
-                                        grid=grid)]
+                    place_kernel.warmup(i64, i32, i32, i64, i64, i32, 1, 1, E=s.e, EP=next_pow2(s.e),
+                                        BLOCK=SORT_BLOCK, BM=p["bm"], grid=grid)]
         return kernels
 
     def kernel_sources(self, v: Variant) -> list:
         shared = [combine_kernel, combine_cols, gate_term, glu, activate, weighted, round_to, pdl_wait]
         if v.p.get("gemv"):
             return [gemv_gate_up_kernel, gemv_down_kernel, tile_w, tile_x, gemm.last_arrival] + shared
-        return [grouped_gate_up_kernel, grouped_down_kernel, expert_block, rank_kernel, place_kernel, gemm.mma] + shared
+        return ([grouped_gate_up_kernel, grouped_down_kernel, table_block, block_rows, rank_kernel, place_kernel,
+                 gemm.mma] + shared)
 
     def supports(self, x, idx, weights, gate_up, down, act) -> bool:
         return supports(x, gate_up, down, act) and weights.dtype in (x.dtype, torch.float32) and idx.dim() == 2
