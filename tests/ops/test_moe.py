@@ -164,12 +164,15 @@ def test_sort_pairs_groups_every_pair_under_its_expert(t, k, e):
         assert (flat[got] == x).all() and got.unique().numel() == got.numel()
 
 
-@pytest.mark.parametrize("t,k,e,bm", [(1, 1, 1, 16), (7, 3, 5, 16), (45, 4, 60, 32), (300, 8, 256, 64),
-                                      (16, 8, 256, 16), (40, 8, 16, 16)])
-def test_sort_pairs_block_table_lists_each_experts_blocks(t, k, e, bm):
+@pytest.mark.parametrize("t,k,e,bm,skew", [(1, 1, 1, 16, 0), (7, 3, 5, 16, 0), (45, 4, 60, 32, 0), (300, 8, 256, 64, 0),
+                                           (16, 8, 256, 16, 0), (40, 8, 16, 16, 0), (100, 2, 64, 16, 1)])
+def test_sort_pairs_block_table_lists_each_experts_blocks(t, k, e, bm, skew):
     """The table the grouped kernels read, against the counts: each expert's rows in whole blocks of
-    bm, in expert order, then blocks marked with the expert e (skipped)."""
+    bm, in expert order, then blocks marked with the expert e (skipped). skew: most tokens pick the
+    same two experts (several blocks each)."""
     idx = torch.stack([torch.randperm(e)[:k] if k <= e else torch.randint(0, e, (k,)) for _ in range(t)])
+    if skew:
+        idx[: (3 * t) // 4] = torch.tensor([3, 40])
     order, starts, blocks = moe_kernels.sort_pairs(idx.to(DEVICE), e, bm)
     s = starts.tolist()
     want = [(x, r, s[x + 1]) for x in range(e) for r in range(s[x], s[x + 1], bm)]

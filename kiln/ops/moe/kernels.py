@@ -63,21 +63,6 @@ def weighted(acc, w, dtype: tl.constexpr, RNE: tl.constexpr):
 
 
 @triton.jit
-def block_rows(counts, begins, b, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
-    """Blocks b [TB] of the padded layout -> (expert, first sorted row, end of the expert's rows), each
-    [TB]. counts, begins [EP]: each expert's rows and where they begin among the sorted pairs (0 past E).
-    Blocks past the last get the expert E."""
-    ids = tl.arange(0, EP)
-    nblk = (counts + BM - 1) // BM
-    blk_end = tl.cumsum(nblk, axis=0)
-    e = tl.sum((blk_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
-    here = ids[None, :] == e[:, None]
-    first = tl.sum(tl.where(here, begins[None, :], 0), axis=1)
-    row0 = first + (b - tl.sum(tl.where(here, (blk_end - nblk)[None, :], 0), axis=1)) * BM
-    return tl.minimum(e, E), row0, first + tl.sum(tl.where(here, counts[None, :], 0), axis=1)
-
-
-@triton.jit
 def table_block(blocks_ptr):
     """This program's row block from the table place_kernel wrote: (expert, first row, end of rows)."""
     b = blocks_ptr + tl.program_id(0) * 4
@@ -351,10 +336,10 @@ def rank_kernel(idx_ptr, counts_ptr, rank_ptr, P, BLOCK: tl.constexpr):
 def place_kernel(idx_ptr, counts_ptr, rank_ptr, order_ptr, starts_ptr, blocks_ptr, P, NB, E: tl.constexpr,
                  EP: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr):
     """order[starts[e] + rank] = pair, starts[e] = the counts of the experts before e (each program
-    sums them again: E is small); program 0 also writes starts [E + 1]. With BM > 0 the programs
-    also write the grouped kernels' table of row blocks, BLOCK entries each, NB in all: [NB, 4] int32
-    (expert, first sorted row, end of the expert's rows, unused), so that each of their programs loads
-    its block instead of summing the counts again (at 1,000 tokens the down GEMM runs ~10,000)."""
+    sums them again: E is small); program 0 also writes starts [E + 1], and with BM > 0 the grouped
+    kernels' table of row blocks, NB entries [NB, 4] int32 (expert, first sorted row, end of the
+    expert's rows, unused): each of their programs loads its block instead of summing the counts
+    again (at 1,000 tokens the down GEMM runs ~10,000 programs)."""
     ids = tl.arange(0, EP)
     counts = tl.load(counts_ptr + ids, mask=ids < E, other=0)
     begins = tl.cumsum(counts, axis=0) - counts
@@ -368,13 +353,29 @@ def place_kernel(idx_ptr, counts_ptr, rank_ptr, order_ptr, starts_ptr, blocks_pt
     first = tl.sum(tl.where(ids[None, :] < e[:, None], counts[None, :], 0), axis=1)
     tl.store(order_ptr + first + rank, offs.to(tl.int64), mask=inside)
     if BM > 0:
-        if tl.program_id(0) * BLOCK < NB:
-            be, row0, end = block_rows(counts, begins, offs, E, EP, BM)
-            row = blocks_ptr + offs * 4
-            keep = offs < NB
-            tl.store(row, be, mask=keep)
-            tl.store(row + 1, row0, mask=keep)
-            tl.store(row + 2, end, mask=keep)
+        if tl.program_id(0) == 0:
+            block_table(blocks_ptr, counts, begins, NB, E, EP, BLOCK, BM)
+
+
+@triton.jit
+def block_table(blocks_ptr, counts, begins, NB, E: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr,
+                BM: tl.constexpr):
+    """Each expert's rows (counts, begins [EP], 0 past E) as whole blocks of BM in expert order: the
+    experts write their j-th blocks together (as many rounds as the busiest expert has blocks), then
+    the entries past the last block get the expert E (their programs exit)."""
+    ids = tl.arange(0, EP)
+    nblk = (counts + BM - 1) // BM
+    first = tl.cumsum(nblk, axis=0) - nblk
+    for j in range(0, tl.max(nblk, axis=0)):
+        has = j < nblk
+        row = blocks_ptr + (first + j) * 4
+        tl.store(row, ids, mask=has)
+        tl.store(row + 1, begins + j * BM, mask=has)
+        tl.store(row + 2, begins + counts, mask=has)
+    total = tl.sum(nblk, axis=0)
+    for c in range(0, NB, BLOCK):
+        b = c + tl.arange(0, BLOCK)
+        tl.store(blocks_ptr + b * 4, tl.zeros((BLOCK,), dtype=tl.int32) + E, mask=(b >= total) & (b < NB))
 
 
 def sort_pairs(idx: torch.Tensor, experts: int, bm: int = 0):
@@ -400,9 +401,8 @@ def sort_pairs(idx: torch.Tensor, experts: int, bm: int = 0):
 
 
 def grid_blocks(pairs: int, experts: int, bm: int) -> int:
-    """The grouped kernels' grid: max_blocks, and never past the sort's programs (SORT_BLOCK table
-    entries each), which bound the real blocks anyway: each holds at least one of the pairs."""
-    return min(max_blocks(pairs, experts, bm), cdiv(max(pairs, 1), SORT_BLOCK) * SORT_BLOCK)
+    """The grouped kernels' grid: max_blocks, and never past the pairs (each real block holds one)."""
+    return min(max_blocks(pairs, experts, bm), max(pairs, 1))
 
 
 def run_grouped(x, idx, rw, gate_up, down, act, p: dict, y: torch.Tensor) -> None:
@@ -608,7 +608,7 @@ class MoeOp(Op):
         shared = [combine_kernel, combine_cols, gate_term, glu, activate, weighted, round_to, pdl_wait]
         if v.p.get("gemv"):
             return [gemv_gate_up_kernel, gemv_down_kernel, tile_w, tile_x, gemm.last_arrival] + shared
-        return ([grouped_gate_up_kernel, grouped_down_kernel, table_block, block_rows, rank_kernel, place_kernel,
+        return ([grouped_gate_up_kernel, grouped_down_kernel, table_block, block_table, rank_kernel, place_kernel,
                  gemm.mma] + shared)
 
     def supports(self, x, idx, weights, gate_up, down, act) -> bool:
