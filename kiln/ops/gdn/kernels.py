@@ -338,10 +338,12 @@ def bf16_forms(dv: int) -> list[Variant]:
 def split_forms(dv: int) -> list[Variant]:
     """The split (fla-layout) forms on 16-bit dot operands, fastest first: the prep in two kernels with
     the (I + A)^-1 solve in tf32, tf32x3 or f32, then the one-kernel prep (docs/compiler.md). tf32
-    leaves less error in the inverse (~2^-11) than its bf16 rounding after (2^-9)."""
+    leaves less error in the inverse (~2^-11) than its bf16 rounding after (2^-9). Last, the tf32 form
+    with the solve on 4 warps: at 8 its 155 registers a thread hold an SM to one program (ncu, H200,
+    bench/NOTES.md 2026-12-03), and the solve waits on shared memory with nothing to overlap it."""
     hbv = min(16, dv)
     return [split_variant(hbv, 4, dv, 8, "bf16", pw=8, inv=inv, prep2=True) for inv in ("tf32", "tf32x3", None)] + [
-        split_variant(hbv, 4, dv, 8, "bf16")]
+        split_variant(hbv, 4, dv, 8, "bf16"), split_variant(hbv, 4, dv, 8, "bf16", pw=4, inv="tf32", prep2=True)]
 
 
 def split_next_forms(dv: int) -> list[Variant]:
