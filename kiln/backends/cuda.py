@@ -17,6 +17,7 @@ from ..errors import KilnError
 from ..ops import plain
 from ..ops.attention.cuda import AttentionCuda
 from ..ops.dispatch import families_off
+from ..ops.fork import ForkOps
 from ..ops.gdn.cuda import GdnCuda
 from ..ops.gemm.cuda import GemmCuda
 from ..ops.moe.cuda import MoeCuda
@@ -40,7 +41,7 @@ OPS = ("gemm", "rmsnorm", "residual_norms", "rmsnorm_gemm", "gdn_prefill", "gdn_
        "attention_decode", "qk_rope", "gemm_act", "act_gemm", "qgemv")
 
 
-class CudaOps(NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, ReferenceOps):
+class CudaOps(ForkOps, NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, ReferenceOps):
     name = "cuda"
     batch_invariant = False  # its kernels are tuned per row count: a batch may run other ones (docs/batching.md)
     pooled = True    # batched decode reads each request's state from a slot pool (kiln.cache.SlotPool)

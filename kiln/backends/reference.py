@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.attention.reference import AttentionReference
+from ..ops.fork import join
 from ..ops.gdn.reference import GdnReference
 from ..ops.gemm.reference import GemmReference
 from ..ops.moe.reference import MoeReference
@@ -28,3 +29,11 @@ class ReferenceOps(NormReference, GemmReference, RopeReference, AttentionReferen
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
+
+    def fork(self, fn, x: torch.Tensor):
+        """fn's work, to run beside what is queued next (kiln/ops/fork.py); here in order: fn's result,
+        which ops.join returns as it is."""
+        return fn()
+
+    def join(self, v):
+        return join(v)

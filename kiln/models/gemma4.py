@@ -329,18 +329,24 @@ class Gemma4(Model):
                                                                if moe else ())
         x, ys = ops.residual_norms(x, h, eps, style, w[p + "post_attention_layernorm.weight"], outs=outs,
                                    router=w[p + "router.scale"] if moe else None)
+        def dense_mlp():
+            return ops.gated_mlp(ys[0], w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"],
+                                 c.hidden_activation)
+
+        both = {}
         if moe:   # the routed experts on the post-attention residual: its norm ys[1], the router's input ys[2]
+            m = ops.fork(dense_mlp, ys[0])       # at decode the dense MLP runs beside the router and the experts
             weights, idx = ops.router_scaled_topk(ys[2], w[p + "router.proj.weight"], w[p + "router.per_expert_scale"],
                                                   c.top_k_experts)
             # streamed experts: their misses' read starts here and overlaps the dense MLP
             ops.moe_prefetch(idx, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"])
-        m = ops.gated_mlp(ys[0], w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"], c.hidden_activation)
-        both = {}
-        if moe:
             e = ops.moe_experts(ys[1], idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
                                 c.hidden_activation)
+            m = ops.join(m)
             both = dict(a_w=w[p + "post_feedforward_layernorm_1.weight"], b=e,
                         b_w=w[p + "post_feedforward_layernorm_2.weight"])
+        else:
+            m = dense_mlp()
         last = dict(scalar=w[p + "layer_scalar"], outs=(next_w,))
         if ple is None:
             x, ys = ops.residual_norms(x, m, eps, style, w[p + "post_feedforward_layernorm.weight"], **both, **last)

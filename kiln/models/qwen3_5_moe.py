@@ -52,10 +52,11 @@ class Qwen35Moe(Qwen35):
         if not self.is_sparse(i):
             return super().mlp(i, x)
         c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.mlp."
+        # at decode the shared expert runs beside the router and the routed experts (joined before their combine)
+        shared = ops.fork(lambda: ops.gated_mlp(x, w[p + "shared_expert.gate_up_proj.weight"],
+                                                w[p + "shared_expert.down_proj.weight"], c.hidden_act), x)
         weights, idx = ops.router_topk(ops.linear(x, w[p + "gate.weight"]), c.num_experts_per_tok, c.norm_topk_prob)
         # streamed experts: their misses' read starts here and overlaps the shared expert
         ops.moe_prefetch(idx, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"])
-        shared = ops.gated_mlp(x, w[p + "shared_expert.gate_up_proj.weight"], w[p + "shared_expert.down_proj.weight"],
-                               c.hidden_act)
         return ops.moe_experts_gated(x, idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
                                      c.hidden_act, w[p + "shared_expert_gate.weight"], shared)

@@ -11,6 +11,7 @@ import torch
 from ...weights.experts import ExpertStack
 from ...weights.quantized import QuantizedWeight
 from ..dispatch import TunedOps
+from ..fork import Forked
 from ..gemm.reference import ACTIVATIONS
 from ..quant.cuda import GEMV_ROWS, dequantised_stacks, quant_moe
 from . import kernels, router, staging
@@ -56,7 +57,12 @@ class MoeCuda(TunedOps, MoeReference):
 
     def moe_experts_gated(self, x, idx, weights, gate_up, down, act, gate_w, shared):
         """The routed experts' combine also adds sigmoid(x . gate_w) * shared (one launch fewer).
-        Streamed experts: their store's per-expert path (not yet the fused kernels)."""
+        Streamed experts: their store's per-expert path (not yet the fused kernels). A forked shared
+        expert (kiln/ops/fork.py) is joined just before the combine where the GEMVs run."""
+        if isinstance(shared, Forked):
+            if (y := self._gemv_then_gated_combine(x, idx, weights, gate_up, down, act, gate_w, shared)) is not None:
+                return y
+            shared = shared.join()
         if streamed(gate_up, down):
             return gate_up.store.moe(self, x, idx, weights, gate_up, down, act, gate=(gate_w, shared))
         if not dense(gate_up, down):
@@ -70,6 +76,24 @@ class MoeCuda(TunedOps, MoeReference):
             v = self.choose(kernels.OP, self._moe_shape(x, idx, gate_up, down, act))
             return kernels.moe_experts(x, idx, weights, gate_up, down, act, v=v, gate=(gate_w, shared))
         return super().moe_experts_gated(x, idx, weights, gate_up, down, act, gate_w, shared)
+
+    def _gemv_then_gated_combine(self, x, idx, weights, gate_up, down, act, gate_w, forked):
+        """kernels.moe_experts with the tuned GEMV form (not fin), the fork joined between the routed
+        GEMVs and the combine that reads it; None where that path does not apply."""
+        shared = forked.value
+        if not (self.on("moe", x) and dense(gate_up, down, gate_w) and kernels.supports(x, gate_up, down, act)
+                and gate_w.shape[0] == 1 and gate_w.dtype == shared.dtype == x.dtype and shared.shape == x.shape
+                and x.dim() == 2 and x.shape[0] > 0):
+            return None
+        v = self.choose(kernels.OP, self._moe_shape(x, idx, gate_up, down, act))
+        if not v.p.get("gemv") or v.p.get("fin"):
+            return None
+        x, idx, weights = x.contiguous(), idx.contiguous(), weights.contiguous()
+        y = torch.empty((idx.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
+        kernels.run_gemv(x, idx, weights, gate_up, down, act, v.p, y)
+        out = torch.empty_like(x)
+        kernels.combine(y, idx, out, x, (gate_w, forked.join()))
+        return out
 
     def moe_experts(self, x, idx, weights, gate_up, down, act):
         if streamed(gate_up, down):

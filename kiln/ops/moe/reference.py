@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...weights.experts import ExpertStack
+from ..fork import join
 from ..gemm.reference import ACTIVATIONS
 
 
@@ -58,7 +59,9 @@ class MoeReference:
         return routed + self.linear(x, gate_w).sigmoid() * shared
 
     def moe_experts_gated(self, x, idx, weights, gate_up, down, act: str, gate_w, shared) -> torch.Tensor:
-        """The routed experts plus the sigmoid-gated shared expert (Qwen's sparse MoE block output)."""
+        """The routed experts plus the sigmoid-gated shared expert (Qwen's sparse MoE block output);
+        shared may be a fork's (kiln/ops/fork.py), joined here."""
+        shared = join(shared)
         if isinstance(gate_up, ExpertStack):
             return gate_up.store.moe(self, x, idx, weights, gate_up, down, act, gate=(gate_w, shared))
         return self.shared_gate_add(self.moe_experts(x, idx, weights, gate_up, down, act), x, gate_w, shared)

@@ -1,0 +1,66 @@
+"""ops.fork / ops.join (kiln/ops/fork.py): a layer's two branches at once. Off the GPU, and for a
+prefill chunk, fork runs its function in order; on the GPU at decode the branch runs on a side stream,
+and a model decodes the same tokens, to the bit the same logits, as with every branch in order
+(KILN_FORK=0): the same kernels, only their overlap differs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln
+from kiln.backends.cuda import CudaOps
+from kiln.backends.reference import ReferenceOps
+from kiln.ops.fork import FORK_ROWS, Forked, join, peek
+
+
+def test_off_the_gpu_fork_runs_in_order_and_join_returns_the_value():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return torch.ones(2)
+
+    for ops in (ReferenceOps("cpu"), CudaOps.__new__(CudaOps)):
+        v = ops.fork(fn, torch.zeros(1, 4))
+        assert calls and not isinstance(v, Forked)
+        assert torch.equal(ops.join(v), torch.ones(2)) and peek(v) is v
+        calls.clear()
+    assert join(3) == 3
+
+
+def logits_and_tokens(name: str, monkeypatch, fork: str, eager: bool):
+    monkeypatch.setenv("KILN_FORK", fork)
+    llm = kiln.load(name, device="cuda", dtype="bf16", enforce_eager=eager)
+    prompt = [(7 * i + 3) % 300 for i in range(24)]
+    out = llm.generate(prompt, max_new_tokens=10, temperature=0).token_ids
+    state = llm.engine.new_state(64)
+    llm.engine.prefill(prompt, state)
+    logits = [llm.engine.decode_step(t, len(prompt) + j, state).float().cpu() for j, t in enumerate(out[:4])]
+    return out, torch.stack(logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["synth:tiny-gemma4-moe", "synth:tiny-qwen3.5-moe"])
+@pytest.mark.parametrize("eager", [True, False])
+def test_gpu_forked_branches_decode_what_the_branches_in_order_decode(name, eager, monkeypatch):
+    want_tokens, want = logits_and_tokens(name, monkeypatch, "0", eager)
+    got_tokens, got = logits_and_tokens(name, monkeypatch, "1", eager)
+    assert got_tokens == want_tokens
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fork_runs_beside_the_main_stream_and_join_orders_it():
+    ops = CudaOps("cuda")
+    x = torch.randn(1, 256, device="cuda")
+    big = torch.randn(4096, 4096, device="cuda")
+    v = ops.fork(lambda: (big @ big).sum(0, keepdim=True) + x[:, :1], x)
+    assert isinstance(v, Forked) and v.side != torch.cuda.current_stream()
+    got = ops.join(v)
+    want = (big @ big).sum(0, keepdim=True) + x[:, :1]
+    torch.testing.assert_close(got, want)
+    rows = torch.randn(FORK_ROWS + 1, 8, device="cuda")    # a prefill chunk: in order
+    assert not isinstance(ops.fork(lambda: rows * 2, rows), Forked)
