@@ -12,6 +12,7 @@ graph's edges. KILN_FORK=0 runs every branch in order (A/B runs).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,27 @@ class ForkOps:
         if side is None:           # (made by an eager step: a decode graph captures its second)
             side = self._fork_stream = torch.cuda.Stream(x.device)
         side.wait_stream(main)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), self._own_counters(x.device):
             value = fn()
         return Forked(value, side, main)
+
+    @contextmanager
+    def _own_counters(self, device):
+        """The side stream's split-K kernels count their arrivals in a buffer of their own: the one
+        buffer per device (gemm.arrival_counters) is safe only among kernels of one stream, and a router's
+        GEMV on the main stream runs at once with the branch's. (Swapped here rather than keyed by stream
+        in gemm.py, whose text is hashed into every shipped GEMM choice.) The first fork, an eager step
+        before any capture, allocates it."""
+        from .gemm import gemm     # (the reference backend imports this module: no Triton for it)
+
+        saved, mine = gemm._COUNTERS.get(device), self.__dict__.get("_fork_counters")
+        if mine is None:
+            gemm._COUNTERS.pop(device, None)
+        else:
+            gemm._COUNTERS[device] = mine
+        try:
+            yield
+        finally:
+            self._fork_counters = gemm._COUNTERS.pop(device, None)
+            if saved is not None:
+                gemm._COUNTERS[device] = saved

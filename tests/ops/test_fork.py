@@ -12,6 +12,7 @@ import kiln
 from kiln.backends.cuda import CudaOps
 from kiln.backends.reference import ReferenceOps
 from kiln.ops.fork import FORK_ROWS, Forked, join, peek
+from kiln.ops.gemm import gemm
 
 
 def test_off_the_gpu_fork_runs_in_order_and_join_returns_the_value():
@@ -34,9 +35,10 @@ def logits_and_tokens(name: str, monkeypatch, fork: str, eager: bool):
     llm = kiln.load(name, device="cuda", dtype="bf16", enforce_eager=eager)
     prompt = [(7 * i + 3) % 300 for i in range(24)]
     out = llm.generate(prompt, max_new_tokens=10, temperature=0).token_ids
-    state = llm.engine.new_state(64)
-    llm.engine.prefill(prompt, state)
-    logits = [llm.engine.decode_step(t, len(prompt) + j, state).float().cpu() for j, t in enumerate(out[:4])]
+    with torch.inference_mode():
+        state = llm.engine.new_state(64)
+        llm.engine.prefill(prompt, state)
+        logits = [llm.engine.decode_step(t, len(prompt) + j, state).float().cpu() for j, t in enumerate(out[:4])]
     return out, torch.stack(logits)
 
 
@@ -49,6 +51,21 @@ def test_gpu_forked_branches_decode_what_the_branches_in_order_decode(name, eage
     got_tokens, got = logits_and_tokens(name, monkeypatch, "1", eager)
     assert got_tokens == want_tokens
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_forks_split_k_kernels_count_arrivals_apart_from_the_main_streams():
+    """Split-K GEMVs on both streams at once: each stream's arrival counters are its own (one shared
+    buffer lets one kernel's arrivals finish another's tiles)."""
+    ops = CudaOps("cuda")
+    x = torch.randn(1, 64, device="cuda")
+    main_buf = gemm.arrival_counters(x.device, 16)
+    side_buf = ops.join(ops.fork(lambda: gemm.arrival_counters(x.device, 16), x))
+    assert side_buf.data_ptr() != main_buf.data_ptr()
+    assert gemm.arrival_counters(x.device, 16).data_ptr() == main_buf.data_ptr()
+    again = ops.join(ops.fork(lambda: gemm.arrival_counters(x.device, 16), x))
+    assert again.data_ptr() == side_buf.data_ptr()
 
 
 @pytest.mark.gpu
