@@ -67,7 +67,7 @@ class ForkOps:
         GEMV on the main stream runs at once with the branch's. (Swapped here rather than keyed by stream
         in gemm.py, whose text is hashed into every shipped GEMM choice.) The first fork, an eager step
         before any capture, allocates it."""
-        from .gemm import gemm     # (the reference backend imports this module: no Triton for it)
+        from .gemm import gemm  # (the reference backend imports this module: no Triton for it)
 
         saved, mine = gemm._COUNTERS.get(device), self.__dict__.get("_fork_counters")
         if mine is None:
