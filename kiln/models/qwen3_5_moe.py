@@ -55,7 +55,7 @@ class Qwen35Moe(Qwen35):
         # at decode the shared expert runs beside the router and the routed experts (joined before their combine)
         shared = ops.fork(lambda: ops.gated_mlp(x, w[p + "shared_expert.gate_up_proj.weight"],
                                                 w[p + "shared_expert.down_proj.weight"], c.hidden_act), x)
-        weights, idx = ops.router_topk(ops.linear(x, w[p + "gate.weight"]), c.num_experts_per_tok, c.norm_topk_prob)
+        weights, idx = ops.router_linear_topk(x, w[p + "gate.weight"], c.num_experts_per_tok, c.norm_topk_prob)
         # streamed experts: their misses' read starts here and overlaps the shared expert
         ops.moe_prefetch(idx, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"])
         return ops.moe_experts_gated(x, idx, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],

@@ -48,6 +48,8 @@ def plain_kernels(cfg, dtype: torch.dtype, device: torch.device) -> list[tuple[s
         e, k = cfg.num_experts, cfg.num_experts_per_tok
         x = empty(1, h)
         out += [("router", lambda: router.router_topk(empty(1, e), k)),
+                ("router_linear_topk", lambda: router.router_linear_topk(empty(1, h), empty(e, h), k,
+                                                                         getattr(cfg, "norm_topk_prob", True))),
                 ("shared_gate", lambda: moe.shared_gate_add(x, x, empty(1, h), x)),
                 ("gated_combine", lambda: moe.combine(empty(k, h), torch.zeros(1, k, dtype=torch.long, device=device),
                                                       empty(1, h), x, (empty(1, h), x)))]

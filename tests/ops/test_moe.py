@@ -286,6 +286,27 @@ def test_router_scaled_topk_fused_equals_reference(t, e, h, k):
         assert (got_w - want_w).abs().max() <= 1e-6 * want_w.abs().max()
 
 
+@pytest.mark.parametrize("t,e,h,k,renorm", [(1, 256, 2048, 8, True), (2, 60, 200, 4, False), (1, 8, 48, 2, True)])
+def test_router_linear_topk_fused_equals_reference(t, e, h, k, renorm):
+    """Qwen's router projection and top-k in one launch: the reference's experts in its order, weights
+    in x's dtype within an ulp, as router_kernel's (its softmax sums in another order than torch's).
+    One-hot rows: every logit is one weight, exact and distinct. Run twice with other rows: the
+    arrival counter resets itself."""
+    g = torch.Generator().manual_seed(t * e + h + k)
+    grid = torch.stack([torch.randperm(e, generator=g) for _ in range(h)], dim=1).float() - e / 2
+    proj = (grid / 16).to(device=DEVICE, dtype=torch.bfloat16)                  # [E, H]
+    for _ in range(2):
+        x = torch.zeros(t, h, dtype=torch.bfloat16)
+        x[torch.arange(t), torch.randint(0, h, (t,), generator=g)] = 1.0
+        x = x.to(DEVICE)
+        want_w, want_i = REF.router_linear_topk(x, proj, k, renorm)
+        assert moe_router.fused_supports(x, proj, None, k)
+        got_w, got_i = moe_router.router_linear_topk(x, proj, k, renorm)
+        assert got_w.dtype == want_w.dtype == torch.bfloat16
+        assert torch.equal(got_i, want_i)
+        assert (got_w.float() - want_w.float()).abs().max() <= 2.0 ** -7 * want_w.float().abs().max()
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_router_scaled_topk_fused_in_a_cuda_graph():

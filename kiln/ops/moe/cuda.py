@@ -43,6 +43,11 @@ class MoeCuda(TunedOps, MoeReference):
             return router.scaled_topk(logits, expert_scale, k)
         return super().scaled_topk(logits, expert_scale, k)
 
+    def router_linear_topk(self, x, proj, k, renormalize=True):
+        if self.on("moe", x) and router.fused_supports(x, proj, None, k):
+            return router.router_linear_topk(x, proj, k, renormalize)
+        return super().router_linear_topk(x, proj, k, renormalize)
+
     def router_scaled_topk(self, x, proj, expert_scale, k):
         if self.on("moe", x) and router.fused_supports(x, proj, expert_scale, k):
             return router.router_scaled_topk(x, proj, expert_scale, k)

@@ -83,6 +83,10 @@ class MoeReference:
         top = top / top.sum(dim=-1, keepdim=True)
         return top * expert_scale[idx], idx
 
+    def router_linear_topk(self, x, proj, k: int, renormalize: bool = True):
+        """Qwen's whole router: router_topk of the projection linear(x, proj) (rounded to x's dtype)."""
+        return self.router_topk(self.linear(x, proj), k, renormalize)
+
     def router_scaled_topk(self, x, proj, expert_scale, k: int):
         """Gemma 4's whole router: scaled_topk of the projection linear(x, proj) (rounded to x's dtype)."""
         return self.scaled_topk(self.linear(x, proj), expert_scale, k)

@@ -1,6 +1,7 @@
 """The routers after their projection, one launch each: Qwen's (ReferenceOps.router_topk: softmax in f32,
 the k largest, optionally renormalised, in the logits' dtype; one launch instead of torch's 6) and
-Gemma 4's (MoeReference.scaled_topk: renormalised, times per_expert_scale[id]; the weights stay f32)."""
+Gemma 4's (MoeReference.scaled_topk: renormalised, times per_expert_scale[id]; the weights stay f32);
+at decode, either with its projection in the same launch (router_gemv_topk_kernel)."""
 
 from __future__ import annotations
 
@@ -66,11 +67,13 @@ def scaled_topk_kernel(l_ptr, s_ptr, w_ptr, i_ptr, E: tl.constexpr, EP: tl.const
 @triton.jit(do_not_specialize=["T"])
 def router_gemv_topk_kernel(x_ptr, w_ptr, s_ptr, l_ptr, count_ptr, wo_ptr, io_ptr, T, E: tl.constexpr,
                             EP: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, KTOP: tl.constexpr,
-                            KP: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False):
-    """Gemma 4's router at decode in one launch: program e computes expert e's logit of each of the T
-    rows (its weight row loaded before the wait: the projection streams in while the kernel before
-    finishes), rounded to the logits' dtype as the reference's linear; the last program to arrive runs
-    scaled_topk_kernel's steps on the rows and resets the counter."""
+                            KP: tl.constexpr, RNE: tl.constexpr, SCALED: tl.constexpr = True,
+                            RENORM: tl.constexpr = True, PDL: tl.constexpr = False):
+    """A router at decode in one launch: program e computes expert e's logit of each of the T rows (its
+    weight row loaded before the wait: the projection streams in while the kernel before finishes),
+    rounded to the logits' dtype as the reference's linear; the last program to arrive runs the top-k
+    on the rows and resets the counter: SCALED, Gemma 4's (scaled_topk_kernel's steps), else Qwen's
+    (router_kernel's: renormalised if RENORM, cast to wo's dtype)."""
     e = tl.program_id(0)
     cols = tl.arange(0, HP)
     live = cols < H
@@ -83,9 +86,12 @@ def router_gemv_topk_kernel(x_ptr, w_ptr, s_ptr, l_ptr, count_ptr, wo_ptr, io_pt
         for t64 in range(0, T):
             t = tl.cast(t64, tl.int64)
             top, idx, slots = softmax_topk(l_ptr, t, E, EP, KTOP, KP)
-            top = top / tl.sum(top, axis=0)
-            scale = tl.load(s_ptr + idx, mask=slots < KTOP, other=0.0).to(tl.float32)
-            tl.store(wo_ptr + t * KTOP + slots, top * scale, mask=slots < KTOP)
+            if SCALED:
+                top = top / tl.sum(top, axis=0)
+                top = top * tl.load(s_ptr + idx, mask=slots < KTOP, other=0.0).to(tl.float32)
+            elif RENORM:
+                top = top / tl.sum(top, axis=0)      # slots past k hold 0
+            tl.store(wo_ptr + t * KTOP + slots, top.to(wo_ptr.dtype.element_ty), mask=slots < KTOP)
             tl.store(io_ptr + t * KTOP + slots, idx.to(tl.int64), mask=slots < KTOP)
         tl.atomic_xchg(count_ptr, 0)
 
@@ -120,24 +126,37 @@ def router_topk(logits: torch.Tensor, k: int, renormalize: bool = True) -> tuple
 
 
 def fused_supports(x, proj, expert_scale, k: int) -> bool:
-    """Few rows (decode), a dense projection [E, H] in x's dtype whose rows a program holds whole."""
+    """Few rows (decode), a dense projection [E, H] in x's dtype whose rows a program holds whole
+    (expert_scale None: Qwen's router)."""
     return (x.dim() == 2 and 0 < x.shape[0] <= FUSED_ROWS and x.dtype in SUPPORTED and isinstance(proj, torch.Tensor)
             and proj.dim() == 2 and proj.dtype == x.dtype and proj.shape[1] == x.shape[1] <= FUSED_WIDTH
-            and proj.shape[0] <= MAX_EXPERTS and k <= proj.shape[0] and expert_scale.shape == proj.shape[:1])
+            and proj.shape[0] <= MAX_EXPERTS and k <= proj.shape[0]
+            and (expert_scale is None or expert_scale.shape == proj.shape[:1]))
+
+
+def router_linear_topk(x: torch.Tensor, proj: torch.Tensor, k: int, renormalize: bool = True):
+    """MoeReference.router_linear_topk (Qwen's router_topk of linear(x, proj)) in one launch: x [T, H],
+    proj [E, H] -> (weights [T, k] x's dtype, ids [T, k] int64)."""
+    return _fused(x, proj, None, k, torch.empty((x.shape[0], k), dtype=x.dtype, device=x.device), renormalize)
 
 
 def router_scaled_topk(x: torch.Tensor, proj: torch.Tensor, expert_scale: torch.Tensor,
                        k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """MoeReference.router_scaled_topk in one launch: x [T, H], proj [E, H] -> (weights [T, k] f32, ids
     [T, k] int64)."""
+    return _fused(x, proj, expert_scale, k, torch.empty((x.shape[0], k), dtype=torch.float32, device=x.device))
+
+
+def _fused(x, proj, expert_scale, k: int, w: torch.Tensor, renormalize: bool = True):
     (t, h), e = x.shape, proj.shape[0]
     x, proj = x.contiguous(), proj.contiguous()
     logits = torch.empty((t, e), dtype=x.dtype, device=x.device)
-    w = torch.empty((t, k), dtype=torch.float32, device=x.device)
     idx = torch.empty((t, k), dtype=torch.long, device=x.device)
     # gemm's split-K counters: every kernel touches them only after its PDL wait, so never two at once
+    # on one stream (a fork's side stream counts in its own: kiln/ops/fork.py)
     count = arrival_counters(x.device, 1)
-    router_gemv_topk_kernel[(e,)](x, proj, expert_scale.contiguous(), logits, count, w, idx, t, E=e, EP=next_pow2(e),
-                                  H=h, HP=next_pow2(h), KTOP=k, KP=next_pow2(k), RNE=rne_flag(x.dtype), num_warps=4,
-                                  **pdl(x))
+    scale = proj if expert_scale is None else expert_scale.contiguous()     # (read only if scaled)
+    router_gemv_topk_kernel[(e,)](x, proj, scale, logits, count, w, idx, t, E=e, EP=next_pow2(e), H=h,
+                                  HP=next_pow2(h), KTOP=k, KP=next_pow2(k), RNE=rne_flag(x.dtype),
+                                  SCALED=expert_scale is not None, RENORM=renormalize, num_warps=4, **pdl(x))
     return w, idx
