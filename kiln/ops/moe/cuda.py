@@ -67,6 +67,10 @@ class MoeCuda(TunedOps, MoeReference):
         if isinstance(shared, Forked):
             if (y := self._gemv_then_gated_combine(x, idx, weights, gate_up, down, act, gate_w, shared)) is not None:
                 return y
+            if (not streamed(gate_up, down) and not dense(gate_up, down) and dense(gate_w) and gate_w.shape[0] == 1
+                    and shared.value.shape == x.shape
+                    and (y := quant_moe(self, x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None):
+                return y       # (joined before its combine)
             shared = shared.join()
         if streamed(gate_up, down):
             return gate_up.store.moe(self, x, idx, weights, gate_up, down, act, gate=(gate_w, shared))

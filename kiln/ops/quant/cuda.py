@@ -11,6 +11,7 @@ import math
 import torch
 
 from ...weights.quantized import QuantizedWeight
+from ..fork import join, peek
 from ..moe import kernels as moe_kernels
 from . import embed, kernels
 from .reference import dequantize
@@ -53,7 +54,7 @@ def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWei
     if not (ops.on("quant", x) and isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
             and gate_up.packed.dim() == down.packed.dim() == 3 and x.dim() == 2 and act in kernels.PAIR_ACTS
             and x.shape[0] <= GEMV_ROWS     # more tokens: the reference's per-expert GEMMs re-read less
-            and (gate is None or gate[0].dtype == gate[1].dtype == x.dtype)
+            and (gate is None or gate[0].dtype == peek(gate[1]).dtype == x.dtype)
             and all(32 % w.bits == 0 and w.dtype == x.dtype for w in (gate_up, down))
             and (host is None or all(h.packed.shape[1:] == w.packed.shape[1:] for h, w in zip(host, (gate_up, down))))):
         return None
@@ -72,6 +73,7 @@ def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWei
     kernels.qgemv_pairs(gu, down, flat, v_down, y, xdiv=1, act=act, rw=weights.reshape(-1).contiguous(),
                         host=host_down)
     out = torch.empty_like(x)
+    gate = None if gate is None else (gate[0], join(gate[1]))     # a forked shared expert: joined here
     moe_kernels.combine(y, idx.contiguous(), out, x, gate)
     return out
 
