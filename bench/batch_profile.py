@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -28,7 +29,7 @@ def main() -> None:
     llm = kiln.load(a.model, dtype="bf16", quiet=False, max_batch=a.batch)
     eng = llm.engine
     pool = eng.slot_pool(a.batch)
-    eng._batch_graphs = None            # eager: each kernel is its own event
+    graphs, eng._batch_graphs = eng._batch_graphs, None     # eager: each kernel is its own event
     g = torch.Generator().manual_seed(0)
     states = [pool.take() for _ in range(a.batch)]
     tokens = []
@@ -45,6 +46,12 @@ def main() -> None:
             tokens = eng.decode_batch(tokens, pos, states).argmax(-1).tolist()
             pos = [p + 1 for p in pos]
         torch.cuda.synchronize()
+    step_ms = {"eager": timed(eng, tokens, pos, states, a.steps)}
+    pos = [p + 2 * a.steps for p in pos]
+    if graphs is not None:              # the step as the server runs it: its CUDA graph
+        eng._batch_graphs = graphs
+        step_ms["graph"] = timed(eng, tokens, pos, states, a.steps)
+    print(f"step ms: {step_ms}")
     rows = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
@@ -57,9 +64,20 @@ def main() -> None:
     print(f"total kernel time a step: {total / 1e3:.2f} ms")
     report = {"model": a.model, "batch": a.batch, "prompt_length": a.prompt_length, **environment(eng.device),
               "date": now_iso(), "command": "python3 bench/batch_profile.py " + " ".join(
-                  f"{k}={v}" for k, v in vars(a).items()), "kernel_ms_per_step": round(total / 1e3, 3), "kernels": rows}
+                  f"{k}={v}" for k, v in vars(a).items()), "kernel_ms_per_step": round(total / 1e3, 3),
+              "step_ms": step_ms, "kernels": rows}
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)
+
+
+def timed(eng, tokens, pos, states, steps: int) -> float:
+    """ms a batched step (host loop included), after `steps` untimed ones (a graph's capture)."""
+    for k in range(2 * steps):
+        if k == steps:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        tokens = eng.decode_batch(tokens, [p + k for p in pos], states).argmax(-1).tolist()
+    return round((time.perf_counter() - t0) * 1e3 / steps, 3)
 
 
 if __name__ == "__main__":
