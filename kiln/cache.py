@@ -119,6 +119,15 @@ class GDNState:
         self.length = 0
 
 
+KEY_SPAN_MIN = 2048     # as the single-row decode graph's smallest context bucket
+
+
+def key_span(last_position: int) -> int:
+    """StateBatch.keys for a step whose rows sit at positions <= last_position: the power of two (at
+    least KEY_SPAN_MIN) above it, so that a captured step serves every later one until it is passed."""
+    return max(KEY_SPAN_MIN, 1 << last_position.bit_length())
+
+
 class StateBatch(list):
     """One layer's state of each request in a batched decode step, in the batch's row order (row j
     is request j's token). The ops that read a request's own state (attention over its cache, the
@@ -127,6 +136,9 @@ class StateBatch(list):
     Several prompts prefilled together (Engine.prefill_rows) give each request `rows[j]` rows."""
 
     slots: torch.Tensor | None = None   # each request's pool slot (int32, on the device), when all are pooled
+    # A bound on every row's keys (positions < keys, a power of two: key_span): a batched attention reads
+    # that much of each pooled slot, its split grid fixed by it, not by the slot's whole capacity.
+    keys: int | None = None
     rows: list[int] | None = None       # several prompts prefilled together: each request's row count
     # A step being captured as a CUDA graph: its per-layer objects stand in for the rows' states (the
     # slots say whose), so an op that would run request by request cannot be captured.

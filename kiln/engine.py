@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import torch
 
 from .backends.graphs import PREFILL_GRAPH_ROWS, BatchGraphs, DecodeGraph, PrefillGraphs, graphable, upload
-from .cache import SlotPool, StateBatch, restore, snapshot
+from .cache import SlotPool, StateBatch, key_span, restore, snapshot
 from .errors import KilnError
 from .sampling import Sampler, SamplingParams
 
@@ -248,9 +248,9 @@ class Engine:
         ids, pos = upload(tokens, self.device), upload(positions, self.device)   # not waiting for the stream
         layers = [StateBatch(layer) for layer in zip(*states)]
         if slots is not None:     # one launch a layer reads every request's slot
-            slot_ids = upload(slots, self.device, torch.int32)
+            slot_ids, keys = upload(slots, self.device, torch.int32), key_span(max(positions))
             for layer in layers:
-                layer.slots = slot_ids
+                layer.slots, layer.keys = slot_ids, keys
         ops = self.model.ops
         ops.rows_apart = getattr(ops, "batch_invariant", False)     # each row its single-row products
         try:

@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..cache import GDNState, KVCache, StateBatch
+from ..cache import GDNState, KVCache, StateBatch, key_span
 from ..errors import KilnError
 
 GRAPHABLE = (KVCache, GDNState)
@@ -411,17 +411,19 @@ class BatchGraphs:
         bucket = next((k for k in self.buckets if k >= b), None)
         if bucket is None or self.failed:
             return None
-        spare = bucket - b
+        spare, keys = bucket - b, key_span(max(positions))
         host = torch.tensor([tokens + [0] * spare, positions + [0] * spare, slots + [self.pool.count] * spare])
         if bucket not in self.warm:
             self.warm.add(bucket)
-            self._warm(bucket)
+            self._warm(bucket, keys)
             return None
+        if self.graphs.get(bucket, (keys,))[0] != keys:      # the rows' keys passed its span: captured again
+            del self.graphs[bucket]
         if bucket not in self.graphs:
-            if (logits := self._capture(bucket, host.to(self.device), quiet)) is None:
+            if (logits := self._capture(bucket, keys, host.to(self.device), quiet)) is None:
                 return None
         else:
-            graph, logits, ids, pos, slot_ids = self.graphs[bucket]
+            _, graph, logits, ids, pos, slot_ids = self.graphs[bucket]
             host = host.pin_memory()    # copied without waiting for the stream (upload)
             for dst, src in zip((ids, pos, slot_ids), host):
                 dst.copy_(src, non_blocking=True)
@@ -431,7 +433,7 @@ class BatchGraphs:
                 layer.length += 1
         return logits[:b]
 
-    def _warm(self, bucket: int) -> None:
+    def _warm(self, bucket: int, keys: int) -> None:
         """The bucket's step run once eagerly with every row on the scratch slot (its kernels compiled,
         its workspaces allocated; no request's state touched). An op that would run request by request
         stops it: no graphs then."""
@@ -439,7 +441,7 @@ class BatchGraphs:
         zeros = torch.zeros(bucket, dtype=torch.long, device=self.device)
         lengths = [layer.length for layer in self.pool.scratch]
         try:
-            self._body(zeros, zeros, scratch)
+            self._body(zeros, zeros, scratch, keys)
         except KilnError as e:
             self.failed = True
             print(f"[kiln] warning: batched decode steps run eagerly ({e})", file=sys.stderr)
@@ -447,21 +449,21 @@ class BatchGraphs:
             for layer, n in zip(self.pool.scratch, lengths):
                 layer.length = n
 
-    def _body(self, ids, pos, slots) -> torch.Tensor:
+    def _body(self, ids, pos, slots, keys: int) -> torch.Tensor:
         rows = ids.shape[0]
         layers = [StateBatch([layer] * rows) for layer in self.pool.scratch]
         for layer in layers:
-            layer.slots, layer.whole_only = slots.to(torch.int32), True
+            layer.slots, layer.keys, layer.whole_only = slots.to(torch.int32), keys, True
         return self.model.forward(ids, pos, layers, last_only=False)
 
-    def _capture(self, bucket: int, inputs: torch.Tensor, quiet: bool) -> torch.Tensor | None:
+    def _capture(self, bucket: int, keys: int, inputs: torch.Tensor, quiet: bool) -> torch.Tensor | None:
         ids, pos, slots = (t.clone() for t in inputs)
         lengths = [layer.length for layer in self.pool.scratch]
         torch.cuda.synchronize(self.device)
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                logits = self._body(ids, pos, slots)
+                logits = self._body(ids, pos, slots, keys)
         except Exception as e:        # noqa: BLE001 - any capture error means: run eagerly
             self.failed = True
             torch.cuda.synchronize(self.device)
@@ -472,9 +474,10 @@ class BatchGraphs:
         finally:
             for layer, n in zip(self.pool.scratch, lengths):
                 layer.length = n
-        self.graphs[bucket] = (graph, logits, ids, pos, slots)
+        self.graphs[bucket] = (keys, graph, logits, ids, pos, slots)
         self.captures += 1
         if not quiet:
-            print(f"[kiln] batched decode step of {bucket} rows captured as one CUDA graph", file=sys.stderr)
+            print(f"[kiln] batched decode step of {bucket} rows captured as one CUDA graph (keys below {keys})",
+                  file=sys.stderr)
         graph.replay()     # the capture ran nothing: this step runs now
         return logits

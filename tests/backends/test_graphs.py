@@ -150,6 +150,34 @@ def test_gpu_batched_steps_replayed_as_graphs_give_the_eager_tokens(spec):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_batched_graphs_capture_again_when_the_rows_pass_their_key_span():
+    """A batched step's graph reads each slot's first StateBatch.keys rows (key_span of the rows'
+    positions); a row passing that span gets the step captured again with the next span, and the
+    tokens stay those of the eager steps."""
+    from kiln.cache import KEY_SPAN_MIN
+    from kiln.engine import Batch
+
+    llm = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cuda", dtype="bf16", max_batch=2,
+                    max_context=2 * KEY_SPAN_MIN)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, llm.model.cfg.vocab_size, (n,), generator=g).tolist() for n in (KEY_SPAN_MIN - 5, 9)]
+
+    def run():
+        batch = Batch(llm.engine, set(), slots=2)
+        requests = [batch.add(p, kiln.SamplingParams(max_new_tokens=12)) for p in prompts]
+        return [list(r.stream.ids) for r in requests]
+
+    eng = llm.engine
+    graphed = run()
+    graphs = eng._batch_graphs
+    assert not graphs.failed and {v[0] for v in graphs.graphs.values()} == {2 * KEY_SPAN_MIN}
+    assert graphs.captures >= 2
+    eng._batch_graphs = None
+    assert run() == graphed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_a_batchs_prompts_prefilled_as_slot_graphs_replay_their_first_run():
     """A batch's fresh prompts, each prefilled alone, run as prefill graphs on the pool
     (PrefillGraphs.run_slot): a bucket's first prompt runs eagerly and is captured, the next ones

@@ -66,3 +66,26 @@ def test_decode_attention_rows_equal_each_row_alone(dtype, window):
             got = attention_kernels.decode_attention_rows(q, k_pool, v_pool, pos, slots, d ** -0.5, window, None,
                                                           form, gate=g)
             assert torch.equal(got, want), (form.name, g is None)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_decode_attention_rows_over_a_key_span_equal_the_whole_capacity(window):
+    """A batched step reads only the first `keys` rows of each slot (StateBatch.keys: every position
+    below it) through views of the pools: the same values as over the slots' whole capacity, whose
+    extra splits hold no key and add neutral partials."""
+    qg, k_pool, v_pool = attention_rows_case(torch.bfloat16, cap=160)
+    q = qg[..., :32]
+    pos = torch.tensor([70, 0, 63], dtype=torch.int64, device=DEVICE)
+    slots = torch.tensor(SLOTS, dtype=torch.int32, device=DEVICE)
+    form = attention_kernels.decode_variant(32, 16, 4)
+    whole = attention_kernels.decode_attention_rows(q, k_pool, v_pool, pos, slots, 32 ** -0.5, window, None, form)
+    span = attention_kernels.decode_attention_rows(q, k_pool[:, :96], v_pool[:, :96], pos, slots, 32 ** -0.5,
+                                                   window, None, form)
+    assert torch.equal(span, whole)
+
+
+def test_key_span_is_a_power_of_two_above_every_position():
+    from kiln.cache import KEY_SPAN_MIN, key_span
+
+    assert key_span(0) == key_span(KEY_SPAN_MIN - 1) == KEY_SPAN_MIN
+    assert key_span(KEY_SPAN_MIN) == 2 * KEY_SPAN_MIN and key_span(5000) == 8192

@@ -44,7 +44,8 @@ def logits_and_tokens(name: str, monkeypatch, fork: str, eager: bool):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["synth:tiny-gemma4-moe", "synth:tiny-qwen3.5-moe", "synth:tiny-qwen3.5-moe-p2:bits=4"])
+@pytest.mark.parametrize("name", ["synth:tiny-gemma4-moe", "synth:tiny-qwen3.5-moe",
+                                  "synth:tiny-qwen3.5-moe-p2:bits=4"])
 @pytest.mark.parametrize("eager", [True, False])
 def test_gpu_forked_branches_decode_what_the_branches_in_order_decode(name, eager, monkeypatch):
     want_tokens, want = logits_and_tokens(name, monkeypatch, "0", eager)

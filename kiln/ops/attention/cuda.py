@@ -81,9 +81,12 @@ class AttentionCuda(TunedOps, AttentionReference):
         q = rope.qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_flat, v_flat, flat,
                          var=self.choose(rope.OP, shape), v_norm=v_norm)
         inside = gate is not None and gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(-1) == 1
-        var = self.choose(kernels.DECODE_OP, kernels.DecodeShape(cap, h, kv, d, window, softcap))
-        o = kernels.decode_attention_rows(q, k_pool, v_pool, positions, states.slots, scale, window, softcap, var,
-                                          gate=gate if inside else None)
+        # the rows' keys lie below states.keys: the split grid (and the variant) for that many, not the
+        # slot's capacity (views of the pools: each slot's base stays cap rows apart)
+        keys = min(cap, states.keys or cap)
+        var = self.choose(kernels.DECODE_OP, kernels.DecodeShape(keys, h, kv, d, window, softcap))
+        o = kernels.decode_attention_rows(q, k_pool[:, :keys], v_pool[:, :keys], positions, states.slots, scale,
+                                          window, softcap, var, gate=gate if inside else None)
         for s in states:
             s.length += 1
         return o if gate is None or inside else self.act_mul(gate, o.view(gate.shape), "sigmoid")
