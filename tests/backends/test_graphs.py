@@ -162,15 +162,15 @@ def test_gpu_batched_graphs_capture_again_when_the_rows_pass_their_key_span():
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, llm.model.cfg.vocab_size, (n,), generator=g).tolist() for n in (KEY_SPAN_MIN - 5, 9)]
 
-    def run():
-        batch = Batch(llm.engine, set(), slots=2)
+    def run():   # (no decode steps inside the prefill: which rows share a step then depends on timing)
+        batch = Batch(llm.engine, set(), slots=2, interleave=False)
         requests = [batch.add(p, kiln.SamplingParams(max_new_tokens=12)) for p in prompts]
         return [list(r.stream.ids) for r in requests]
 
     eng = llm.engine
     graphed = run()
     graphs = eng._batch_graphs
-    assert not graphs.failed and {v[0] for v in graphs.graphs.values()} == {2 * KEY_SPAN_MIN}
+    assert not graphs.failed and graphs.graphs[2][0] == 2 * KEY_SPAN_MIN    # the two rows' step, past 2,048
     assert graphs.captures >= 2
     eng._batch_graphs = None
     assert run() == graphed
