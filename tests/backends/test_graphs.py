@@ -157,7 +157,7 @@ def test_gpu_batched_graphs_capture_again_when_the_rows_pass_their_key_span():
     from kiln.cache import KEY_SPAN_MIN
     from kiln.engine import Batch
 
-    llm = kiln.load("synth:tiny-qwen3.5-moe-p2", device="cuda", dtype="bf16", max_batch=2,
+    llm = kiln.load("synth:qwen3.5-0.8b", device="cuda", dtype="bf16", max_batch=2,   # (tiny models: 1,024 positions)
                     max_context=2 * KEY_SPAN_MIN)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, llm.model.cfg.vocab_size, (n,), generator=g).tolist() for n in (KEY_SPAN_MIN - 5, 9)]
@@ -170,6 +170,7 @@ def test_gpu_batched_graphs_capture_again_when_the_rows_pass_their_key_span():
     eng = llm.engine
     graphed = run()
     graphs = eng._batch_graphs
+    assert list(map(len, graphed)) == [12, 12]
     assert not graphs.failed and graphs.graphs[2][0] == 2 * KEY_SPAN_MIN    # the two rows' step, past 2,048
     assert graphs.captures >= 2
     eng._batch_graphs = None
