@@ -266,19 +266,29 @@ def test_scaled_topk_kernel_equals_reference(t, e, k):
     assert (got_w - want_w).abs().max() <= 1e-6 * want_w.abs().max()
 
 
+def shuffled_grid(e: int, h: int, g) -> torch.Tensor:
+    """A router projection [E, H] whose every column is a shuffled grid of 1/16: distinct logits."""
+    grid = torch.stack([torch.randperm(e, generator=g) for _ in range(h)], dim=1).float() - e / 2
+    return (grid / 16).to(device=DEVICE, dtype=torch.bfloat16)
+
+
+def one_hot_rows(t: int, h: int, g) -> torch.Tensor:
+    """Rows of x with a single 1: each logit is one weight of the projection, exact in any order."""
+    x = torch.zeros(t, h, dtype=torch.bfloat16)
+    x[torch.arange(t), torch.randint(0, h, (t,), generator=g)] = 1.0
+    return x.to(DEVICE)
+
+
 @pytest.mark.parametrize("t,e,h,k", [(1, 128, 2816, 8), (2, 60, 200, 4), (1, 8, 48, 2)])
 def test_router_scaled_topk_fused_equals_reference(t, e, h, k):
     """Gemma 4's router projection and top-k in one launch, the last program doing the top-k: each
     row of x one-hot, so every logit is one weight, exact whatever the summation order and distinct
     (a shuffled grid of 1/16). Run twice with other rows: the arrival counter resets itself."""
     g = torch.Generator().manual_seed(t * e + h)
-    grid = torch.stack([torch.randperm(e, generator=g) for _ in range(h)], dim=1).float() - e / 2
-    proj = (grid / 16).to(device=DEVICE, dtype=torch.bfloat16)                  # [E, H]
+    proj = shuffled_grid(e, h, g)
     scale = (torch.rand(e, generator=g) + 0.5).to(device=DEVICE, dtype=torch.bfloat16)
     for _ in range(2):
-        x = torch.zeros(t, h, dtype=torch.bfloat16)
-        x[torch.arange(t), torch.randint(0, h, (t,), generator=g)] = 1.0
-        x = x.to(DEVICE)
+        x = one_hot_rows(t, h, g)
         want_w, want_i = REF.router_scaled_topk(x, proj, scale, k)
         assert moe_router.fused_supports(x, proj, scale, k)
         got_w, got_i = moe_router.router_scaled_topk(x, proj, scale, k)
@@ -293,12 +303,9 @@ def test_router_linear_topk_fused_equals_reference(t, e, h, k, renorm):
     One-hot rows: every logit is one weight, exact and distinct. Run twice with other rows: the
     arrival counter resets itself."""
     g = torch.Generator().manual_seed(t * e + h + k)
-    grid = torch.stack([torch.randperm(e, generator=g) for _ in range(h)], dim=1).float() - e / 2
-    proj = (grid / 16).to(device=DEVICE, dtype=torch.bfloat16)                  # [E, H]
+    proj = shuffled_grid(e, h, g)
     for _ in range(2):
-        x = torch.zeros(t, h, dtype=torch.bfloat16)
-        x[torch.arange(t), torch.randint(0, h, (t,), generator=g)] = 1.0
-        x = x.to(DEVICE)
+        x = one_hot_rows(t, h, g)
         want_w, want_i = REF.router_linear_topk(x, proj, k, renorm)
         assert moe_router.fused_supports(x, proj, None, k)
         got_w, got_i = moe_router.router_linear_topk(x, proj, k, renorm)
@@ -314,8 +321,7 @@ def test_gpu_router_scaled_topk_fused_in_a_cuda_graph():
     resets itself inside the graph, and each replay gives the reference's experts for its rows."""
     e, h, k = 128, 2816, 8
     g = torch.Generator().manual_seed(5)
-    grid = torch.stack([torch.randperm(e, generator=g) for _ in range(h)], dim=1).float() - e / 2
-    proj = (grid / 16).to(device=DEVICE, dtype=torch.bfloat16)
+    proj = shuffled_grid(e, h, g)
     scale = (torch.rand(e, generator=g) + 0.5).to(device=DEVICE, dtype=torch.bfloat16)
     x = torch.zeros(1, h, dtype=torch.bfloat16, device=DEVICE)
     graph, (w, idx) = captured(lambda: moe_router.router_scaled_topk(x, proj, scale, k))
