@@ -72,8 +72,9 @@ def test_decode_attention_rows_equal_each_row_alone(dtype, window):
 def test_decode_attention_rows_over_a_key_span_equal_the_whole_capacity(window):
     """A batched step reads only the first `keys` rows of each slot (StateBatch.keys: every position
     below it) through views of the pools: the same values as over the slots' whole capacity, whose
-    extra splits hold no key and add neutral partials."""
-    qg, k_pool, v_pool = attention_rows_case(torch.bfloat16, cap=160)
+    extra split holds no key and adds a neutral partial (3 splits of 32 against 4: the same lanes of
+    the combine's power-of-two block, the fourth neutral instead of masked)."""
+    qg, k_pool, v_pool = attention_rows_case(torch.bfloat16, cap=128)
     q = qg[..., :32]
     pos = torch.tensor([70, 0, 63], dtype=torch.int64, device=DEVICE)
     slots = torch.tensor(SLOTS, dtype=torch.int32, device=DEVICE)
