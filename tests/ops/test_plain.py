@@ -15,7 +15,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 @pytest.mark.parametrize("name,want", [
     ("tiny-qwen3.5", {"greedy", "gdn_unpack", "gdn_unpack_padded"}),
-    ("tiny-qwen3.5-moe", {"greedy", "router", "shared_gate", "gated_combine", "gdn_unpack", "gdn_unpack_padded"}),
+    ("tiny-qwen3.5-moe", {"greedy", "router", "router_linear_topk", "shared_gate", "gated_combine", "gdn_unpack",
+                          "gdn_unpack_padded"}),
     ("tiny-gemma4-moe-p2", {"greedy", "gelu_mul_96", "scaled_topk", "router_gemv_topk"}),
 ])
 def test_plain_kernels_listed_and_launch(name, want):
