@@ -13,6 +13,7 @@ from kiln.backends.cuda import CudaOps
 from kiln.backends.reference import ReferenceOps
 from kiln.ops.fork import FORK_ROWS, Forked, join, peek
 from kiln.ops.gemm import gemm
+from kiln.ops.moe import kernels as moe_kernels
 
 
 def test_off_the_gpu_fork_runs_in_order_and_join_returns_the_value():
@@ -28,6 +29,40 @@ def test_off_the_gpu_fork_runs_in_order_and_join_returns_the_value():
         assert torch.equal(ops.join(v), torch.ones(2)) and peek(v) is v
         calls.clear()
     assert join(3) == 3
+
+
+class StubStream:
+    """Stands in for a CUDA stream off the GPU: records the waits a join makes."""
+
+    def __init__(self):
+        self.waited = []
+
+    def wait_stream(self, other):
+        self.waited.append(other)
+
+
+@pytest.mark.parametrize("gemv", [True, False])
+def test_a_forked_shared_expert_is_joined_and_combined_as_a_plain_one(gemv, monkeypatch):
+    """The cuda backend's gated MoE (under the interpreter) with the shared expert as a fork's result:
+    joined once (main waits on the side stream), and the same values to the bit as with the plain
+    tensor (the same kernels in the same order: the GEMV form joins between its GEMVs and the
+    combine, the grouped form first)."""
+    shape = moe_kernels.MoeShape(3, 8, 2, 32, 16, "silu")
+    gen = torch.Generator().manual_seed(7)
+    i = moe_kernels.moe_inputs(shape, torch.bfloat16, torch.device("cpu"), gen)
+    gate_w = torch.randn(1, shape.h, generator=gen).to(torch.bfloat16)
+    shared = torch.randn(shape.rows, shape.h, generator=gen).to(torch.bfloat16)
+    ops = CudaOps("cpu")
+    if gemv:
+        form = moe_kernels.gemv_variant(16, 16, 4)
+        monkeypatch.setattr(ops, "choose", lambda op, s: form if op is moe_kernels.OP else op.default(s, ops.dev))
+    args = (i["x"], i["idx"], i["weights"], i["gate_up"], i["down"], i["act"], gate_w)
+    want = ops.moe_experts_gated(*args, shared)
+    main = StubStream()
+    forked = Forked(shared, side="side", main=main)
+    got = ops.moe_experts_gated(*args, forked)
+    assert forked.joined and main.waited == ["side"]
+    assert torch.equal(got, want)
 
 
 def logits_and_tokens(name: str, monkeypatch, fork: str, eager: bool):

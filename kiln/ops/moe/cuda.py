@@ -11,7 +11,7 @@ import torch
 from ...weights.experts import ExpertStack
 from ...weights.quantized import QuantizedWeight
 from ..dispatch import TunedOps
-from ..fork import Forked
+from ..fork import Forked, join, peek
 from ..gemm.reference import ACTIVATIONS
 from ..quant.cuda import GEMV_ROWS, dequantised_stacks, quant_moe
 from . import kernels, router, staging
@@ -63,40 +63,30 @@ class MoeCuda(TunedOps, MoeReference):
     def moe_experts_gated(self, x, idx, weights, gate_up, down, act, gate_w, shared):
         """The routed experts' combine also adds sigmoid(x . gate_w) * shared (one launch fewer).
         Streamed experts: their store's per-expert path (not yet the fused kernels). A forked shared
-        expert (kiln/ops/fork.py) is joined just before the combine where the GEMVs run."""
-        if isinstance(shared, Forked):
-            if (y := self._gemv_then_gated_combine(x, idx, weights, gate_up, down, act, gate_w, shared)) is not None:
-                return y
-            if (not streamed(gate_up, down) and not dense(gate_up, down) and dense(gate_w) and gate_w.shape[0] == 1
-                    and shared.value.shape == x.shape
-                    and (y := quant_moe(self, x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None):
-                return y       # (joined before its combine)
-            shared = shared.join()
+        expert (kiln/ops/fork.py) is joined as late as the path allows: just before the combine that
+        reads it where the kernels run, else first."""
         if streamed(gate_up, down):
-            return gate_up.store.moe(self, x, idx, weights, gate_up, down, act, gate=(gate_w, shared))
+            return gate_up.store.moe(self, x, idx, weights, gate_up, down, act, gate=(gate_w, join(shared)))
         if not dense(gate_up, down):
-            if (dense(gate_w) and gate_w.shape[0] == 1 and shared.shape == x.shape
+            if (dense(gate_w) and gate_w.shape[0] == 1 and peek(shared).shape == x.shape
                     and (y := quant_moe(self, x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None):
                 return y
             gate_up, down = self._dequantised(x, gate_up, down)
+        s = peek(shared)
         if (self.on("moe", x) and dense(gate_up, down, gate_w) and kernels.supports(x, gate_up, down, act)
                 and gate_w.shape[0] == 1
-                and gate_w.dtype == shared.dtype == x.dtype and shared.shape == x.shape and x.dim() == 2):
+                and gate_w.dtype == s.dtype == x.dtype and s.shape == x.shape and x.dim() == 2):
             v = self.choose(kernels.OP, self._moe_shape(x, idx, gate_up, down, act))
-            return kernels.moe_experts(x, idx, weights, gate_up, down, act, v=v, gate=(gate_w, shared))
-        return super().moe_experts_gated(x, idx, weights, gate_up, down, act, gate_w, shared)
+            if isinstance(shared, Forked) and v.p.get("gemv") and not v.p.get("fin") and x.shape[0] > 0:
+                return self._gemv_then_gated_combine(x, idx, weights, gate_up, down, act, v, gate_w, shared)
+            return kernels.moe_experts(x, idx, weights, gate_up, down, act, v=v, gate=(gate_w, join(shared)))
+        return super().moe_experts_gated(x, idx, weights, gate_up, down, act, gate_w, join(shared))
 
-    def _gemv_then_gated_combine(self, x, idx, weights, gate_up, down, act, gate_w, forked):
-        """kernels.moe_experts with the tuned GEMV form (not fin), the fork joined between the routed
-        GEMVs and the combine that reads it; None where that path does not apply."""
-        shared = forked.value
-        if not (self.on("moe", x) and dense(gate_up, down, gate_w) and kernels.supports(x, gate_up, down, act)
-                and gate_w.shape[0] == 1 and gate_w.dtype == shared.dtype == x.dtype and shared.shape == x.shape
-                and x.dim() == 2 and x.shape[0] > 0):
-            return None
-        v = self.choose(kernels.OP, self._moe_shape(x, idx, gate_up, down, act))
-        if not v.p.get("gemv") or v.p.get("fin"):
-            return None
+    @staticmethod
+    def _gemv_then_gated_combine(x, idx, weights, gate_up, down, act, v, gate_w, forked):
+        """kernels.moe_experts with GEMV form v (not fin), the fork joined between the routed GEMVs
+        and the combine that reads it. (Here, not in kernels.moe_experts: an edit of kernels.py
+        retires the shipped moe choices.)"""
         x, idx, weights = x.contiguous(), idx.contiguous(), weights.contiguous()
         y = torch.empty((idx.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
         kernels.run_gemv(x, idx, weights, gate_up, down, act, v.p, y)
