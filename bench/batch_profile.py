@@ -31,7 +31,7 @@ def main() -> None:
     pool = eng.slot_pool(a.batch)
     graphs, eng._batch_graphs = eng._batch_graphs, None     # eager: each kernel is its own event
     g = torch.Generator().manual_seed(0)
-    states = [pool.take() for _ in range(a.batch)]
+    states = [pool.take(a.prompt_length + a.steps + 64) for _ in range(a.batch)]    # its pages: prompt and steps
     tokens = []
     for st in states:
         ids = torch.randint(0, llm.model.cfg.vocab_size, (a.prompt_length,), generator=g).tolist()

@@ -75,7 +75,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     rows = []
     for b in batches:
-        states = [pool.take() for _ in range(b)]
+        states = [pool.take(a.prompt_length + a.steps + 64) for _ in range(b)]    # its pages: prompt and steps
         t = time.perf_counter()
         first = []
         for st in states:

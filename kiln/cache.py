@@ -139,6 +139,8 @@ class StateBatch(list):
     # A bound on every row's keys (positions < keys, a power of two: key_span): a batched attention reads
     # that much of each pooled slot, its split grid fixed by it, not by the slot's whole capacity.
     keys: int | None = None
+    # each row's K/V row in a paged pool's stores (SlotPool.flat_rows), computed once for every layer
+    flat: torch.Tensor | None = None
     rows: list[int] | None = None       # several prompts prefilled together: each request's row count
     # A step being captured as a CUDA graph: its per-layer objects stand in for the rows' states (the
     # slots say whose), so an op that would run request by request cannot be captured.
@@ -152,20 +154,55 @@ class StateBatch(list):
         return [(e - n, e) for n, e in zip(self.rows, ends)]
 
 
-class SlotKV(KVCache):
-    """A KVCache whose buffers are slot `slot` of a pool [S, capacity, KV, D] (kiln.cache.SlotPool):
-    a fixed capacity, so a batched decode kernel finds every request's keys from the pool and a slot
-    index."""
+PAGE = 128   # K/V positions a page of a SlotPool holds (a multiple of every decode variant's keys a step)
 
-    def __init__(self, pool_k: torch.Tensor, pool_v: torch.Tensor, slot: int):
-        self.head_major, self.limit = False, pool_k.shape[1]
-        self.pool_k, self.pool_v, self.slot = pool_k, pool_v, slot
-        self.k, self.v = pool_k[slot], pool_v[slot]
-        self.length = 0
+
+def pages_for(tokens: int) -> int:
+    return -(-tokens // PAGE)
+
+
+class PagedKV(KVCache):
+    """Slot `slot`'s K/V in a SlotPool (kiln.cache.SlotPool): pages of PAGE positions in the pool's
+    stores [pages * PAGE, KV, D] (pool_k, pool_v; one pair a layer), found through the slot's row of
+    the pool's block table. A batched decode step reads and writes them there (the kernels take the
+    table). Elsewhere a request's K/V are read or written as rows (`read`, `write`; the engine stages
+    a prefill on contiguous copies); the pool's scratch slot alone is also contiguous (`k`, `v`)."""
+
+    def __init__(self, pool: "SlotPool", layer: int, slot: int):
+        self.head_major, self.limit, self.length = False, pool.capacity, 0
+        self.pool, self.layer, self.slot = pool, layer, slot
+        self.pool_k, self.pool_v = pool.k_stores[layer], pool.v_stores[layer]
+        if slot == pool.count:       # the scratch slot: its pages are the stores' first, in order
+            self.k, self.v = self.pool_k[: pool.capacity], self.pool_v[: pool.capacity]
+
+    def __getattr__(self, name):     # k and v of a lent slot: not contiguous
+        if name in ("k", "v"):
+            raise KilnError("a paged KV slot is read through its block table (PagedKV.read/write, or staged)")
+        raise AttributeError(name)
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
 
     def _reserve(self, n: int) -> None:
-        if n > self.k.shape[0]:
-            raise KilnError(f"a pooled KV slot holds {self.k.shape[0]} positions, {n} asked for")
+        if n > self.pool.held(self.slot) * PAGE:
+            raise KilnError(f"a pooled KV slot holds {self.pool.held(self.slot) * PAGE} positions, {n} asked for")
+
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        """The stores' rows (device int64 [count]) of positions start .. start + count - 1."""
+        return self.pool.rows(self.slot, start, count)
+
+    def read(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V at positions 0 .. n - 1, [n, KV, D] each."""
+        rows = self.rows(0, n)
+        return self.pool_k.index_select(0, rows), self.pool_v.index_select(0, rows)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """K and V [T, KV, D] at positions start .. start + T - 1."""
+        self._reserve(start + k.shape[0])
+        rows = self.rows(start, k.shape[0])
+        self.pool_k.index_copy_(0, rows, k)
+        self.pool_v.index_copy_(0, rows, v)
 
 
 class SlotGDN(GDNState):
@@ -177,27 +214,68 @@ class SlotGDN(GDNState):
         self.length = 0
 
 
-class SlotPool:
-    """The decode state of up to `slots` requests at once, each layer's in one pooled tensor [slots, ...]
-    (GDN conv and recurrent states; K/V of `capacity` positions), so that a batched decode step
-    updates every request's state in one launch a layer. `take()` lends one request's per-layer
-    state (reset), `give(state)` returns it. Layers of other kinds (ring caches) make a pool
-    impossible: `poolable` says so first."""
+class PagedPrefix:
+    """The state of a prompt prefix of n tokens kept by a pool without copying its K/V: its pages
+    (counted as held, so they outlive the request), and copies of its GDN states."""
 
-    def __init__(self, template: list, slots: int, capacity: int):
-        self.capacity, self.count = capacity, slots
+    def __init__(self, pool: "SlotPool", n: int, pages: list[int], gdn: list):
+        self.pool, self.n, self.pages, self.gdn = pool, n, pages, gdn
+
+    def release(self) -> None:
+        self.pool.drop(self.pages)
+        self.pages = []
+
+    def snapshot(self) -> list:
+        """Copies of it in `snapshot`'s form, for a request whose state is not of the pool."""
+        pos = torch.arange(self.n, device=self.pool.table.device)
+        rows = torch.tensor(self.pages, dtype=torch.long, device=pos.device)[pos // PAGE] * PAGE + pos % PAGE
+        gdn, out = iter(self.gdn), []
+        for layer in self.pool.scratch:
+            if isinstance(layer, GDNState):
+                out.append((self.n, *next(gdn)))
+            else:
+                out.append((self.n, layer.pool_k.index_select(0, rows), layer.pool_v.index_select(0, rows)))
+        return out
+
+
+class SlotPool:
+    """The decode state of up to `slots` requests at once. GDN conv and recurrent states: one pooled
+    tensor [slots + 1, ...] a layer, a slot each. K/V: paged. Each attention layer keeps two stores of
+    `pages` pages of PAGE positions; a request holds the pages its prompt and its max new tokens need
+    (taken when it starts, so it never waits mid-stream), listed in its slot's row of the block table
+    (`table`, int32 [slots + 1, capacity / PAGE] on the device), so that a batched decode step updates
+    every request's state in one launch a layer. A page may be held by several: a prompt prefix kept
+    for later requests (`share`) is given to them as is (`adopt`), not copied. `take(tokens)` lends a
+    slot (None while no slot or not enough pages are free), `give(state)` returns it. Slot `count` is
+    the scratch, never lent: the spare rows of a captured batch step and the prefill graphs use it;
+    its pages are the stores' first capacity / PAGE, in order (contiguous). Layers of other kinds
+    (ring caches) make a pool impossible: `poolable` says so first."""
+
+    def __init__(self, template: list, slots: int, capacity: int, pages: int | None = None):
+        self.width = pages_for(capacity)
+        self.capacity, self.count = self.width * PAGE, slots
+        self.pages = slots * self.width if pages is None else pages     # for lent slots (the scratch's apart)
+        total = self.width + self.pages
         self.free = list(range(slots - 1, -1, -1))
-        # one slot more, never lent: the spare rows of a captured batch step (kiln.backends.graphs) write there
+        self.free_pages = list(range(total - 1, self.width - 1, -1))
+        self.refs = [0] * total
+        self._held: dict[int, list[int]] = {}
+        kv = [layer for layer in template if type(layer) is not GDNState]
+        self.k_stores = [layer.k.new_zeros((total * PAGE, *layer.k.shape[1:])) for layer in kv]   # no stray NaN bits
+        self.v_stores = [layer.v.new_zeros((total * PAGE, *layer.v.shape[1:])) for layer in kv]
+        device = kv[0].k.device if kv else torch.device("cpu")
+        self.table = torch.zeros((slots + 1, self.width), dtype=torch.int32, device=device)
+        self.table[slots] = torch.arange(self.width, dtype=torch.int32, device=device)
         self.states: list[list] = [[] for _ in range(slots + 1)]
+        i = 0
         for layer in template:
             if type(layer) is GDNState:
                 conv = layer.conv.new_zeros((slots + 1, *layer.conv.shape))
                 ssm = layer.ssm.new_zeros((slots + 1, *layer.ssm.shape))
                 made = [SlotGDN(conv, ssm, s) for s in range(slots + 1)]
             else:
-                k = layer.k.new_zeros((slots + 1, capacity, *layer.k.shape[1:]))     # no stray NaN bits
-                v = layer.v.new_zeros((slots + 1, capacity, *layer.v.shape[1:]))
-                made = [SlotKV(k, v, s) for s in range(slots + 1)]
+                made = [PagedKV(self, i, s) for s in range(slots + 1)]
+                i += 1
             for s in range(slots + 1):
                 self.states[s].append(made[s])
 
@@ -220,11 +298,23 @@ class SlotPool:
                 size += 2 * capacity * layer.k.shape[1] * layer.k.shape[2] * layer.k.element_size()
         return size
 
-    def take(self) -> list | None:
-        """A free slot's per-layer state, reset; None when every slot is lent."""
-        if not self.free:
+    def held(self, slot: int) -> int:
+        """Pages slot `slot` holds."""
+        return self.width if slot == self.count else len(self._held.get(slot, ()))
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a request of `tokens` positions can ever hold its pages here."""
+        return tokens <= self.capacity and pages_for(tokens) <= self.pages
+
+    def take(self, tokens: int | None = None) -> list | None:
+        """A free slot's per-layer state, reset, holding the pages of `tokens` positions (default: the
+        capacity); None while every slot is lent or too few pages are free."""
+        need = pages_for(self.capacity if tokens is None else max(tokens, 1))
+        if not self.free or need > len(self.free_pages):
             return None
-        state = self.states[self.free.pop()]
+        slot = self.free.pop()
+        self._set_pages(slot, [self._page() for _ in range(need)])
+        state = self.states[slot]
         for layer in state:
             layer.reset()
         return state
@@ -233,12 +323,70 @@ class SlotPool:
         slot = state[0].slot
         if slot not in self.free:
             self.free.append(slot)
+            self.drop(self._held.pop(slot, []))
+
+    def _page(self) -> int:
+        page = self.free_pages.pop()
+        self.refs[page] = 1
+        return page
+
+    def drop(self, pages: list[int]) -> None:
+        """Each page held once less; a page no one holds is free again."""
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self.free_pages.append(page)
+
+    def _set_pages(self, slot: int, pages: list[int]) -> None:
+        self._held[slot] = pages
+        row = pages + [0] * (self.width - len(pages))      # past a request's pages: never read
+        self.table[slot].copy_(_upload(row, self.table.device))
+
+    def rows(self, slot: int, start: int, count: int) -> torch.Tensor:
+        """The stores' rows of slot `slot`'s positions start .. start + count - 1 (device int64)."""
+        pos = torch.arange(start, start + count, device=self.table.device)
+        return self.table[slot].long()[pos // PAGE] * PAGE + pos % PAGE
+
+    def flat_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The stores' row of each batch row's position (slots, positions: device tensors [B]); CUDA-graph safe."""
+        return self.table[slots.long(), positions // PAGE].long() * PAGE + positions % PAGE
+
+    def share(self, state: list, n: int) -> PagedPrefix:
+        """The state after its first n tokens, kept without copying K/V: its first pages_for(n) pages
+        held once more (the request appends past n only, so they stay as they are up to n)."""
+        pages = self._held[state[0].slot][: pages_for(n)]
+        for page in pages:
+            self.refs[page] += 1
+        gdn = [(layer.conv.clone(), layer.ssm.clone()) for layer in state if isinstance(layer, GDNState)]
+        return PagedPrefix(self, n, pages, gdn)
+
+    def adopt(self, state: list, prefix: PagedPrefix) -> None:
+        """A freshly taken state made to hold the prefix: its whole pages the prefix's own (its pages
+        there given back), the rows of a partly filled last page copied, the GDN states copied."""
+        slot, n = state[0].slot, prefix.n
+        mine, whole = self._held[slot], n // PAGE
+        self.drop(mine[:whole])
+        for page in prefix.pages[:whole]:
+            self.refs[page] += 1
+        pages = prefix.pages[:whole] + mine[whole:]
+        self._set_pages(slot, pages)
+        if n % PAGE:        # (two distinct pages: the ranges do not overlap)
+            src, dst, r = prefix.pages[whole] * PAGE, pages[whole] * PAGE, n % PAGE
+            for store in self.k_stores + self.v_stores:
+                store[dst: dst + r].copy_(store[src: src + r])
+        gdn = iter(prefix.gdn)
+        for layer in state:
+            if isinstance(layer, GDNState):
+                conv, ssm = next(gdn)
+                layer.conv.copy_(conv)
+                layer.ssm.copy_(ssm)
+            layer.length = n
 
     @staticmethod
     def slots_of(states: list[list]):
         """The slot of each request when every request's state comes from one pool (else None)."""
         firsts = [s[0] for s in states]
-        if not firsts or not all(isinstance(f, (SlotKV, SlotGDN)) for f in firsts):
+        if not firsts or not all(isinstance(f, (PagedKV, SlotGDN)) for f in firsts):
             return None
         pool = _pool_of(firsts[0])
         if any(_pool_of(f) is not pool for f in firsts):
@@ -246,8 +394,45 @@ class SlotPool:
         return [f.slot for f in firsts]
 
 
+def _upload(values: list[int], device) -> torch.Tensor:
+    """Host ints on the device without waiting for the stream (from pinned memory on a GPU)."""
+    t = torch.tensor(values, dtype=torch.int32)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def paged(state: list) -> bool:
+    """Whether a request's state holds K/V of a lent pool slot (read and written as rows only)."""
+    return any(isinstance(layer, PagedKV) and layer.slot != layer.pool.count for layer in state)
+
+
+def stage(state: list, upto: int) -> list:
+    """A request's state for ops that read K/V contiguously (a prefill, a decode step run request by
+    request): each paged layer a plain KVCache of room `upto` holding copies of its positions."""
+    out = []
+    for layer in state:
+        if isinstance(layer, PagedKV) and layer.slot != layer.pool.count:
+            k, v = layer.read(layer.length)
+            flat = KVCache(k.shape[1], k.shape[2], k.dtype, k.device, capacity=max(upto, layer.length, 1))
+            flat.k[: layer.length], flat.v[: layer.length] = k, v
+            flat.length, flat.limit = layer.length, layer.capacity
+            layer = flat
+        out.append(layer)
+    return out
+
+
+def unstage(state: list, staged: list) -> None:
+    """The positions a staged state gained written back into the request's pages."""
+    for layer, flat in zip(state, staged):
+        if flat is not layer:
+            n = layer.length
+            layer.write(flat.k[n: flat.length], flat.v[n: flat.length], n)
+            layer.length = flat.length
+
+
 def _pool_of(layer):
-    return layer.pool_ssm if isinstance(layer, SlotGDN) else layer.pool_k
+    return layer.pool_ssm if isinstance(layer, SlotGDN) else layer.pool
 
 
 def snapshot(state: list) -> list | None:
@@ -258,6 +443,8 @@ def snapshot(state: list) -> list | None:
     for layer in state:
         if isinstance(layer, GDNState):
             out.append((layer.length, layer.conv.clone(), layer.ssm.clone()))
+        elif isinstance(layer, PagedKV) and layer.slot != layer.pool.count:
+            out.append((layer.length, *layer.read(layer.length)))
         elif isinstance(layer, KVCache):
             out.append((layer.length, layer.k[:layer.length].clone(), layer.v[:layer.length].clone()))
         else:
@@ -272,6 +459,8 @@ def restore(state: list, saved: list) -> None:
         if isinstance(layer, GDNState):
             layer.conv.copy_(a)
             layer.ssm.copy_(b)
+        elif isinstance(layer, PagedKV) and layer.slot != layer.pool.count:
+            layer.write(a, b, 0)
         else:
             layer.reserve(n)
             layer.k[:n].copy_(a)

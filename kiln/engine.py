@@ -12,6 +12,7 @@ import itertools
 import os
 import sys
 import time
+import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -19,7 +20,7 @@ from typing import Callable, Iterator
 import torch
 
 from .backends.graphs import PREFILL_GRAPH_ROWS, BatchGraphs, DecodeGraph, PrefillGraphs, graphable, upload
-from .cache import SlotPool, StateBatch, key_span, restore, snapshot
+from .cache import PAGE, PagedKV, PagedPrefix, SlotPool, StateBatch, key_span, pages_for, restore, snapshot
 from .errors import KilnError
 from .sampling import Sampler, SamplingParams
 
@@ -119,29 +120,35 @@ class Engine:
         if self._pool is not None and self._pool.count >= slots:
             return self._pool
         template = self.model.make_state(self.dtype, self.device)
-        if not SlotPool.poolable(template) or (cap := self._pool_capacity(template, slots)) is None:
+        if not SlotPool.poolable(template) or (shape := self._pool_shape(template, slots)) is None:
             return None
-        self._pool = SlotPool(template, slots, cap)
+        cap, pages = shape
+        self._pool = SlotPool(template, slots, cap, pages)
         self._batch_graphs = BatchGraphs(self.model, self.device, self._pool) if self.batch_graphs_on else None
         if not self.quiet:
-            gb = (slots + 1) * SlotPool.bytes_per_slot(template, cap) / 1e9
+            per_token = SlotPool.bytes_per_slot(template, 1) - SlotPool.bytes_per_slot(template, 0)
+            gb = ((slots + 1) * SlotPool.bytes_per_slot(template, 0) + (pages * PAGE + cap) * per_token) / 1e9
             why = f": the concurrent requests --gpu-memory allows ({asked} asked)" if slots < asked else ""
-            print(f"[kiln] batch state: {slots} slots of up to {cap} tokens each ({gb:.1f} GB){why}", file=sys.stderr)
+            print(f"[kiln] batch state: {slots} slots of up to {cap} tokens each, KV in {pages} pages of {PAGE} "
+                  f"tokens ({gb:.1f} GB){why}", file=sys.stderr)
         return self._pool
 
-    def _pool_capacity(self, template: list, slots: int) -> int | None:
-        """KV positions a slot holds: the max context up to POOL_CONTEXT, fewer where `slots` of them
-        would pass POOL_MEMORY of the free device memory (None: not even 256 fit); under a --gpu-memory
-        budget the context it planned."""
+    def _pool_shape(self, template: list, slots: int) -> tuple[int, int] | None:
+        """(positions a request may hold, KV pages shared by the slots). A request holds up to the max
+        context (at most POOL_CONTEXT); the pages are as many as `slots` such requests need, fewer where
+        they would pass POOL_MEMORY of the free device memory (None: not 256 positions' worth). Under a
+        --gpu-memory budget, the context it planned and `slots` requests of it."""
         if self.pool_limit is not None:
-            return self.pool_limit[1]
+            cap = self.pool_limit[1]
+            return cap, slots * pages_for(cap)
         cap = min(self.max_context, POOL_CONTEXT)
+        pages = slots * pages_for(cap)
         if self.device.type == "cuda":
             fixed = SlotPool.bytes_per_slot(template, 0)
             per_token = max(SlotPool.bytes_per_slot(template, 1) - fixed, 1)
-            room = POOL_MEMORY * torch.cuda.mem_get_info(self.device)[0] / (slots + 1) - fixed
-            cap = min(cap, int(room // per_token) // 256 * 256)
-        return cap if cap >= min(256, self.max_context) else None
+            room = POOL_MEMORY * torch.cuda.mem_get_info(self.device)[0] - (slots + 1) * fixed - cap * per_token
+            pages = min(pages, int(room // (per_token * PAGE)))
+        return (cap, pages) if pages * PAGE >= min(256, self.max_context) else None
 
     def capped(self, state: list) -> list:
         """A KV cache never grows past the max context (its doubling would, up to twice over, and
@@ -249,8 +256,10 @@ class Engine:
         layers = [StateBatch(layer) for layer in zip(*states)]
         if slots is not None:     # one launch a layer reads every request's slot
             slot_ids, keys = upload(slots, self.device, torch.int32), key_span(max(positions))
+            pool = next((layer.pool for layer in states[0] if isinstance(layer, PagedKV)), None)
+            flat = None if pool is None else pool.flat_rows(slot_ids, pos)
             for layer in layers:
-                layer.slots, layer.keys = slot_ids, keys
+                layer.slots, layer.keys, layer.flat = slot_ids, keys, flat
         ops = self.model.ops
         ops.rows_apart = getattr(ops, "batch_invariant", False)     # each row its single-row products
         try:
@@ -429,13 +438,31 @@ class PrefixCache:
                 return n, saved
         return 0, None
 
-    def keep(self, ids: list[int], state: list) -> None:
+    def keep(self, ids: list[int], state: list, pool: SlotPool | None = None) -> None:
+        """The state after ids kept: a pool slot's K/V pages shared as they are (SlotPool.share), else copied."""
         key = tuple(ids)
-        if key in self.items or (saved := snapshot(state)) is None:
+        if key in self.items:
+            return
+        mine = pool is not None and SlotPool.slots_of([state]) is not None
+        saved = pool.share(state, len(ids)) if mine else snapshot(state)
+        if saved is None:
             return
         self.items[key] = saved
         while len(self.items) > self.entries:
-            self.items.popitem(last=False)
+            self.drop_oldest()
+
+    def clear(self) -> None:
+        while self.drop_oldest():
+            pass
+
+    def drop_oldest(self) -> bool:
+        """The least recently used prefix forgotten (its pages freed where no request holds them)."""
+        if not self.items:
+            return False
+        _, saved = self.items.popitem(last=False)
+        if isinstance(saved, PagedPrefix):
+            saved.release()
+        return True
 
 
 class _Abandoned(Exception):
@@ -481,6 +508,8 @@ class Batch:
         self.group_prefill = group_prefill and engine.model.several_prompts
         self.prefixes = PrefixCache() if prefix_cache else None
         self.pool = engine.slot_pool(slots) if slots else None
+        if self.prefixes is not None:   # its kept pages go back to the engine's pool with the batch
+            weakref.finalize(self, self.prefixes.clear)
         self.slots, self.lent = slots, 0
         self.pending: tuple | None = None      # the step in flight: (its requests, their tokens, its end event)
         self.waiting: deque[BatchRequest] = deque()
@@ -615,7 +644,7 @@ class Batch:
     def _prefilled(self, r: BatchRequest, end: int, logits: torch.Tensor) -> None:
         r.pos = end
         if end == r.keep_at:
-            self.prefixes.keep(r.ids[:end], r.state)
+            self.prefixes.keep(r.ids[:end], r.state, self.pool)
         if end < len(r.ids):
             return
         self.waiting.remove(r)
@@ -631,8 +660,13 @@ class Batch:
         if self.prefixes is None:
             return
         n, saved = self.prefixes.lookup(r.ids)
-        if saved is not None:
+        if isinstance(saved, PagedPrefix) and SlotPool.slots_of([r.state]) is not None:
+            self.pool.adopt(r.state, saved)          # its pages, not a copy
+        elif isinstance(saved, PagedPrefix):
+            restore(r.state, saved.snapshot())
+        elif saved is not None:
             restore(r.state, saved)
+        if saved is not None:
             r.pos = r.stream.times.cached_tokens = n
         at = self.prefixes.boundary(r.ids)
         r.keep_at = at if at > r.pos else 0
@@ -640,8 +674,12 @@ class Batch:
     def _new_state(self, r: BatchRequest) -> list | None:
         """A pool slot's state (None while all are lent), or its own where there is no pool or the
         request would outgrow a slot; never the graph's."""
-        if self.pool is not None and len(r.ids) + r.steps <= self.pool.capacity:
-            state = self.pool.take() if self.lent < self.slots else None
+        tokens = len(r.ids) + r.steps
+        if self.pool is not None and self.pool.fits(tokens):
+            state = None
+            while self.lent < self.slots and (state := self.pool.take(tokens)) is None and self.pool.free:
+                if self.prefixes is None or not self.prefixes.drop_oldest():
+                    break           # pages held by running requests: it waits for one to end
             self.lent += state is not None
             return state
         eng = self.engine

@@ -233,8 +233,10 @@ class PrefillGraphs:
 
     @staticmethod
     def _rows(layer, slot: torch.Tensor, start: int, count: int) -> torch.Tensor:
-        """Rows start..start+count of slot `slot` (a device tensor [1]) in layer's pool seen as [S*cap, KV, D]."""
-        return slot * layer.pool_k.shape[1] + start + torch.arange(count, device=slot.device)
+        """The stores' rows of positions start..start+count of slot `slot` (a device tensor [1]), through
+        the pool's block table (kiln.cache.SlotPool)."""
+        pos = start + torch.arange(count, device=slot.device)
+        return layer.pool.flat_rows(slot.expand(count), pos)
 
     def run(self, ids: list[int], state: list, quiet: bool = True) -> torch.Tensor | None:
         """The logits of the prompt's last token with `state` fed the prompt, or None where no graph
@@ -317,7 +319,7 @@ class PrefillGraphs:
             elif offset:
                 rows = self._rows(layer, slot, 0, offset)
                 for pool, part in ((layer.pool_k, layer.k), (layer.pool_v, layer.v)):
-                    part[:offset].copy_(pool.view(-1, *pool.shape[2:]).index_select(0, rows))
+                    part[:offset].copy_(pool.index_select(0, rows))
         logits = self._body(scratch, ids, tail, offset)
         for layer in scratch:      # (the sources are cloned: index_copy_ refuses a view of its own pool)
             if isinstance(layer, GDNState):
@@ -326,7 +328,7 @@ class PrefillGraphs:
             else:
                 rows = self._rows(layer, slot, offset, b)
                 for pool, part in ((layer.pool_k, layer.k), (layer.pool_v, layer.v)):
-                    pool.view(-1, *pool.shape[2:]).index_copy_(0, rows, part[offset:offset + b].clone())
+                    pool.index_copy_(0, rows, part[offset:offset + b].clone())
         return logits
 
     @staticmethod
@@ -452,8 +454,9 @@ class BatchGraphs:
     def _body(self, ids, pos, slots, keys: int) -> torch.Tensor:
         rows = ids.shape[0]
         layers = [StateBatch([layer] * rows) for layer in self.pool.scratch]
+        slots, flat = slots.to(torch.int32), self.pool.flat_rows(slots, pos)
         for layer in layers:
-            layer.slots, layer.keys, layer.whole_only = slots.to(torch.int32), keys, True
+            layer.slots, layer.keys, layer.flat, layer.whole_only = slots, keys, flat, True
         return self.model.forward(ids, pos, layers, last_only=False)
 
     def _capture(self, bucket: int, keys: int, inputs: torch.Tensor, quiet: bool) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from ..cache import KVCache, StateBatch
+from ..cache import KVCache, StateBatch, paged, stage, unstage
 from ..errors import KilnError
 from ..weights.checkpoint import FileSpan
 from ..weights.quantized import cat_rows
@@ -25,14 +25,27 @@ def per_request(state, fn, *rows, whole=None):
     of them for several prompts prefilled together), the outputs concatenated along rows in batch
     order."""
     if not isinstance(state, StateBatch):
-        return fn(state, *rows)
+        return _alone(fn, state, *rows)
     if state.rows is None and whole is not None and (out := whole(state, *rows)) is not None:
         return out
     if state.whole_only:
         raise KilnError("an op of this batched step runs request by request: it cannot be captured")
     spans = state.spans()
-    outs = [fn(s, *(None if r is None else r[a:b] for r in rows)) for s, (a, b) in zip(state, spans)]
+    outs = [_alone(fn, s, *(None if r is None else r[a:b] for r in rows)) for s, (a, b) in zip(state, spans)]
     return torch.cat(outs)
+
+
+def _alone(fn, layer, *rows):
+    """fn over one request's layer state; a pool slot's paged K/V (kiln.cache.PagedKV) on a contiguous
+    copy of its positions, the positions it gains written back to its pages after."""
+    if not paged([layer]):
+        return fn(layer, *rows)
+    new = next((r.shape[0] for r in rows if isinstance(r, torch.Tensor)), 1)
+    staged, = stage([layer], layer.length + new)
+    try:
+        return fn(staged, *rows)
+    finally:
+        unstage([layer], [staged])
 
 
 def last_rows(x: torch.Tensor, last_only) -> torch.Tensor:

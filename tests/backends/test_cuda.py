@@ -135,7 +135,7 @@ def test_pooled_batched_decode_step_equals_the_per_request_loop(moe_p2, monkeypa
     """Requests whose state are slots of one pool: a batched decode step runs each layer's GDN step and
     attention for all rows in one kernel, and gives the logits and states of the row loop bit for bit."""
     from kiln.cache import SlotPool
-    from kiln.ops.attention import kernels as attention_kernels
+    from kiln.ops.attention import paged
     from kiln.ops.gdn import kernels as gdn_kernels
 
     eng = moe_p2.engine
@@ -149,11 +149,11 @@ def test_pooled_batched_decode_step_equals_the_per_request_loop(moe_p2, monkeypa
                                                   else (layer.pool_k, layer.pool_v))]
     before = [t.clone() for t in tensors]
     calls = []
-    for mod, name in ((gdn_kernels, "gdn_decode_rows"), (attention_kernels, "decode_attention_rows")):
+    for mod, name in ((gdn_kernels, "gdn_decode_rows"), (paged, "decode_attention_paged")):
         monkeypatch.setattr(mod, name, lambda *a, _f=getattr(mod, name), _n=name, **k: calls.append(_n) or _f(*a, **k))
     batched = eng.decode_batch(tokens, positions, states)
     after = [t.clone() for t in tensors]
-    assert set(calls) == {"gdn_decode_rows", "decode_attention_rows"}
+    assert set(calls) == {"gdn_decode_rows", "decode_attention_paged"}
     for t, b in zip(tensors, before):
         t.copy_(b)
     for st in states:
@@ -183,12 +183,49 @@ def test_a_batch_with_fewer_slots_than_prompts_runs_them_all(moe_p2, monkeypatch
 
     lent, pool = [], moe_p2.engine.slot_pool(2)
     take = pool.take
-    monkeypatch.setattr(pool, "take", lambda: (st := take()) is not None and lent.append(pool.count - len(pool.free))
-                        or st)
+    monkeypatch.setattr(pool, "take", lambda tokens=None: (st := take(tokens)) is not None
+                        and lent.append(pool.count - len(pool.free)) or st)
     pooled, batch = run()
     assert batch.pool is pool and len(pool.free) == pool.count and len(lent) == 3 and max(lent) <= 2
+    assert len(pool.free_pages) == pool.pages        # every page back too
     assert batch.lent == 0
     monkeypatch.setattr(moe_p2.engine, "slot_pool", lambda slots: None)
     loop, batch = run()
     assert batch.pool is None
     assert pooled == loop and all(len(t) == 3 for t in pooled)
+
+
+@pytest.mark.skipif(SWITCHED_OFF, reason="a kernel family is switched off")
+def test_a_cached_prefix_is_shared_page_for_page_and_freed_with_its_last_holder(moe_p2):
+    """Paged KV with a prefix cache: a request starting from a kept prefix holds the prefix's whole
+    pages themselves (no copy), gets a copy of its partly filled last page, and the tokens it gets in a
+    batch of its own; a request holds only the pages its prompt and max new tokens need; the pages
+    come back when the last holder (request or cache entry) lets go."""
+    import kiln
+    from kiln.cache import PAGE, PagedPrefix, pages_for
+    from kiln.engine import Batch
+
+    eng = moe_p2.engine
+    shared = [(5 * j) % 300 + 1 for j in range(PAGE + 70)]          # kept at 192 tokens: 1.5 pages
+    first, second = shared + [7, 8], shared + [11, 12, 13]
+    params = kiln.SamplingParams(max_new_tokens=4)
+    want = list(Batch(eng, set(), slots=2, prefix_cache=True).add(second, params).stream.ids)
+    batch = Batch(eng, set(), slots=2, prefix_cache=True)
+    pool = batch.pool
+    list(batch.add(first, params).stream.ids)
+    (kept,) = batch.prefixes.items.values()
+    assert isinstance(kept, PagedPrefix) and kept.n == 192 and len(kept.pages) == 2
+    assert len(pool.free_pages) == pool.pages - 2                     # the request's others are back
+    r = batch.add(second, params)
+    while r.state is None or r.pos < len(second):
+        batch.step()
+    mine = pool._held[r.state[0].slot]
+    assert len(mine) == pages_for(len(second) + 3)
+    assert mine[0] == kept.pages[0] and pool.refs[kept.pages[0]] == 2     # the whole page: shared
+    assert mine[1] != kept.pages[1] and pool.refs[kept.pages[1]] == 1     # the partial one: copied
+    assert [pool.table[r.state[0].slot, j].item() for j in range(len(mine))] == mine
+    got = list(r.stream.ids)
+    assert got == want and r.stream.times.cached_tokens == 192
+    assert len(pool.free_pages) == pool.pages - 2
+    batch.prefixes.drop_oldest()
+    assert len(pool.free_pages) == pool.pages and set(pool.refs) == {0}

@@ -13,6 +13,7 @@ import torch
 
 import kiln
 from kiln.backends import graphs
+from kiln.cache import PAGE
 
 
 def assert_f32_close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -310,8 +311,13 @@ def test_a_slot_prefill_fills_the_requests_slot_as_an_eager_prefill(start, monke
     ids = [(7 * i + 3) % 300 for i in range(21)]
     alone, slotted = pool.take(), pool.take()
     for layer in (pool.scratch if start else slotted):   # stale contents: the copies must overwrite them
-        for t in (layer.k, layer.v) if hasattr(layer, "pool_k") else (layer.conv, layer.ssm):
-            t.fill_(7.0)
+        if hasattr(layer, "pool_k"):                      # the slot's pages, through its block table
+            rows = layer.rows(0, pool.held(layer.slot) * PAGE)
+            for store in (layer.pool_k, layer.pool_v):
+                store.index_fill_(0, rows, 7.0)
+        else:
+            for t in (layer.conv, layer.ssm):
+                t.fill_(7.0)
     if start:
         eng.prefill(ids[:start], alone)
         eng.prefill(ids[:start], slotted)

@@ -90,3 +90,62 @@ def test_key_span_is_a_power_of_two_above_every_position():
 
     assert key_span(0) == key_span(KEY_SPAN_MIN - 1) == KEY_SPAN_MIN
     assert key_span(KEY_SPAN_MIN) == 2 * KEY_SPAN_MIN and key_span(5000) == 8192
+
+
+def paged_case(dtype, keys, page, h=4, kv=2, d=32, seed=2, device=DEVICE):
+    """Each slot's `keys` positions contiguous ([4, keys, KV, D]), and the same values scattered into
+    pages of a store in a shuffled order, with the block table that finds them."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=gen, device=device).to(dtype)  # noqa: E731
+    k, v = r(4, keys, kv, d), r(4, keys, kv, d)
+    width = keys // page
+    order = torch.randperm(4 * width + 3, generator=torch.Generator().manual_seed(seed))[: 4 * width]
+    table = order.view(4, width).to(torch.int32).to(device)
+    k_store = r((4 * width + 3) * page, kv, d)           # pages no slot holds: random, never read
+    v_store = r((4 * width + 3) * page, kv, d)
+    for s in range(4):
+        for j in range(width):
+            at, mine = int(table[s, j]) * page, slice(j * page, (j + 1) * page)
+            k_store[at: at + page], v_store[at: at + page] = k[s, mine], v[s, mine]
+    return r(len(SLOTS), h, 2 * d), k, v, k_store, v_store, table
+
+
+def check_paged(dtype, keys, page, window, forms, positions, device=DEVICE, **dims):
+    from kiln.ops.attention import paged
+
+    qg, k, v, k_store, v_store, table = paged_case(dtype, keys, page, device=device, **dims)
+    q, gate = qg.chunk(2, dim=-1)
+    pos = torch.tensor(positions, dtype=torch.int64, device=device)
+    slots = torch.tensor(SLOTS, dtype=torch.int32, device=device)
+    scale = q.shape[-1] ** -0.5
+    for form in forms:
+        for g in (None, gate):
+            want = torch.cat([attention_kernels.decode_attention(
+                q[r:r + 1], k[s], v[s], pos[r:r + 1], scale, window, None, form,
+                gate=None if g is None else g[r:r + 1]) for r, s in enumerate(SLOTS)])
+            got = paged.decode_attention_paged(q, k_store, v_store, pos, slots, table, page, keys, scale, window,
+                                               None, form, gate=g)
+            assert torch.equal(got, want), (form.name, g is None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 40])
+def test_paged_decode_attention_equals_each_row_alone_over_its_keys_in_one_buffer(dtype, window):
+    """Keys found through a block table (pages shuffled, several a row, a step never across two) give
+    each row bit for bit what the one-request kernel gives over the same keys in one buffer, with the
+    same variant: the trusted one-split form and a split form, with and without the output gate."""
+    forms = [attention_kernels.decode_trusted_variant(16), attention_kernels.decode_variant(32, 16, 4),
+             attention_kernels.decode_variant(64, 32, 4)]
+    check_paged(dtype, keys=128, page=32, window=window, forms=forms, positions=[100, 0, 127])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("window", [None, 1024])
+def test_gpu_paged_decode_attention_equals_each_row_alone(window):
+    """The H200's split forms (up to 128 keys a step: a step fills a page) on the 35B's attention shape."""
+    from kiln.cache import PAGE
+
+    forms = [attention_kernels.decode_variant(c, bn, w) for c, bn, w in attention_kernels.GPU_DECODE]
+    check_paged(torch.bfloat16, keys=4096, page=PAGE, window=window, forms=forms, positions=[3000, 0, 4095],
+                device=torch.device("cuda"), h=16, kv=2, d=256)

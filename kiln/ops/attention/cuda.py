@@ -4,10 +4,10 @@ the kernels do not take."""
 
 from __future__ import annotations
 
-from ...cache import KVCache, SlotKV
+from ...cache import PAGE, KVCache, PagedKV
 from ..dispatch import TunedOps
 from ..rope import kernels as rope
-from . import kernels
+from . import kernels, paged
 from .reference import AttentionReference
 
 
@@ -65,28 +65,30 @@ class AttentionCuda(TunedOps, AttentionReference):
     def qk_norm_rope_attention_rows(self, q, k, v, q_norm_w, k_norm_w, eps, style, rope_tables, states, positions,
                                     scale, window=None, softcap=None, gate=None, v_norm=False):
         """A batched decode step's attention in three launches (norm + RoPE + append, split-KV, combine)
-        when every request's KV is a slot of one pool (StateBatch.slots); else None. Each row is
-        computed as decode_attention computes it alone."""
+        when every request's KV is a slot of one pool (StateBatch.slots), read and written through its
+        block table (kiln.cache.SlotPool); else None. Each row is computed as decode_attention computes
+        it alone."""
         cos, sin = rope_tables
         first = states[0]
-        if states.slots is None or not isinstance(first, SlotKV) or not self._attention_fits(q, first):
+        if states.slots is None or not isinstance(first, PagedKV) or not self.on("attention", q):
             return None
-        k_pool, v_pool = first.pool_k, first.pool_v
-        cap, (t, h, d), kv = k_pool.shape[1], q.shape, k_pool.shape[2]
-        k_flat, v_flat = k_pool.view(-1, kv, d), v_pool.view(-1, kv, d)
-        if not self.on("rope", q) or not rope.supports(q, k, v, k_flat, cos):
+        pool, k_store, v_store = first.pool, first.pool_k, first.pool_v
+        if not self.on("rope", q) or not kernels.supports(q, k_store) or not rope.supports(q, k, v, k_store, cos):
             return None
-        flat = states.slots.long() * cap + positions       # each row's K/V lands in its own slot
+        t, h, d = q.shape
+        kv = k_store.shape[1]
+        # each row's K/V lands in its own slot's page
+        flat = pool.flat_rows(states.slots, positions) if states.flat is None else states.flat
         shape = rope.RopeShape(t, h, kv, d, cos.shape[-1], style if q_norm_w is not None else None, v_norm)
-        q = rope.qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_flat, v_flat, flat,
+        q = rope.qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_store, v_store, flat,
                          var=self.choose(rope.OP, shape), v_norm=v_norm)
         inside = gate is not None and gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(-1) == 1
         # the rows' keys lie below states.keys: the split grid (and the variant) for that many, not the
-        # slot's capacity (views of the pools: each slot's base stays cap rows apart)
-        keys = min(cap, states.keys or cap)
+        # slot's capacity
+        keys = min(pool.capacity, states.keys or pool.capacity)
         var = self.choose(kernels.DECODE_OP, kernels.DecodeShape(keys, h, kv, d, window, softcap))
-        o = kernels.decode_attention_rows(q, k_pool[:, :keys], v_pool[:, :keys], positions, states.slots, scale,
-                                          window, softcap, var, gate=gate if inside else None)
+        o = paged.decode_attention_paged(q, k_store, v_store, positions, states.slots, pool.table, PAGE, keys, scale,
+                                         window, softcap, var, gate=gate if inside else None)
         for s in states:
             s.length += 1
         return o if gate is None or inside else self.act_mul(gate, o.view(gate.shape), "sigmoid")
