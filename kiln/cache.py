@@ -165,17 +165,30 @@ class PagedKV(KVCache):
     """Slot `slot`'s K/V in a SlotPool (kiln.cache.SlotPool): pages of PAGE positions in the pool's
     stores [pages * PAGE, KV, D] (pool_k, pool_v; one pair a layer), found through the slot's row of
     the pool's block table. A batched decode step reads and writes them there (the kernels take the
-    table). Elsewhere a request's K/V are read or written as rows (`read`, `write`; the engine stages
-    a prefill on contiguous copies); the pool's scratch slot alone is also contiguous (`k`, `v`)."""
+    table). Where the slot's pages are one run of consecutive pages (the pool takes them so where it
+    can; the scratch slot's always are), `k` and `v` are views of that run, a plain KV buffer to every
+    other op; else its K/V are read and written as rows (`read`, `write`), and an op that wants them
+    whole gets a contiguous copy (`stage`)."""
 
     def __init__(self, pool: "SlotPool", layer: int, slot: int):
         self.head_major, self.limit, self.length = False, pool.capacity, 0
         self.pool, self.layer, self.slot = pool, layer, slot
         self.pool_k, self.pool_v = pool.k_stores[layer], pool.v_stores[layer]
-        if slot == pool.count:       # the scratch slot: its pages are the stores' first, in order
-            self.k, self.v = self.pool_k[: pool.capacity], self.pool_v[: pool.capacity]
 
-    def __getattr__(self, name):     # k and v of a lent slot: not contiguous
+    def bind(self, pages: list[int]) -> None:
+        """The slot's pages now `pages`: k and v views of them where they run in order, else none."""
+        if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
+            a, b = pages[0] * PAGE, (pages[-1] + 1) * PAGE
+            self.k, self.v = self.pool_k[a:b], self.pool_v[a:b]
+        else:
+            self.__dict__.pop("k", None)
+            self.__dict__.pop("v", None)
+
+    @property
+    def contiguous(self) -> bool:
+        return "k" in self.__dict__
+
+    def __getattr__(self, name):     # k and v of a slot whose pages do not run in order
         if name in ("k", "v"):
             raise KilnError("a paged KV slot is read through its block table (PagedKV.read/write, or staged)")
         raise AttributeError(name)
@@ -278,6 +291,9 @@ class SlotPool:
                 i += 1
             for s in range(slots + 1):
                 self.states[s].append(made[s])
+        for layer in self.scratch:       # its pages: the stores' first, in order
+            if isinstance(layer, PagedKV):
+                layer.bind(list(range(self.width)))
 
     @property
     def scratch(self) -> list:
@@ -313,7 +329,7 @@ class SlotPool:
         if not self.free or need > len(self.free_pages):
             return None
         slot = self.free.pop()
-        self._set_pages(slot, [self._page() for _ in range(need)])
+        self._set_pages(slot, self._alloc(need))
         state = self.states[slot]
         for layer in state:
             layer.reset()
@@ -325,10 +341,17 @@ class SlotPool:
             self.free.append(slot)
             self.drop(self._held.pop(slot, []))
 
-    def _page(self) -> int:
-        page = self.free_pages.pop()
-        self.refs[page] = 1
-        return page
+    def _alloc(self, need: int) -> list[int]:
+        """`need` free pages, held once: consecutive ones where the free pages have such a run (the
+        slot's K/V then read as one buffer by every op: no copies), else the lowest free ones."""
+        free = sorted(self.free_pages)
+        start = next((i for i in range(len(free) - need + 1) if free[i + need - 1] - free[i] == need - 1), None)
+        pages = free[start: start + need] if start is not None else free[:need]
+        taken = set(pages)
+        self.free_pages = [p for p in self.free_pages if p not in taken]
+        for page in pages:
+            self.refs[page] = 1
+        return pages
 
     def drop(self, pages: list[int]) -> None:
         """Each page held once less; a page no one holds is free again."""
@@ -341,6 +364,9 @@ class SlotPool:
         self._held[slot] = pages
         row = pages + [0] * (self.width - len(pages))      # past a request's pages: never read
         self.table[slot].copy_(_upload(row, self.table.device))
+        for layer in self.states[slot]:
+            if isinstance(layer, PagedKV):
+                layer.bind(pages)
 
     def rows(self, slot: int, start: int, count: int) -> torch.Tensor:
         """The stores' rows of slot `slot`'s positions start .. start + count - 1 (device int64)."""
@@ -403,8 +429,8 @@ def _upload(values: list[int], device) -> torch.Tensor:
 
 
 def paged(state: list) -> bool:
-    """Whether a request's state holds K/V of a lent pool slot (read and written as rows only)."""
-    return any(isinstance(layer, PagedKV) and layer.slot != layer.pool.count for layer in state)
+    """Whether a request's state holds K/V in pages that do not run in order (read and written as rows only)."""
+    return any(isinstance(layer, PagedKV) and not layer.contiguous for layer in state)
 
 
 def stage(state: list, upto: int) -> list:
@@ -412,7 +438,7 @@ def stage(state: list, upto: int) -> list:
     request): each paged layer a plain KVCache of room `upto` holding copies of its positions."""
     out = []
     for layer in state:
-        if isinstance(layer, PagedKV) and layer.slot != layer.pool.count:
+        if isinstance(layer, PagedKV) and not layer.contiguous:
             k, v = layer.read(layer.length)
             flat = KVCache(k.shape[1], k.shape[2], k.dtype, k.device, capacity=max(upto, layer.length, 1))
             flat.k[: layer.length], flat.v[: layer.length] = k, v
@@ -443,7 +469,7 @@ def snapshot(state: list) -> list | None:
     for layer in state:
         if isinstance(layer, GDNState):
             out.append((layer.length, layer.conv.clone(), layer.ssm.clone()))
-        elif isinstance(layer, PagedKV) and layer.slot != layer.pool.count:
+        elif isinstance(layer, PagedKV) and not layer.contiguous:
             out.append((layer.length, *layer.read(layer.length)))
         elif isinstance(layer, KVCache):
             out.append((layer.length, layer.k[:layer.length].clone(), layer.v[:layer.length].clone()))
@@ -459,7 +485,7 @@ def restore(state: list, saved: list) -> None:
         if isinstance(layer, GDNState):
             layer.conv.copy_(a)
             layer.ssm.copy_(b)
-        elif isinstance(layer, PagedKV) and layer.slot != layer.pool.count:
+        elif isinstance(layer, PagedKV) and not layer.contiguous:
             layer.write(a, b, 0)
         else:
             layer.reserve(n)

@@ -229,3 +229,33 @@ def test_a_cached_prefix_is_shared_page_for_page_and_freed_with_its_last_holder(
     assert len(pool.free_pages) == pool.pages - 2
     batch.prefixes.drop_oldest()
     assert len(pool.free_pages) == pool.pages and set(pool.refs) == {0}
+
+
+@pytest.mark.skipif(SWITCHED_OFF, reason="a kernel family is switched off")
+def test_requests_whose_pages_do_not_run_in_order_get_the_tokens_of_ones_whose_pages_do(moe_p2, monkeypatch):
+    """A slot's pages in any order (the pool prefers runs, which every op reads as one buffer): the
+    prefill works on a contiguous copy and writes its positions back (kiln.cache.stage), the batched
+    decode reads through the table; the tokens are those of slots whose pages run in order."""
+    import kiln
+    from kiln.cache import PagedKV, SlotPool
+    from kiln.engine import Batch
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (150, 140, 20)]
+    params = kiln.SamplingParams(max_new_tokens=4)
+
+    def run():
+        batch = Batch(moe_p2.engine, set(), slots=3)
+        requests = [batch.add(p, params) for p in prompts]
+        seen = []
+        while any(not r.done for r in requests):
+            batch.step()
+            seen += [r.state[3].contiguous for r in requests if r.state is not None and isinstance(r.state[3], PagedKV)]
+        return [list(r.out) for r in requests], seen
+
+    want, seen = run()
+    assert seen and all(seen)
+    alloc = SlotPool._alloc
+    monkeypatch.setattr(SlotPool, "_alloc", lambda self, need: alloc(self, need)[::-1])    # the same pages, reversed
+    got, seen = run()
+    assert got == want and not all(seen)
