@@ -70,6 +70,8 @@ def logits_and_tokens(name: str, monkeypatch, fork: str, eager: bool):
     llm = kiln.load(name, device="cuda", dtype="bf16", enforce_eager=eager)
     prompt = [(7 * i + 3) % 300 for i in range(24)]
     out = llm.generate(prompt, max_new_tokens=10, temperature=0).token_ids
+    if not eager:       # captured, not fallen back to eager steps (both modes would then agree trivially)
+        assert not llm.engine.graph.failed and not llm.engine.prefill_graphs.failed
     with torch.inference_mode():
         state = llm.engine.new_state(64)
         llm.engine.prefill(prompt, state)

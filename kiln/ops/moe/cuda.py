@@ -9,7 +9,7 @@ import os
 import torch
 
 from ...weights.experts import ExpertStack
-from ...weights.quantized import QuantizedWeight
+from ...weights.quantized import QuantizedWeight, dequantize
 from ..dispatch import TunedOps
 from ..fork import Forked, join, peek
 from ..gemm.reference import ACTIVATIONS
@@ -102,6 +102,8 @@ class MoeCuda(TunedOps, MoeReference):
             if y is not None:
                 return y
             gate_up, down = self._dequantised(x, gate_up, down)
+            if not dense(gate_up, down) and x.shape[0] == 1 and x.device.type == "cuda":
+                return self._moe_one_token(x, idx, weights, gate_up, down, act)     # a graph can hold it
             if not dense(gate_up, down):
                 return super().moe_experts(x, idx, weights, gate_up, down, act)
         if self.on("moe", x) and kernels.supports(x, gate_up, down, act):
@@ -183,11 +185,13 @@ class MoeCuda(TunedOps, MoeReference):
         return kernels.MoeShape(x.shape[0], gate_up.shape[0], idx.shape[1], x.shape[1], down.shape[2], act)
 
     def _moe_one_token(self, x, idx, weights, gate_up, down, act):
-        """One token's experts by gathering their weights: no host read, so a graph can hold it."""
+        """One token's experts by gathering their weights (quantised ones dequantised as the reference
+        dequantises them, mx.dequantize): no host read, so a graph can hold it."""
         order = torch.sort(idx[0]).indices                      # ascending expert id, as the reference adds
         e, wt = idx[0, order], weights[0, order]
-        gate, up = torch.matmul(gate_up[e], x[0]).chunk(2, dim=-1)            # [k, I] each
-        y = torch.matmul(down[e], (ACTIVATIONS[act](gate) * up)[..., None])[..., 0] * wt[:, None]
+        pick = lambda w: w[e] if dense(w) else dequantize(w.rows(e))      # noqa: E731
+        gate, up = torch.matmul(pick(gate_up), x[0]).chunk(2, dim=-1)            # [k, I] each
+        y = torch.matmul(pick(down), (ACTIVATIONS[act](gate) * up)[..., None])[..., 0] * wt[:, None]
         out = torch.zeros_like(x[0])
         for j in range(y.shape[0]):
             out = out + y[j].to(out.dtype)
