@@ -359,22 +359,23 @@ def batch_pool(plan: MemoryPlan, cls, cfg, ops, dtype, limit: int, batch: int, s
     if not SlotPool.poolable(template):
         return
     context = min(limit, POOL_CONTEXT)
-    one = SlotPool.bytes_per_slot(template, context)
+    one = SlotPool.bytes_per_slot(template, context)              # a lent slot (windowed layers: their rings)
+    spare = SlotPool.bytes_per_slot(template, context, rings=False)     # the scratch slot: one plain buffer
     room = plan.budget - plan.need
-    if plan.count and plan.experts + (batch + 1) * one <= room:
+    if plan.count and plan.experts + batch * one + spare <= room:
         room -= plan.experts        # every expert resident beside the whole pool
     elif plan.count:                # streamed: their slots first (as asked, else the default's 16 a layer)
         keep = (slots or min(EXPERT_SLOTS, plan.count)) * plan.per_slot
         if keep > room:
             return                  # (fit says what the experts lack)
         room -= keep
-    fits = room // one - 1          # one slot is the spare a captured batch step pads with
+    fits = (room - spare) // one    # the spare slot a captured batch step pads with, then the slots
     if fits < 1:
         raise KilnError(f"--gpu-memory {plan.budget / GB:.2f} GB leaves {max(room, 0) / GB:.2f} GB after the core, "
                         f"cache, workspace{' and expert slots' if plan.count else ''}: not two batch slots of "
-                        f"{context} tokens ({2 * one / GB:.2f} GB) for --max-batch {batch} (a lower "
+                        f"{context} tokens ({(one + spare) / GB:.2f} GB) for --max-batch {batch} (a lower "
                         f"--max-context shrinks them)")
-    plan.batch, plan.batch_slot, plan.batch_context = min(batch, fits), one, context
+    plan.batch, plan.batch_slot, plan.batch_context, plan.batch_spare = min(batch, fits), one, context, spare
 
 
 def _numel(shape) -> int:

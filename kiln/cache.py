@@ -26,6 +26,8 @@ class KVCache:
         self.v = self._alloc(capacity, n_kv, head_dim, dtype, device)
         self.length = 0
         self.limit: int | None = None       # the most positions it will hold (the engine's max context)
+        # a sliding-window layer's window: only the last `window` positions are ever read (a pool keeps those)
+        self.window: int | None = None
 
     def _alloc(self, cap: int, n_kv: int, head_dim: int, dtype, device) -> torch.Tensor:
         if self.head_major:
@@ -139,8 +141,9 @@ class StateBatch(list):
     # A bound on every row's keys (positions < keys, a power of two: key_span): a batched attention reads
     # that much of each pooled slot, its split grid fixed by it, not by the slot's whole capacity.
     keys: int | None = None
-    # each row's K/V row in a paged pool's stores (SlotPool.flat_rows), computed once for every layer
-    flat: torch.Tensor | None = None
+    # each row's K/V row in a paged pool's stores through each table, by id(table) (SlotPool.flat_rows_all):
+    # computed once a step for every layer
+    flat: dict | None = None
     rows: list[int] | None = None       # several prompts prefilled together: each request's row count
     # A step being captured as a CUDA graph: its per-layer objects stand in for the rows' states (the
     # slots say whose), so an op that would run request by request cannot be captured.
@@ -161,23 +164,46 @@ def pages_for(tokens: int) -> int:
     return -(-tokens // PAGE)
 
 
+def ring_pages(window: int | None, capacity: int) -> int:
+    """Pages a sliding-window layer's ring holds a request: its window and a page more (a step of keys
+    aligned down may read up to a page before the window: those rows must be finite, not current); 0
+    (no ring: a page for every position) where that saves nothing."""
+    ring = pages_for(window) + 1 if window else 0
+    return ring if ring < pages_for(capacity) else 0
+
+
 class PagedKV(KVCache):
     """Slot `slot`'s K/V in a SlotPool (kiln.cache.SlotPool): pages of PAGE positions in the pool's
-    stores [pages * PAGE, KV, D] (pool_k, pool_v; one pair a layer), found through the slot's row of
-    the pool's block table. A batched decode step reads and writes them there (the kernels take the
+    stores [pages * PAGE, KV, D] (pool_k, pool_v; one pair a layer), found through the slot's row of a
+    block table (`table`). A batched decode step reads and writes them there (the kernels take the
     table). Where the slot's pages are one run of consecutive pages (the pool takes them so where it
     can; the scratch slot's always are), `k` and `v` are views of that run, a plain KV buffer to every
     other op; else its K/V are read and written as rows (`read`, `write`), and an op that wants them
-    whole gets a contiguous copy (`stage`)."""
+    whole gets a contiguous copy (`stage`).
 
-    def __init__(self, pool: "SlotPool", layer: int, slot: int):
-        self.head_major, self.limit, self.length = False, pool.capacity, 0
+    A sliding-window layer (`ring` > 0) keeps only a ring of `ring` pages a slot: position p at
+    page p // PAGE mod ring (its table row repeats the ring), so a request's window layers hold the
+    same few pages however long it runs; positions before the window are overwritten, and the window
+    kernels never read them (a masked key still loads: every row stays finite)."""
+
+    def __init__(self, pool: "SlotPool", layer: int, slot: int, ring: int = 0, window: int | None = None):
+        self.head_major, self.limit, self.length, self.window = False, pool.capacity, 0, window
         self.pool, self.layer, self.slot = pool, layer, slot
+        self.ring = 0 if slot == pool.count else ring      # the scratch is one plain buffer of the capacity
+        self.keeps = ring * PAGE if ring else pool.capacity   # positions a lent slot of this layer keeps
         self.pool_k, self.pool_v = pool.k_stores[layer], pool.v_stores[layer]
+        # the layer's table, the scratch's too (a ring table's scratch row runs over the capacity in order)
+        self.table = pool.ring_tables[ring] if ring else pool.table
 
     def bind(self, pages: list[int]) -> None:
-        """The slot's pages now `pages`: k and v views of them where they run in order, else none."""
-        if pages and pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
+        """The slot's pages now `pages`: k and v views of them where they run in order, else none. A
+        ring is such a run while the request fits in it (its positions never wrap)."""
+        if self.ring and len(pages) <= self.ring:
+            pages = list(range(self.pool.ring_base(self.ring, self.slot), self.pool.ring_base(self.ring, self.slot)
+                               + len(pages)))
+        elif self.ring:
+            pages = []
+        if pages and pages == list(range(pages[0], pages[-1] + 1)):
             a, b = pages[0] * PAGE, (pages[-1] + 1) * PAGE
             self.k, self.v = self.pool_k[a:b], self.pool_v[a:b]
         else:
@@ -197,22 +223,29 @@ class PagedKV(KVCache):
     def capacity(self) -> int:
         return self.pool.capacity
 
+    @property
+    def kept(self) -> int:
+        """Positions this slot's pages keep (a ring: its last ring * PAGE; else every one)."""
+        return self.ring * PAGE if self.ring else self.pool.capacity
+
     def _reserve(self, n: int) -> None:
         if n > self.pool.held(self.slot) * PAGE:
             raise KilnError(f"a pooled KV slot holds {self.pool.held(self.slot) * PAGE} positions, {n} asked for")
 
     def rows(self, start: int, count: int) -> torch.Tensor:
         """The stores' rows (device int64 [count]) of positions start .. start + count - 1."""
-        return self.pool.rows(self.slot, start, count)
+        return self.pool.rows(self.table, self.slot, start, count)
 
-    def read(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of K and V at positions 0 .. n - 1, [n, KV, D] each."""
-        rows = self.rows(0, n)
+    def read(self, n: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V at positions first .. n - 1, [n - first, KV, D] each."""
+        rows = self.rows(first, n - first)
         return self.pool_k.index_select(0, rows), self.pool_v.index_select(0, rows)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """K and V [T, KV, D] at positions start .. start + T - 1."""
+        """K and V [T, KV, D] at positions start .. start + T - 1 (of a ring, the last it keeps)."""
         self._reserve(start + k.shape[0])
+        if (cut := k.shape[0] - self.kept) > 0:
+            k, v, start = k[cut:], v[cut:], start + cut
         rows = self.rows(start, k.shape[0])
         self.pool_k.index_copy_(0, rows, k)
         self.pool_v.index_copy_(0, rows, v)
@@ -229,23 +262,30 @@ class SlotGDN(GDNState):
 
 class PagedPrefix:
     """The state of a prompt prefix of n tokens kept by a pool without copying its K/V: its pages
-    (counted as held, so they outlive the request), and copies of its GDN states."""
+    (counted as held, so they outlive the request), and copies of what is not paged as positions: the
+    GDN states and the sliding-window layers' rings (their last positions), each of fixed size."""
 
-    def __init__(self, pool: "SlotPool", n: int, pages: list[int], gdn: list):
-        self.pool, self.n, self.pages, self.gdn = pool, n, pages, gdn
+    def __init__(self, pool: "SlotPool", n: int, pages: list[int], copies: list):
+        self.pool, self.n, self.pages, self.copies = pool, n, pages, copies
 
     def release(self) -> None:
         self.pool.drop(self.pages)
         self.pages = []
 
     def snapshot(self) -> list:
-        """Copies of it in `snapshot`'s form, for a request whose state is not of the pool."""
+        """Copies of it in `snapshot`'s form, for a request whose state is not of the pool (a ring's
+        positions before its window zeros: never read)."""
         pos = torch.arange(self.n, device=self.pool.table.device)
         rows = torch.tensor(self.pages, dtype=torch.long, device=pos.device)[pos // PAGE] * PAGE + pos % PAGE
-        gdn, out = iter(self.gdn), []
-        for layer in self.pool.scratch:
+        copies, out = iter(self.copies), []
+        for layer, mine in zip(self.pool.scratch, self.pool.states[0]):
             if isinstance(layer, GDNState):
-                out.append((self.n, *next(gdn)))
+                out.append((self.n, *next(copies)))
+            elif mine.ring:
+                first, k, v = next(copies)
+                full = [torch.zeros((self.n, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in (k, v)]
+                full[0][first:], full[1][first:] = k, v
+                out.append((self.n, *full))
             else:
                 out.append((self.n, layer.pool_k.index_select(0, rows), layer.pool_v.index_select(0, rows)))
         return out
@@ -254,15 +294,17 @@ class PagedPrefix:
 class SlotPool:
     """The decode state of up to `slots` requests at once. GDN conv and recurrent states: one pooled
     tensor [slots + 1, ...] a layer, a slot each. K/V: paged. Each attention layer keeps two stores of
-    `pages` pages of PAGE positions; a request holds the pages its prompt and its max new tokens need
-    (taken when it starts, so it never waits mid-stream), listed in its slot's row of the block table
-    (`table`, int32 [slots + 1, capacity / PAGE] on the device), so that a batched decode step updates
-    every request's state in one launch a layer. A page may be held by several: a prompt prefix kept
-    for later requests (`share`) is given to them as is (`adopt`), not copied. `take(tokens)` lends a
-    slot (None while no slot or not enough pages are free), `give(state)` returns it. Slot `count` is
-    the scratch, never lent: the spare rows of a captured batch step and the prefill graphs use it;
-    its pages are the stores' first capacity / PAGE, in order (contiguous). Layers of other kinds
-    (ring caches) make a pool impossible: `poolable` says so first."""
+    pages of PAGE positions; a request holds the pages its prompt and its max new tokens need (`pages`
+    are shared by the slots; taken when it starts, so it never waits mid-stream), listed in its slot's
+    row of the block table (`table`, int32 [slots + 1, capacity / PAGE] on the device), so that a
+    batched decode step updates every request's state in one launch a layer. A page may be held by
+    several: a prompt prefix kept for later requests (`share`) is given to them as is (`adopt`), not
+    copied. A sliding-window layer (KVCache.window) keeps a ring of ring_pages() pages a slot instead,
+    fixed, with tables of their own (`ring_tables`, by ring size). `take(tokens)` lends a slot (None
+    while no slot or not enough pages are free), `give(state)` returns it. Slot `count` is the scratch,
+    never lent: the spare rows of a captured batch step and the prefill graphs use it; its pages are
+    the stores' first capacity / PAGE, in order (one plain buffer, windowed layers too). Layers of
+    other kinds (ring caches) make a pool impossible: `poolable` says so first."""
 
     def __init__(self, template: list, slots: int, capacity: int, pages: int | None = None):
         self.width = pages_for(capacity)
@@ -274,11 +316,14 @@ class SlotPool:
         self.refs = [0] * total
         self._held: dict[int, list[int]] = {}
         kv = [layer for layer in template if type(layer) is not GDNState]
-        self.k_stores = [layer.k.new_zeros((total * PAGE, *layer.k.shape[1:])) for layer in kv]   # no stray NaN bits
-        self.v_stores = [layer.v.new_zeros((total * PAGE, *layer.v.shape[1:])) for layer in kv]
+        rings = [ring_pages(layer.window, self.capacity) for layer in kv]
+        sizes = [(self.width + slots * r if r else total) * PAGE for r in rings]   # no stray NaN bits: zeros
+        self.k_stores = [layer.k.new_zeros((n, *layer.k.shape[1:])) for layer, n in zip(kv, sizes)]
+        self.v_stores = [layer.v.new_zeros((n, *layer.v.shape[1:])) for layer, n in zip(kv, sizes)]
         device = kv[0].k.device if kv else torch.device("cpu")
         self.table = torch.zeros((slots + 1, self.width), dtype=torch.int32, device=device)
         self.table[slots] = torch.arange(self.width, dtype=torch.int32, device=device)
+        self.ring_tables = {r: self._ring_table(r, device) for r in set(rings) - {0}}
         self.states: list[list] = [[] for _ in range(slots + 1)]
         i = 0
         for layer in template:
@@ -287,13 +332,23 @@ class SlotPool:
                 ssm = layer.ssm.new_zeros((slots + 1, *layer.ssm.shape))
                 made = [SlotGDN(conv, ssm, s) for s in range(slots + 1)]
             else:
-                made = [PagedKV(self, i, s) for s in range(slots + 1)]
+                made = [PagedKV(self, i, s, rings[i], layer.window) for s in range(slots + 1)]
                 i += 1
             for s in range(slots + 1):
                 self.states[s].append(made[s])
         for layer in self.scratch:       # its pages: the stores' first, in order
             if isinstance(layer, PagedKV):
                 layer.bind(list(range(self.width)))
+
+    def ring_base(self, ring: int, slot: int) -> int:
+        """The first of slot `slot`'s `ring` pages in a windowed layer's stores (after the scratch's)."""
+        return self.width + slot * ring
+
+    def _ring_table(self, ring: int, device) -> torch.Tensor:
+        """Each slot's row: its ring's pages over and over (position p at page p // PAGE mod ring)."""
+        j = torch.arange(self.width)
+        rows = [self.ring_base(ring, s) + j % ring for s in range(self.count)] + [j]
+        return torch.stack(rows).to(torch.int32).to(device)
 
     @property
     def scratch(self) -> list:
@@ -305,14 +360,29 @@ class SlotPool:
         return all(type(layer) is GDNState or (type(layer) is KVCache and not layer.head_major) for layer in template)
 
     @staticmethod
-    def bytes_per_slot(template: list, capacity: int) -> int:
+    def bytes_per_slot(template: list, capacity: int, rings: bool = True) -> int:
+        """A lent slot's bytes when its requests hold `capacity` positions (a windowed layer its ring,
+        unless `rings` is False: the scratch slot's)."""
         size = 0
         for layer in template:
             if type(layer) is GDNState:
                 size += layer.conv.nbytes + layer.ssm.nbytes
             else:
-                size += 2 * capacity * layer.k.shape[1] * layer.k.shape[2] * layer.k.element_size()
+                ring = ring_pages(layer.window, capacity) if rings else 0
+                kept = min(capacity, ring * PAGE) if ring else capacity
+                size += 2 * kept * layer.k.shape[1] * layer.k.shape[2] * layer.k.element_size()
         return size
+
+    @staticmethod
+    def ring_bytes(template: list, capacity: int) -> int:
+        """A lent slot's bytes that do not depend on the pages it holds: GDN states and windowed layers' rings."""
+        return SlotPool.bytes_per_slot(template, capacity) - capacity * SlotPool.page_bytes(template, capacity) // PAGE
+
+    @staticmethod
+    def page_bytes(template: list, capacity: int) -> int:
+        """The bytes of a page of the shared pages (the full layers' stores; windowed layers keep rings)."""
+        return sum(2 * PAGE * layer.k.shape[1] * layer.k.shape[2] * layer.k.element_size() for layer in template
+                   if type(layer) is not GDNState and not ring_pages(layer.window, capacity))
 
     def held(self, slot: int) -> int:
         """Pages slot `slot` holds."""
@@ -368,27 +438,41 @@ class SlotPool:
             if isinstance(layer, PagedKV):
                 layer.bind(pages)
 
-    def rows(self, slot: int, start: int, count: int) -> torch.Tensor:
-        """The stores' rows of slot `slot`'s positions start .. start + count - 1 (device int64)."""
-        pos = torch.arange(start, start + count, device=self.table.device)
-        return self.table[slot].long()[pos // PAGE] * PAGE + pos % PAGE
+    @staticmethod
+    def rows(table: torch.Tensor, slot: int, start: int, count: int) -> torch.Tensor:
+        """The stores' rows of slot `slot`'s positions start .. start + count - 1 through `table` (device int64)."""
+        pos = torch.arange(start, start + count, device=table.device)
+        return table[slot].long()[pos // PAGE] * PAGE + pos % PAGE
 
-    def flat_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The stores' row of each batch row's position (slots, positions: device tensors [B]); CUDA-graph safe."""
-        return self.table[slots.long(), positions // PAGE].long() * PAGE + positions % PAGE
+    def flat_rows_all(self, slots: torch.Tensor, positions: torch.Tensor) -> dict:
+        """flat_rows through each of the pool's tables, by id(table) (StateBatch.flat): once a step."""
+        return {id(t): self.flat_rows(slots, positions, t) for t in (self.table, *self.ring_tables.values())}
+
+    def flat_rows(self, slots: torch.Tensor, positions: torch.Tensor, table: torch.Tensor | None = None):
+        """The stores' row of each batch row's position (slots, positions: device tensors [B]) through
+        `table` (default: the full layers'); CUDA-graph safe."""
+        table = self.table if table is None else table
+        return table[slots.long(), positions // PAGE].long() * PAGE + positions % PAGE
 
     def share(self, state: list, n: int) -> PagedPrefix:
         """The state after its first n tokens, kept without copying K/V: its first pages_for(n) pages
-        held once more (the request appends past n only, so they stay as they are up to n)."""
+        held once more (the request appends past n only, so they stay as they are up to n); copies of
+        its GDN states and of its rings' last positions."""
         pages = self._held[state[0].slot][: pages_for(n)]
         for page in pages:
             self.refs[page] += 1
-        gdn = [(layer.conv.clone(), layer.ssm.clone()) for layer in state if isinstance(layer, GDNState)]
-        return PagedPrefix(self, n, pages, gdn)
+        copies = []
+        for layer in state:
+            if isinstance(layer, GDNState):
+                copies.append((layer.conv.clone(), layer.ssm.clone()))
+            elif isinstance(layer, PagedKV) and layer.ring:
+                first = max(0, n - layer.kept)
+                copies.append((first, *layer.read(n, first)))
+        return PagedPrefix(self, n, pages, copies)
 
     def adopt(self, state: list, prefix: PagedPrefix) -> None:
         """A freshly taken state made to hold the prefix: its whole pages the prefix's own (its pages
-        there given back), the rows of a partly filled last page copied, the GDN states copied."""
+        there given back), the rows of a partly filled last page copied, the GDN states and rings copied."""
         slot, n = state[0].slot, prefix.n
         mine, whole = self._held[slot], n // PAGE
         self.drop(mine[:whole])
@@ -398,14 +482,19 @@ class SlotPool:
         self._set_pages(slot, pages)
         if n % PAGE:        # (two distinct pages: the ranges do not overlap)
             src, dst, r = prefix.pages[whole] * PAGE, pages[whole] * PAGE, n % PAGE
-            for store in self.k_stores + self.v_stores:
-                store[dst: dst + r].copy_(store[src: src + r])
-        gdn = iter(prefix.gdn)
+            for layer in state:
+                if isinstance(layer, PagedKV) and not layer.ring:
+                    for store in (layer.pool_k, layer.pool_v):
+                        store[dst: dst + r].copy_(store[src: src + r])
+        copies = iter(prefix.copies)
         for layer in state:
             if isinstance(layer, GDNState):
-                conv, ssm = next(gdn)
+                conv, ssm = next(copies)
                 layer.conv.copy_(conv)
                 layer.ssm.copy_(ssm)
+            elif isinstance(layer, PagedKV) and layer.ring:
+                first, k, v = next(copies)
+                layer.write(k, v, first)
             layer.length = n
 
     @staticmethod
@@ -439,10 +528,13 @@ def stage(state: list, upto: int) -> list:
     out = []
     for layer in state:
         if isinstance(layer, PagedKV) and not layer.contiguous:
-            k, v = layer.read(layer.length)
+            first = max(0, layer.length - layer.kept)        # a ring's older positions: zeros, never read
+            k, v = layer.read(layer.length, first)
             flat = KVCache(k.shape[1], k.shape[2], k.dtype, k.device, capacity=max(upto, layer.length, 1))
-            flat.k[: layer.length], flat.v[: layer.length] = k, v
-            flat.length, flat.limit = layer.length, layer.capacity
+            if first:
+                flat.k[:first], flat.v[:first] = 0, 0
+            flat.k[first: layer.length], flat.v[first: layer.length] = k, v
+            flat.length, flat.limit, flat.window = layer.length, layer.capacity, layer.window
             layer = flat
         out.append(layer)
     return out
@@ -470,7 +562,11 @@ def snapshot(state: list) -> list | None:
         if isinstance(layer, GDNState):
             out.append((layer.length, layer.conv.clone(), layer.ssm.clone()))
         elif isinstance(layer, PagedKV) and not layer.contiguous:
-            out.append((layer.length, *layer.read(layer.length)))
+            first = max(0, layer.length - layer.kept)        # a ring's older positions: zeros, never read
+            k, v = layer.read(layer.length, first)
+            if first:
+                k, v = (torch.cat([t.new_zeros((first, *t.shape[1:])), t]) for t in (k, v))
+            out.append((layer.length, k, v))
         elif isinstance(layer, KVCache):
             out.append((layer.length, layer.k[:layer.length].clone(), layer.v[:layer.length].clone()))
         else:

@@ -126,8 +126,8 @@ class Engine:
         self._pool = SlotPool(template, slots, cap, pages)
         self._batch_graphs = BatchGraphs(self.model, self.device, self._pool) if self.batch_graphs_on else None
         if not self.quiet:
-            per_token = SlotPool.bytes_per_slot(template, 1) - SlotPool.bytes_per_slot(template, 0)
-            gb = ((slots + 1) * SlotPool.bytes_per_slot(template, 0) + (pages * PAGE + cap) * per_token) / 1e9
+            gb = (SlotPool.bytes_per_slot(template, cap, rings=False) + slots * SlotPool.ring_bytes(template, cap)
+                  + pages * SlotPool.page_bytes(template, cap)) / 1e9
             why = f": the concurrent requests --gpu-memory allows ({asked} asked)" if slots < asked else ""
             print(f"[kiln] batch state: {slots} slots of up to {cap} tokens each, KV in {pages} pages of {PAGE} "
                   f"tokens ({gb:.1f} GB){why}", file=sys.stderr)
@@ -143,11 +143,10 @@ class Engine:
             return cap, slots * pages_for(cap)
         cap = min(self.max_context, POOL_CONTEXT)
         pages = slots * pages_for(cap)
-        if self.device.type == "cuda":
-            fixed = SlotPool.bytes_per_slot(template, 0)
-            per_token = max(SlotPool.bytes_per_slot(template, 1) - fixed, 1)
-            room = POOL_MEMORY * torch.cuda.mem_get_info(self.device)[0] - (slots + 1) * fixed - cap * per_token
-            pages = min(pages, int(room // (per_token * PAGE)))
+        if self.device.type == "cuda":      # the scratch slot, each slot's GDN states and rings, then pages
+            room = (POOL_MEMORY * torch.cuda.mem_get_info(self.device)[0]
+                    - SlotPool.bytes_per_slot(template, cap, rings=False) - slots * SlotPool.ring_bytes(template, cap))
+            pages = min(pages, int(room // max(SlotPool.page_bytes(template, cap), 1)))
         return (cap, pages) if pages * PAGE >= min(256, self.max_context) else None
 
     def capped(self, state: list) -> list:
@@ -257,7 +256,7 @@ class Engine:
         if slots is not None:     # one launch a layer reads every request's slot
             slot_ids, keys = upload(slots, self.device, torch.int32), key_span(max(positions))
             pool = next((layer.pool for layer in states[0] if isinstance(layer, PagedKV)), None)
-            flat = None if pool is None else pool.flat_rows(slot_ids, pos)
+            flat = None if pool is None else pool.flat_rows_all(slot_ids, pos)
             for layer in layers:
                 layer.slots, layer.keys, layer.flat = slot_ids, keys, flat
         ops = self.model.ops

@@ -232,11 +232,17 @@ class PrefillGraphs:
                 and all(layer.length == start for layer in state))
 
     @staticmethod
-    def _rows(layer, slot: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    def _rows(layer, slot: torch.Tensor, start: int, count: int, n: torch.Tensor | None = None) -> torch.Tensor:
         """The stores' rows of positions start..start+count of slot `slot` (a device tensor [1]), through
-        the pool's block table (kiln.cache.SlotPool)."""
+        the layer's block table (kiln.cache.SlotPool). With `n` (the part's length, on the device), rows
+        a windowed layer's ring must not take go to row 0 (the scratch's, not needed after): the padding
+        past the part, and positions the ring's later ones overwrite (one write a row: no duplicates)."""
         pos = start + torch.arange(count, device=slot.device)
-        return layer.pool.flat_rows(slot.expand(count), pos)
+        rows = layer.pool.flat_rows(slot.expand(count), pos, layer.table)
+        if n is None or layer.keeps >= layer.pool.capacity:
+            return rows
+        end = start + n
+        return torch.where((pos < end) & (pos >= end - layer.keeps), rows, torch.zeros_like(rows))
 
     def run(self, ids: list[int], state: list, quiet: bool = True) -> torch.Tensor | None:
         """The logits of the prompt's last token with `state` fed the prompt, or None where no graph
@@ -326,7 +332,7 @@ class PrefillGraphs:
                 layer.pool_conv.index_copy_(0, slot, layer.conv[None].clone())
                 layer.pool_ssm.index_copy_(0, slot, layer.ssm[None].clone())
             else:
-                rows = self._rows(layer, slot, offset, b)
+                rows = self._rows(layer, slot, offset, b, tail[:1])
                 for pool, part in ((layer.pool_k, layer.k), (layer.pool_v, layer.v)):
                     pool.index_copy_(0, rows, part[offset:offset + b].clone())
         return logits
@@ -454,7 +460,7 @@ class BatchGraphs:
     def _body(self, ids, pos, slots, keys: int) -> torch.Tensor:
         rows = ids.shape[0]
         layers = [StateBatch([layer] * rows) for layer in self.pool.scratch]
-        slots, flat = slots.to(torch.int32), self.pool.flat_rows(slots, pos)
+        slots, flat = slots.to(torch.int32), self.pool.flat_rows_all(slots, pos)
         for layer in layers:
             layer.slots, layer.keys, layer.flat, layer.whole_only = slots, keys, flat, True
         return self.model.forward(ids, pos, layers, last_only=False)

@@ -317,9 +317,12 @@ class Model:
     def make_state(self, dtype, device) -> list:
         raise NotImplementedError
 
-    def kv_cache(self, n_kv: int, head_dim: int, dtype, device) -> KVCache:
-        """An attention layer's cache in the layout its backend reads best (`ops.head_major_kv`)."""
-        return KVCache(n_kv, head_dim, dtype, device, head_major=getattr(self.ops, "head_major_kv", False))
+    def kv_cache(self, n_kv: int, head_dim: int, dtype, device, window: int | None = None) -> KVCache:
+        """An attention layer's cache in the layout its backend reads best (`ops.head_major_kv`); `window`:
+        a sliding-window layer's, only its last `window` positions ever read (KVCache.window)."""
+        cache = KVCache(n_kv, head_dim, dtype, device, head_major=getattr(self.ops, "head_major_kv", False))
+        cache.window = window
+        return cache
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, state: list, last_only: bool | int = True):
         """Logits of the last row (True), of the last n rows (an int n >= 1), or of every row (False):

@@ -108,8 +108,11 @@ class Gemma3(Model):
         ring = not getattr(self.ops, "static_windows", False)
         kv, d = c.num_key_value_heads, c.head_dim
         return [RingKVCache(kv, d, c.sliding_window, dtype, device)
-                if t == "sliding_attention" and ring else self.kv_cache(kv, d, dtype, device)
+                if t == "sliding_attention" and ring else self.kv_cache(kv, d, dtype, device, self._window(t))
                 for t in c.layer_types]
+
+    def _window(self, kind: str) -> int | None:
+        return self.cfg.sliding_window if kind == "sliding_attention" else None
 
     def attention(self, i, x, positions, cache, ropes):
         c, w, ops, p, style = self.cfg, self.w, self.ops, f"model.layers.{i}.self_attn.", self.norm_style

@@ -288,8 +288,8 @@ class Gemma4(Model):
                 state.append(KVShared(state[c.kv_source[i]]))
                 continue
             kv, d = c.kv_heads[i], c.head_dims[i]
-            cache = (self.kv_cache(kv, d, dtype, device) if c.full(i) or not ring
-                     else RingKVCache(kv, d, c.sliding_window, dtype, device))
+            cache = (self.kv_cache(kv, d, dtype, device, None if c.full(i) else c.sliding_window)
+                     if c.full(i) or not ring else RingKVCache(kv, d, c.sliding_window, dtype, device))
             state.append(KVProducer(cache) if i in producers else cache)
         return state
 

@@ -892,11 +892,12 @@ class MemoryPlan:
     batch: int = 0                  # --max-batch: the batch state pool's slots (0: no pool planned)
     batch_slot: int = 0             # bytes a pool slot holds (its requests' state at batch_context)
     batch_context: int = 0
+    batch_spare: int = 0            # bytes of the pool's spare slot (its windowed layers hold every position)
 
     @property
     def pool(self) -> int:
         """The batch state pool's bytes: its slots and the spare one (kiln.cache.SlotPool)."""
-        return (self.batch + 1) * self.batch_slot if self.batch else 0
+        return self.batch * self.batch_slot + (self.batch_spare or self.batch_slot) if self.batch else 0
 
     @property
     def need(self) -> int:

@@ -259,3 +259,36 @@ def test_requests_whose_pages_do_not_run_in_order_get_the_tokens_of_ones_whose_p
     monkeypatch.setattr(SlotPool, "_alloc", lambda self, need: alloc(self, need)[::-1])    # the same pages, reversed
     got, seen = run()
     assert got == want and not all(seen)
+
+
+@pytest.mark.skipif(SWITCHED_OFF, reason="a kernel family is switched off")
+def test_sliding_window_layers_keep_a_ring_of_pages_and_give_the_tokens_of_whole_caches(monkeypatch):
+    """A windowed layer's pages in a pool are a fixed ring a slot (its window and a page), not a page
+    for every position: requests longer than the ring (their positions wrap), one started from a kept
+    prefix (its rings copied), give the tokens of a pool whose windowed layers keep every position."""
+    import kiln
+    from kiln import cache
+    from kiln.cache import PAGE, PagedKV
+    from kiln.engine import Batch
+
+    monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")
+    llm = kiln.load("synth:tiny-gemma3", device="cpu", dtype="f32", backend="cuda", max_context=1024)
+    shared = [(5 * j) % 300 + 1 for j in range(2 * PAGE + 70)]      # past the 2-page ring of window 7
+    prompts = [shared + [7, 8], [3] * 40, shared + [11, 12, 13]]
+    params = kiln.SamplingParams(max_new_tokens=5)
+
+    def run():
+        llm.engine._pool = None
+        batch = Batch(llm.engine, set(), slots=2, prefix_cache=True)
+        first = [list(batch.add(p, params).stream.ids) for p in prompts[:2]]       # keeps shared[:320]
+        last = batch.add(prompts[2], params)
+        return first + [list(last.stream.ids)], last.stream.times.cached_tokens, batch.pool
+
+    got, cached, pool = run()
+    rings = [layer for layer in pool.states[0] if isinstance(layer, PagedKV) and layer.ring]
+    assert len(rings) == 3 and all(layer.ring == 2 for layer in rings)
+    assert rings[0].pool_k.shape[0] == (pool.width + 2 * 2) * PAGE      # the scratch's capacity, then 2 rings
+    monkeypatch.setattr(cache, "ring_pages", lambda window, capacity: 0)     # every position kept
+    want, cached_whole, whole = run()
+    assert not any(isinstance(layer, PagedKV) and layer.ring for layer in whole.states[0])
+    assert got == want and cached == cached_whole == 320

@@ -149,3 +149,33 @@ def test_gpu_paged_decode_attention_equals_each_row_alone(window):
     forms = [attention_kernels.decode_variant(c, bn, w) for c, bn, w in attention_kernels.GPU_DECODE]
     check_paged(torch.bfloat16, keys=4096, page=PAGE, window=window, forms=forms, positions=[3000, 0, 4095],
                 device=torch.device("cuda"), h=16, kv=2, d=256)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_paged_decode_attention_over_a_windowed_layers_ring_equals_the_whole_buffer(dtype):
+    """A sliding-window layer's ring (kiln.cache.SlotPool: a slot keeps `ring` pages, position p at page
+    p // page mod ring, its table row repeating them): the window's keys are intact, the older rows the
+    ring reused hold other positions' values; those are masked (a step aligned down still loads them),
+    so each row equals the one-request kernel over every position in one buffer, bit for bit."""
+    from kiln.ops.attention import paged
+
+    page, ring, keys, window = 16, 3, 128, 24          # window + a step of 16 keys <= ring * page
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    r = lambda *shape: torch.randn(*shape, generator=gen, device=DEVICE).to(dtype)  # noqa: E731
+    k, v, qg = r(4, keys, 2, 32), r(4, keys, 2, 32), r(len(SLOTS), 4, 32)
+    positions = [100, 5, 127]
+    k_store, v_store = r(4 * ring * page, 2, 32), r(4 * ring * page, 2, 32)    # stale rows: random, finite
+    j = torch.arange(keys // page)
+    table = torch.stack([s * ring + j % ring for s in range(4)]).to(torch.int32).to(DEVICE)
+    for row, s in enumerate(SLOTS):          # each slot's ring as its request left it: positions up to its own
+        for p in range(positions[row] + 1):
+            at = int(table[s, p // page]) * page + p % page
+            k_store[at], v_store[at] = k[s, p], v[s, p]
+    pos = torch.tensor(positions, dtype=torch.int64, device=DEVICE)
+    slots = torch.tensor(SLOTS, dtype=torch.int32, device=DEVICE)
+    for form in [attention_kernels.decode_variant(32, 16, 4), attention_kernels.decode_trusted_variant(16)]:
+        want = torch.cat([attention_kernels.decode_attention(qg[i:i + 1], k[s], v[s], pos[i:i + 1], 32 ** -0.5, window,
+                                                             None, form) for i, s in enumerate(SLOTS)])
+        got = paged.decode_attention_paged(qg, k_store, v_store, pos, slots, table, page, keys, 32 ** -0.5, window,
+                                           None, form)
+        assert torch.equal(got, want), form.name

@@ -77,8 +77,10 @@ class AttentionCuda(TunedOps, AttentionReference):
             return None
         t, h, d = q.shape
         kv = k_store.shape[1]
-        # each row's K/V lands in its own slot's page
-        flat = pool.flat_rows(states.slots, positions) if states.flat is None else states.flat
+        # each row's K/V lands in its own slot's page (through the layer's table: a windowed layer's ring)
+        table = first.table
+        flat = (states.flat or {}).get(id(table))
+        flat = pool.flat_rows(states.slots, positions, table) if flat is None else flat
         shape = rope.RopeShape(t, h, kv, d, cos.shape[-1], style if q_norm_w is not None else None, v_norm)
         q = rope.qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_store, v_store, flat,
                          var=self.choose(rope.OP, shape), v_norm=v_norm)
@@ -87,7 +89,7 @@ class AttentionCuda(TunedOps, AttentionReference):
         # slot's capacity
         keys = min(pool.capacity, states.keys or pool.capacity)
         var = self.choose(kernels.DECODE_OP, kernels.DecodeShape(keys, h, kv, d, window, softcap))
-        o = paged.decode_attention_paged(q, k_store, v_store, positions, states.slots, pool.table, PAGE, keys, scale,
+        o = paged.decode_attention_paged(q, k_store, v_store, positions, states.slots, table, PAGE, keys, scale,
                                          window, softcap, var, gate=gate if inside else None)
         for s in states:
             s.length += 1
