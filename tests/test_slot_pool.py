@@ -1,0 +1,92 @@
+"""The batch slot pool's page accounting (kiln.cache.SlotPool): under any sequence of requests taking
+pages, sharing prefixes, adopting them and leaving, every page is either free or held, each page's
+count is the number of its holders, the block table lists each slot's pages, and a ring's table row
+repeats its own pages only. No model: a template of plain states."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kiln.cache import PAGE, GDNState, KVCache, PagedKV, SlotPool, pages_for
+
+
+def template(window: int | None = None) -> list:
+    full = KVCache(2, 8, torch.float32, "cpu")
+    windowed = KVCache(2, 8, torch.float32, "cpu")
+    windowed.window = window
+    return [GDNState(4, 4, 2, 8, 8, torch.float32, "cpu"), full, windowed]
+
+
+def check(pool: SlotPool, prefixes: list) -> None:
+    holders = [0] * len(pool.refs)
+    for pages in pool._held.values():
+        for p in pages:
+            holders[p] += 1
+    for prefix in prefixes:
+        for p in prefix.pages:
+            holders[p] += 1
+    assert holders == pool.refs
+    free = set(pool.free_pages)
+    assert len(free) == len(pool.free_pages)                              # no page freed twice
+    assert all(pool.refs[p] == 0 for p in free) and all(p >= pool.width for p in free)
+    assert len(free) + sum(r > 0 for r in pool.refs) == pool.pages        # the scratch's pages are never lent
+    for slot, pages in pool._held.items():
+        assert pool.table[slot, : len(pages)].tolist() == pages
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pages_are_free_or_held_and_counted_under_any_sequence(seed):
+    rnd = random.Random(seed)
+    pool = SlotPool(template(window=100), slots=4, capacity=8 * PAGE, pages=20)
+    live, prefixes = [], []
+    for _ in range(200):
+        action = rnd.random()
+        if action < 0.4:
+            state = pool.take(rnd.randint(1, 6 * PAGE))
+            if state is not None:
+                if prefixes and rnd.random() < 0.5:
+                    prefix = rnd.choice(prefixes)
+                    if pages_for(prefix.n + 1) <= pool.held(state[0].slot):
+                        pool.adopt(state, prefix)
+                live.append(state)
+        elif action < 0.7 and live:
+            pool.give(live.pop(rnd.randrange(len(live))))
+        elif action < 0.85 and live:
+            state = rnd.choice(live)
+            n = rnd.randint(1, pool.held(state[0].slot) * PAGE)
+            for layer in state:
+                layer.length = n
+            prefixes.append(pool.share(state, n))
+        elif prefixes:
+            prefixes.pop(rnd.randrange(len(prefixes))).release()
+        check(pool, prefixes)
+    for state in live:
+        pool.give(state)
+    for prefix in prefixes:
+        prefix.release()
+    check(pool, [])
+    assert len(pool.free_pages) == pool.pages and len(pool.free) == pool.count
+
+
+def test_a_windowed_layer_keeps_a_ring_of_its_own_pages():
+    """window 100 -> a ring of 2 pages a slot, its table row repeating them; the full layer's row lists
+    the slot's pages; the scratch's rows run over the capacity in order for both."""
+    pool = SlotPool(template(window=100), slots=3, capacity=8 * PAGE)
+    ring = pool.ring_tables[2]
+    for s in range(3):
+        base = pool.ring_base(2, s)
+        assert ring[s].tolist() == [base + j % 2 for j in range(8)]
+    assert ring[3].tolist() == list(range(8)) == pool.table[3].tolist()
+    state = pool.take(5 * PAGE)
+    full, windowed = (layer for layer in state if isinstance(layer, PagedKV))
+    assert windowed.ring == 2 and full.ring == 0 and windowed.kept == 2 * PAGE
+    assert not windowed.contiguous and full.contiguous       # 5 pages wrap a ring of 2; a run for the full layer
+    assert windowed.pool_k.shape[0] == (8 + 3 * 2) * PAGE
+    k = torch.randn(5 * PAGE, 2, 8)
+    windowed.write(k, k, 0)                                  # only the last 2 pages' positions kept
+    got, _ = windowed.read(5 * PAGE, 3 * PAGE)
+    assert torch.equal(got, k[3 * PAGE:])
+    assert SlotPool.bytes_per_slot(template(100), 8 * PAGE) < SlotPool.bytes_per_slot(template(None), 8 * PAGE)
