@@ -241,6 +241,15 @@ class PagedKV(KVCache):
         rows = self.rows(first, n - first)
         return self.pool_k.index_select(0, rows), self.pool_v.index_select(0, rows)
 
+    def read_whole(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V at every position it holds, [length, KV, D] each; a ring's positions before
+        those it keeps are zeros (a window never reads them)."""
+        first = max(0, self.length - self.kept)
+        k, v = self.read(self.length, first)
+        if first:
+            k, v = (torch.cat([t.new_zeros((first, *t.shape[1:])), t]) for t in (k, v))
+        return k, v
+
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """K and V [T, KV, D] at positions start .. start + T - 1 (of a ring, the last it keeps)."""
         self._reserve(start + k.shape[0])
@@ -433,7 +442,8 @@ class SlotPool:
     def _set_pages(self, slot: int, pages: list[int]) -> None:
         self._held[slot] = pages
         row = pages + [0] * (self.width - len(pages))      # past a request's pages: never read
-        self.table[slot].copy_(_upload(row, self.table.device))
+        from .backends.graphs import upload  # (graphs imports this module: not at its top)
+        self.table[slot].copy_(upload(row, self.table.device, torch.int32))
         for layer in self.states[slot]:
             if isinstance(layer, PagedKV):
                 layer.bind(pages)
@@ -509,14 +519,6 @@ class SlotPool:
         return [f.slot for f in firsts]
 
 
-def _upload(values: list[int], device) -> torch.Tensor:
-    """Host ints on the device without waiting for the stream (from pinned memory on a GPU)."""
-    t = torch.tensor(values, dtype=torch.int32)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def paged(state: list) -> bool:
     """Whether a request's state holds K/V in pages that do not run in order (read and written as rows only)."""
     return any(isinstance(layer, PagedKV) and not layer.contiguous for layer in state)
@@ -528,12 +530,9 @@ def stage(state: list, upto: int) -> list:
     out = []
     for layer in state:
         if isinstance(layer, PagedKV) and not layer.contiguous:
-            first = max(0, layer.length - layer.kept)        # a ring's older positions: zeros, never read
-            k, v = layer.read(layer.length, first)
+            k, v = layer.read_whole()
             flat = KVCache(k.shape[1], k.shape[2], k.dtype, k.device, capacity=max(upto, layer.length, 1))
-            if first:
-                flat.k[:first], flat.v[:first] = 0, 0
-            flat.k[first: layer.length], flat.v[first: layer.length] = k, v
+            flat.k[: layer.length], flat.v[: layer.length] = k, v
             flat.length, flat.limit, flat.window = layer.length, layer.capacity, layer.window
             layer = flat
         out.append(layer)
@@ -562,11 +561,7 @@ def snapshot(state: list) -> list | None:
         if isinstance(layer, GDNState):
             out.append((layer.length, layer.conv.clone(), layer.ssm.clone()))
         elif isinstance(layer, PagedKV) and not layer.contiguous:
-            first = max(0, layer.length - layer.kept)        # a ring's older positions: zeros, never read
-            k, v = layer.read(layer.length, first)
-            if first:
-                k, v = (torch.cat([t.new_zeros((first, *t.shape[1:])), t]) for t in (k, v))
-            out.append((layer.length, k, v))
+            out.append((layer.length, *layer.read_whole()))
         elif isinstance(layer, KVCache):
             out.append((layer.length, layer.k[:layer.length].clone(), layer.v[:layer.length].clone()))
         else:
