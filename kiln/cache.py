@@ -14,6 +14,16 @@ import torch
 from .errors import KilnError
 
 
+def upload(values, device: torch.device, dtype=torch.long) -> torch.Tensor:
+    """Host integers on the device, queued behind the stream's work instead of waiting for it: a
+    copy from pageable memory makes the driver wait for the stream (a prefill's token ids would wait
+    for the decode step launched before it); a copy from pinned memory does not."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class KVCache:
     """K/V of every past position, [S, KV, D], in a buffer that grows by doubling. `head_major` stores
     each KV head's positions contiguously ([KV, S, D] underneath, `k`/`v` still read [S, KV, D]): a
@@ -442,7 +452,6 @@ class SlotPool:
     def _set_pages(self, slot: int, pages: list[int]) -> None:
         self._held[slot] = pages
         row = pages + [0] * (self.width - len(pages))      # past a request's pages: never read
-        from .backends.graphs import upload  # (graphs imports this module: not at its top)
         self.table[slot].copy_(upload(row, self.table.device, torch.int32))
         for layer in self.states[slot]:
             if isinstance(layer, PagedKV):

@@ -19,8 +19,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .backends.graphs import PREFILL_GRAPH_ROWS, BatchGraphs, DecodeGraph, PrefillGraphs, graphable, upload
-from .cache import PAGE, PagedKV, PagedPrefix, SlotPool, StateBatch, key_span, pages_for, restore, snapshot
+from .backends.graphs import PREFILL_GRAPH_ROWS, BatchGraphs, DecodeGraph, PrefillGraphs, graphable
+from .cache import PAGE, PagedKV, PagedPrefix, SlotPool, StateBatch, key_span, pages_for, restore, snapshot, upload
 from .errors import KilnError
 from .sampling import Sampler, SamplingParams
 

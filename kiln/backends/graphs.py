@@ -384,16 +384,6 @@ def count_nodes(graph: torch.cuda.CUDAGraph) -> int | None:
         return None
 
 
-def upload(values, device: torch.device, dtype=torch.long) -> torch.Tensor:
-    """Host integers on the device, queued behind the stream's work instead of waiting for it: a
-    copy from pageable memory makes the driver wait for the stream (a prefill's token ids would wait
-    for the decode step launched before it); a copy from pinned memory does not."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 class BatchGraphs:
     """Batched decode steps (Engine.decode_batch over one SlotPool's states) as CUDA graphs, one per
     batch bucket (powers of two up to the pool's slots, and the slot count): B rows replay the
