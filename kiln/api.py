@@ -16,7 +16,7 @@ import torch
 from . import hub
 from .backends import get_ops
 from .backends.graphs import PREFILL_GRAPH_ROWS
-from .cache import KVCache, RingKVCache, SlotPool
+from .cache import PAGE, KVCache, RingKVCache, SlotPool, pages_for
 from .engine import POOL_CONTEXT, Engine, TokenStream
 from .errors import KilnError
 from .models import build_model, model_config
@@ -347,10 +347,12 @@ def memory_plan(ckpt, ops, dtype, limit: int, gpu_memory: float | None, slots: i
 
 def batch_pool(plan: MemoryPlan, cls, cfg, ops, dtype, limit: int, batch: int, slots: int | None) -> None:
     """The batch state pool inside an explicit budget (--max-batch > 1 on a backend that pools batched
-    requests' state): slots of the max context (up to POOL_CONTEXT), as many as --max-batch asks or
-    as fit after the core, cache and workspace and the experts (all of them where they fit beside the
-    whole pool, else their slots: `slots`, or one a layer). The slots that fit are the concurrent
-    requests the budget allows; not one is a one-line KilnError."""
+    requests' state), after the core, cache and workspace and the experts (all of them where they
+    fit beside a pool whose every request holds the max context (up to POOL_CONTEXT), else their
+    slots: `slots`, or one a layer). Requests take KV pages as they grow (kiln.cache.SlotPool), so
+    the pool is --max-batch slots of fixed state (GDN states, windowed rings), as many as fit beside
+    one max-context request's pages, and the pages the rest of the budget holds (no more than every
+    slot at the max context needs). Not one slot and its pages: a one-line KilnError."""
     if batch <= 1 or not getattr(ops, "pooled", False) or plan.budget < plan.need:
         return                      # (a budget below the core: fit's error says so)
     stand_in = cls.__new__(cls)     # make_state reads the config and the backend, no weight
@@ -359,8 +361,12 @@ def batch_pool(plan: MemoryPlan, cls, cfg, ops, dtype, limit: int, batch: int, s
     if not SlotPool.poolable(template):
         return
     context = min(limit, POOL_CONTEXT)
-    one = SlotPool.bytes_per_slot(template, context)              # a lent slot (windowed layers: their rings)
-    spare = SlotPool.bytes_per_slot(template, context, rings=False)     # the scratch slot: one plain buffer
+    full = pages_for(context)
+    span = full * PAGE                                          # a slot's positions: whole pages
+    fixed = SlotPool.ring_bytes(template, span)                 # a lent slot's GDN states and rings
+    page = SlotPool.page_bytes(template, span)
+    one = fixed + full * page                                   # a lent slot at the max context
+    spare = SlotPool.bytes_per_slot(template, span, rings=False)     # the scratch slot: one plain buffer
     room = plan.budget - plan.need
     if plan.count and plan.experts + batch * one + spare <= room:
         room -= plan.experts        # every expert resident beside the whole pool
@@ -369,13 +375,16 @@ def batch_pool(plan: MemoryPlan, cls, cfg, ops, dtype, limit: int, batch: int, s
         if keep > room:
             return                  # (fit says what the experts lack)
         room -= keep
-    fits = (room - spare) // one    # the spare slot a captured batch step pads with, then the slots
+    left = room - spare             # the spare slot a captured batch step pads with, then the slots
+    fits = batch if left >= one and not fixed else min(batch, max(left - full * page, 0) // max(fixed, 1))
     if fits < 1:
         raise KilnError(f"--gpu-memory {plan.budget / GB:.2f} GB leaves {max(room, 0) / GB:.2f} GB after the core, "
                         f"cache, workspace{' and expert slots' if plan.count else ''}: not two batch slots of "
                         f"{context} tokens ({(one + spare) / GB:.2f} GB) for --max-batch {batch} (a lower "
                         f"--max-context shrinks them)")
-    plan.batch, plan.batch_slot, plan.batch_context, plan.batch_spare = min(batch, fits), one, context, spare
+    pages = min(fits * full, (left - fits * fixed) // page) if page else fits * full
+    plan.batch, plan.batch_slot, plan.batch_context, plan.batch_spare = fits, fixed, context, spare
+    plan.batch_pages, plan.batch_page, plan.batch_full = pages, page, pages // full
 
 
 def _numel(shape) -> int:
@@ -542,7 +551,7 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
                     graphs=ops.graphs and not enforce_eager and (store is None or store.graph_safe),
                     batch_graphs=store is None, quiet=quiet)
     if memory is not None and memory.batch:
-        engine.pool_limit = (memory.batch, memory.batch_context)    # the budget's batch slots
+        engine.pool_limit = (memory.batch, memory.batch_context, memory.batch_pages)   # the budget's pool
     stage("engine")
     llm = LLM(path, net, tokenizer, engine, eos, time.perf_counter() - t0)
     llm.load_stages, llm.memory = stages, memory

@@ -260,6 +260,11 @@ class PagedKV(KVCache):
             k, v = (torch.cat([t.new_zeros((first, *t.shape[1:])), t]) for t in (k, v))
         return k, v
 
+    def held_bytes(self) -> int:
+        """The bytes of the pages this slot holds in this layer (a ring's, or its share of the pages)."""
+        pages = self.ring or self.pool.held(self.slot)
+        return 2 * pages * PAGE * self.pool_k[0].numel() * self.pool_k.element_size()
+
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """K and V [T, KV, D] at positions start .. start + T - 1 (of a ring, the last it keeps)."""
         self._reserve(start + k.shape[0])
@@ -277,6 +282,9 @@ class SlotGDN(GDNState):
         self.pool_conv, self.pool_ssm, self.slot = pool_conv, pool_ssm, slot
         self.conv, self.ssm = pool_conv[slot], pool_ssm[slot]
         self.length = 0
+
+    def held_bytes(self) -> int:
+        return self.conv.nbytes + self.ssm.nbytes
 
 
 class PagedPrefix:
@@ -313,17 +321,18 @@ class PagedPrefix:
 class SlotPool:
     """The decode state of up to `slots` requests at once. GDN conv and recurrent states: one pooled
     tensor [slots + 1, ...] a layer, a slot each. K/V: paged. Each attention layer keeps two stores of
-    pages of PAGE positions; a request holds the pages its prompt and its max new tokens need (`pages`
-    are shared by the slots; taken when it starts, so it never waits mid-stream), listed in its slot's
-    row of the block table (`table`, int32 [slots + 1, capacity / PAGE] on the device), so that a
-    batched decode step updates every request's state in one launch a layer. A page may be held by
-    several: a prompt prefix kept for later requests (`share`) is given to them as is (`adopt`), not
-    copied. A sliding-window layer (KVCache.window) keeps a ring of ring_pages() pages a slot instead,
-    fixed, with tables of their own (`ring_tables`, by ring size). `take(tokens)` lends a slot (None
-    while no slot or not enough pages are free), `give(state)` returns it. Slot `count` is the scratch,
-    never lent: the spare rows of a captured batch step and the prefill graphs use it; its pages are
-    the stores' first capacity / PAGE, in order (one plain buffer, windowed layers too). Layers of
-    other kinds (ring caches) make a pool impossible: `poolable` says so first."""
+    pages of PAGE positions; a request holds the pages its positions so far need (`pages` are shared
+    by the slots; its prompt's taken when it starts, one more each PAGE tokens it makes: `grow`),
+    listed in its slot's row of the block table (`table`, int32 [slots + 1, capacity / PAGE] on the
+    device), so that a batched decode step updates every request's state in one launch a layer. A
+    page may be held by several: a prompt prefix kept for later requests (`share`) is given to them
+    as is (`adopt`), not copied. A sliding-window layer (KVCache.window) keeps a ring of ring_pages()
+    pages a slot instead, fixed, with tables of their own (`ring_tables`, by ring size).
+    `take(tokens)` lends a slot (None while no slot or not enough pages are free), `give(state)`
+    returns it. Slot `count` is the scratch, never lent: the spare rows of a captured batch step and
+    the prefill graphs use it; its pages are the stores' first capacity / PAGE, in order (one plain
+    buffer, windowed layers too). Layers of other kinds (ring caches) make a pool impossible:
+    `poolable` says so first."""
 
     def __init__(self, template: list, slots: int, capacity: int, pages: int | None = None):
         self.width = pages_for(capacity)
@@ -411,11 +420,12 @@ class SlotPool:
         """Whether a request of `tokens` positions can ever hold its pages here."""
         return tokens <= self.capacity and pages_for(tokens) <= self.pages
 
-    def take(self, tokens: int | None = None) -> list | None:
+    def take(self, tokens: int | None = None, spare: int = 0) -> list | None:
         """A free slot's per-layer state, reset, holding the pages of `tokens` positions (default: the
-        capacity); None while every slot is lent or too few pages are free."""
+        capacity; `grow` adds more as it runs); None while every slot is lent or fewer than those
+        pages and `spare` more are free (the pages running requests will grow into first)."""
         need = pages_for(self.capacity if tokens is None else max(tokens, 1))
-        if not self.free or need > len(self.free_pages):
+        if not self.free or need + spare > len(self.free_pages):
             return None
         slot = self.free.pop()
         self._set_pages(slot, self._alloc(need))
@@ -424,18 +434,37 @@ class SlotPool:
             layer.reset()
         return state
 
+    def grow(self, state: list, tokens: int) -> bool:
+        """A lent slot made to hold `tokens` positions (up to the capacity): the pages it lacks added
+        after its own (the next page of its run where that one is free, so its K/V stay one buffer);
+        False, nothing taken, while too few pages are free."""
+        slot = state[0].slot
+        mine = self._held[slot]
+        need = pages_for(min(tokens, self.capacity)) - len(mine)
+        if need <= 0:
+            return True
+        if need > len(self.free_pages):
+            return False
+        self._set_pages(slot, mine + self._alloc(need, after=mine[-1] if mine else None))
+        return True
+
     def give(self, state: list) -> None:
         slot = state[0].slot
         if slot not in self.free:
             self.free.append(slot)
             self.drop(self._held.pop(slot, []))
 
-    def _alloc(self, need: int) -> list[int]:
-        """`need` free pages, held once: consecutive ones where the free pages have such a run (the
-        slot's K/V then read as one buffer by every op: no copies), else the lowest free ones."""
+    def _alloc(self, need: int, after: int | None = None) -> list[int]:
+        """`need` free pages, held once: the ones right after page `after` where they are free, else
+        consecutive ones where the free pages have such a run (the slot's K/V then read as one
+        buffer by every op: no copies), else the lowest free ones."""
         free = sorted(self.free_pages)
-        start = next((i for i in range(len(free) - need + 1) if free[i + need - 1] - free[i] == need - 1), None)
-        pages = free[start: start + need] if start is not None else free[:need]
+        follow = [] if after is None else list(range(after + 1, after + 1 + need))
+        if follow and set(follow) <= set(free):
+            pages = follow
+        else:
+            start = next((i for i in range(len(free) - need + 1) if free[i + need - 1] - free[i] == need - 1), None)
+            pages = free[start: start + need] if start is not None else free[:need]
         taken = set(pages)
         self.free_pages = [p for p in self.free_pages if p not in taken]
         for page in pages:

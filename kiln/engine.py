@@ -80,7 +80,7 @@ class Engine:
         self._state: GraphState | None = None
         self._owner: _Request | None = None
         self._pool: SlotPool | None = None
-        self.pool_limit: tuple[int, int] | None = None    # (slots, context) a --gpu-memory budget planned
+        self.pool_limit: tuple | None = None    # (slots, context, pages) a --gpu-memory budget planned
         self._batch_graphs: BatchGraphs | None = None      # the pool's batched steps as graphs
         self.batch_graphs_on = graphs and batch_graphs and self.device.type == "cuda"
         self.prefill_graphs: PrefillGraphs | None = None    # short prefills as graphs: GraphState and pool slots
@@ -130,17 +130,18 @@ class Engine:
                   + pages * SlotPool.page_bytes(template, cap)) / 1e9
             why = f": the concurrent requests --gpu-memory allows ({asked} asked)" if slots < asked else ""
             print(f"[kiln] batch state: {slots} slots of up to {cap} tokens each, KV in {pages} pages of {PAGE} "
-                  f"tokens ({gb:.1f} GB){why}", file=sys.stderr)
+                  f"tokens ({gb:.1f} GB; {pages // pages_for(cap)} requests of {cap} tokens at once, more when "
+                  f"shorter){why}", file=sys.stderr)
         return self._pool
 
     def _pool_shape(self, template: list, slots: int) -> tuple[int, int] | None:
         """(positions a request may hold, KV pages shared by the slots). A request holds up to the max
         context (at most POOL_CONTEXT); the pages are as many as `slots` such requests need, fewer where
-        they would pass POOL_MEMORY of the free device memory (None: not 256 positions' worth). Under a
-        --gpu-memory budget, the context it planned and `slots` requests of it."""
+        they would pass POOL_MEMORY of the free device memory (None: not 256 positions' worth); requests
+        take them as they grow, so more short requests run at once than requests of the whole context.
+        Under a --gpu-memory budget, the context and pages it planned (kiln.api.batch_pool)."""
         if self.pool_limit is not None:
-            cap = self.pool_limit[1]
-            return cap, slots * pages_for(cap)
+            return self.pool_limit[1], self.pool_limit[2]
         cap = min(self.max_context, POOL_CONTEXT)
         pages = slots * pages_for(cap)
         if self.device.type == "cuda":      # the scratch slot, each slot's GDN states and rings, then pages
@@ -411,6 +412,9 @@ class BatchRequest:
     cancelled: bool = False
     t0: float = 0.0
     keep_at: int = 0                    # the prompt position whose state the prefix cache keeps (0: none)
+    span: int = 0                       # the positions it may reach: its prompt and its decode steps
+    room: int = 0                       # positions its pool pages hold (0: none taken; own state: past span)
+    made: list = field(default_factory=list)     # every token it made (a preempted request prefills them again)
 
 
 class PrefixCache:
@@ -482,7 +486,11 @@ class Batch:
 
     With `group_prefill` the prompts waiting behind the oldest one join its forward while their next
     part fits the chunk's token budget whole (Engine.prefill_rows): a burst of short prompts issues
-    its kernels once, not once a prompt."""
+    its kernels once, not once a prompt.
+
+    On a slot pool a request takes the KV pages of its prompt when it starts and one more each PAGE
+    tokens it makes (_grow); where too few are free, the newest running request is preempted: freed,
+    queued again with the tokens it made appended to its prompt, and prefilled again later."""
 
     def __init__(self, engine: "Engine", eos: set[int], slots: int | None = None, prefix_cache: bool = False,
                  interleave: bool | None = None, group_prefill: bool | None = None):
@@ -509,7 +517,7 @@ class Batch:
         self.pool = engine.slot_pool(slots) if slots else None
         if self.prefixes is not None:   # its kept pages go back to the engine's pool with the batch
             weakref.finalize(self, self.prefixes.clear)
-        self.slots, self.lent = slots, 0
+        self.slots, self.lent, self.preempted = slots, 0, 0
         self.pending: tuple | None = None      # the step in flight: (its requests, their tokens, its end event)
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
@@ -522,7 +530,7 @@ class Batch:
         stream.times.prompt_tokens = len(ids)
         stream.finish_reason = "length"
         steps = max(min(params.max_new_tokens - 1, eng.max_context - 1 - len(ids)), 0)
-        r = BatchRequest(list(ids), params, stream, steps)
+        r = BatchRequest(list(ids), params, stream, steps, span=len(ids) + steps)
         stream.ids = self._tokens(r)
         self.waiting.append(r)
         return r
@@ -590,7 +598,8 @@ class Batch:
         """A waiting request's state, taken at its first chunk (from the cached prefix it shares);
         False while no slot is free."""
         if r.state is None:
-            r.t0 = time.perf_counter()
+            if not r.made:          # (a preempted request's decode time runs on from its first token)
+                r.t0 = time.perf_counter()
             r.state = self._new_state(r)
             if r.state is None:
                 return False
@@ -649,7 +658,9 @@ class Batch:
         self.waiting.remove(r)
         eng = self.engine
         if not (r.params.greedy and r.params.repetition_penalty == 1.0):
-            r.sampler, r.history = Sampler(r.params, eng.device), torch.tensor(r.ids, device=eng.device)
+            if r.sampler is None:   # (a preempted request draws on from its own generator)
+                r.sampler = Sampler(r.params, eng.device)
+            r.history = torch.tensor(r.ids, device=eng.device)
         self.running.append(r)
         self._emit(r, self._choose(r, logits))
 
@@ -666,22 +677,27 @@ class Batch:
         elif saved is not None:
             restore(r.state, saved)
         if saved is not None:
-            r.pos = r.stream.times.cached_tokens = n
+            r.pos = n
+            if not r.made:
+                r.stream.times.cached_tokens = n
         at = self.prefixes.boundary(r.ids)
         r.keep_at = at if at > r.pos else 0
 
     def _new_state(self, r: BatchRequest) -> list | None:
-        """A pool slot's state (None while all are lent), or its own where there is no pool or the
-        request would outgrow a slot; never the graph's."""
-        tokens = len(r.ids) + r.steps
-        if self.pool is not None and self.pool.fits(tokens):
-            state = None
-            while self.lent < self.slots and (state := self.pool.take(tokens)) is None and self.pool.free:
+        """A pool slot's state holding the pages of its prompt and first decode step (None while all
+        slots are lent, or while those pages and one for each running request to grow into are not
+        free), or its own where there is no pool or the request would outgrow a slot; never the graph's."""
+        if self.pool is not None and self.pool.fits(r.span):
+            state, first = None, min(len(r.ids) + 1, r.span)
+            while (self.lent < self.slots and (state := self.pool.take(first, len(self.running))) is None
+                   and self.pool.free):
                 if self.prefixes is None or not self.prefixes.drop_oldest():
                     break           # pages held by running requests: it waits for one to end
             self.lent += state is not None
+            r.room = 0 if state is None else self.pool.held(state[0].slot) * PAGE
             return state
         eng = self.engine
+        r.room = r.span + 1
         return eng.capped(eng.model.make_state(eng.dtype, eng.device))
 
     def _release(self, r: BatchRequest) -> None:
@@ -712,8 +728,32 @@ class Batch:
         """The step in flight's tokens read, the next step launched for the requests still running."""
         self._resolve()
         self.running = [r for r in self.running if not r.done]
+        if self.pool is not None:
+            self._grow()
         if self.running:
             self._launch(self.running)
+
+    def _grow(self) -> None:
+        """Each pooled running request holding the page its next step writes, oldest first; while too
+        few pages are free, the prefix cache's kept ones are dropped, then the newest running request
+        is preempted (the requester itself when it is the newest)."""
+        for r in list(self.running):
+            while r.pos >= r.room and r.state is not None:      # (a preempted one: state None)
+                if self.pool.grow(r.state, r.pos + 1):
+                    r.room = self.pool.held(r.state[0].slot) * PAGE
+                elif self.prefixes is None or not self.prefixes.drop_oldest():
+                    self._preempt(self.running[-1])
+
+    def _preempt(self, r: BatchRequest) -> None:
+        """A running request's state freed for older ones (vLLM's recompute preemption): it goes back to
+        the head of the queue with the tokens it made appended to its prompt, prefilled again when
+        pages free up; its stream goes on where it was (a sampled one with its own generator). It
+        queues behind the prompts already holding a slot, which must finish their prefill to free it."""
+        self._release(r)
+        self.running.remove(r)
+        r.ids, r.pos, r.keep_at, r.room = r.ids[: r.span - r.steps] + r.made, 0, 0, 0
+        self.waiting.insert(sum(q.state is not None for q in self.waiting), r)
+        self.preempted += 1
 
     def _launch(self, live: list[BatchRequest]) -> None:
         """The decode step launched, each row's token chosen on the device behind it (the greedy
@@ -756,6 +796,7 @@ class Batch:
         times.generated_tokens += 1
         times.decode_s = now - r.t0
         r.out.append(token)
+        r.made.append(token)
         r.token = token
         if token in self.eos and not r.params.ignore_eos:
             r.stream.finish_reason = "eos"

@@ -1,5 +1,5 @@
 """The batch slot pool's page accounting (kiln.cache.SlotPool): under any sequence of requests taking
-pages, sharing prefixes, adopting them and leaving, every page is either free or held, each page's
+pages, growing, sharing prefixes, adopting them and leaving, every page is either free or held, each page's
 count is the number of its holders, the block table lists each slot's pages, and a ring's table row
 repeats its own pages only. No model: a template of plain states."""
 
@@ -52,6 +52,12 @@ def test_pages_are_free_or_held_and_counted_under_any_sequence(seed):
                     if pages_for(prefix.n + 1) <= pool.held(state[0].slot):
                         pool.adopt(state, prefix)
                 live.append(state)
+        elif action < 0.6 and live:
+            state = rnd.choice(live)
+            held, tokens, free = pool.held(state[0].slot), rnd.randint(1, pool.capacity), len(pool.free_pages)
+            grown = pool.grow(state, tokens)
+            assert grown == (pages_for(tokens) - held <= free)
+            assert pool.held(state[0].slot) == (max(held, pages_for(tokens)) if grown else held)
         elif action < 0.7 and live:
             pool.give(live.pop(rnd.randrange(len(live))))
         elif action < 0.85 and live:
@@ -90,3 +96,34 @@ def test_a_windowed_layer_keeps_a_ring_of_its_own_pages():
     got, _ = windowed.read(5 * PAGE, 3 * PAGE)
     assert torch.equal(got, k[3 * PAGE:])
     assert SlotPool.bytes_per_slot(template(100), 8 * PAGE) < SlotPool.bytes_per_slot(template(None), 8 * PAGE)
+
+
+def test_a_slot_grows_into_the_page_after_its_own_and_only_into_free_pages():
+    """grow adds the pages a slot lacks: the next of its run where that one is free (its K/V stay one
+    buffer), else other free pages; with too few free it takes none and says so."""
+    pool = SlotPool(template(), slots=3, capacity=8 * PAGE, pages=6)      # lent pages 8 .. 13
+
+    def full(state):
+        return next(layer for layer in state if isinstance(layer, PagedKV))
+
+    a = pool.take(PAGE)
+    assert pool._held[a[0].slot] == [8] and pool.grow(a, PAGE) and pool.held(a[0].slot) == 1
+    assert pool.grow(a, 2 * PAGE) and pool._held[a[0].slot] == [8, 9] and full(a).contiguous
+    b = pool.take(PAGE)
+    assert pool._held[b[0].slot] == [10]
+    assert pool.grow(a, 2 * PAGE + 1) and pool._held[a[0].slot] == [8, 9, 11] and not full(a).contiguous
+    assert pool.table[a[0].slot, :3].tolist() == [8, 9, 11]
+    assert not pool.grow(b, 4 * PAGE) and pool._held[b[0].slot] == [10]    # 3 more asked, 2 free
+    assert sorted(pool.free_pages) == [12, 13]
+    check(pool, [])
+
+
+def test_a_slot_counts_its_own_bytes_not_the_pools():
+    """/metrics' state bytes of a pooled request: its pages, its ring and its GDN states, not the stores."""
+    from kiln.server.metrics import state_bytes
+    pool = SlotPool(template(window=100), slots=3, capacity=8 * PAGE, pages=12)
+    state = pool.take(3 * PAGE)
+    gdn, full, ring = state
+    row = 2 * 8 * 4                                          # KV heads x head dim x f32
+    assert state_bytes(state) == gdn.conv.nbytes + gdn.ssm.nbytes + 2 * (3 + 2) * PAGE * row
+    assert pool.grow(state, 4 * PAGE) and state_bytes(state) == gdn.conv.nbytes + gdn.ssm.nbytes + 2 * 6 * PAGE * row

@@ -21,6 +21,9 @@ class ServeStats:
     state_bytes: int = 0           # KV caches and recurrent states of the running requests
     prefill_graphs: int = 0        # prefill CUDA graphs captured (kiln.backends.graphs.PrefillGraphs)
     prefill_graph_replays: int = 0  # prompts or prompt parts prefilled by replaying one
+    kv_pages_used: int = 0         # a batch pool's KV pages held (requests and kept prefixes), of kv_pages
+    kv_pages: int = 0
+    preemptions: int = 0           # running requests preempted for want of KV pages (prefilled again later)
     finished: dict = field(default_factory=dict)     # OpenAI finish reason (or error, cancelled) -> count
     _recent: deque = field(default_factory=deque)    # (time, tokens) of the last RATE_WINDOW_S
 
@@ -60,6 +63,11 @@ class ServeStats:
              [("", round(self.output_tok_s(), 3))]),
             ("kiln_state_bytes", "gauge", "bytes of KV cache and recurrent state the running requests hold",
              [("", self.state_bytes)]),
+            ("kiln_kv_pages_used", "gauge", "KV pages of the batch pool held by requests and kept prefixes",
+             [("", self.kv_pages_used)]),
+            ("kiln_kv_pages", "gauge", "KV pages of the batch pool", [("", self.kv_pages)]),
+            ("kiln_preemptions_total", "counter", "running requests preempted for want of KV pages",
+             [("", self.preemptions)]),
             ("kiln_prefill_graphs", "gauge", "prefill CUDA graphs captured", [("", self.prefill_graphs)]),
             ("kiln_prefill_graph_replays_total", "counter", "prompt parts prefilled by replaying a CUDA graph",
              [("", self.prefill_graph_replays)]),
@@ -78,10 +86,20 @@ def count_graphs(stats: ServeStats, engine) -> None:
         stats.prefill_graphs, stats.prefill_graph_replays = graphs.captures, graphs.replays
 
 
+def count_pool(stats: ServeStats, batch) -> None:
+    """The batch pool's page use and the batch's preemptions into the stats (none without a pool)."""
+    pool = batch.pool
+    if pool is not None:
+        stats.kv_pages, stats.kv_pages_used = pool.pages, pool.pages - len(pool.free_pages)
+    stats.preemptions = batch.preempted
+
+
 def state_bytes(state) -> int:
     """Bytes of the tensors a request's per-layer state holds (KV caches, GDN states, and the caches
-    a wrapper such as Gemma 4's KV producer holds)."""
-    return sum(_tensor_bytes(layer, 2) for layer in state or ())
+    a wrapper such as Gemma 4's KV producer holds); of a pool slot, its pages and its slot's states,
+    not the pool's."""
+    return sum(layer.held_bytes() if hasattr(layer, "held_bytes") else _tensor_bytes(layer, 2)
+               for layer in state or ())
 
 
 def _tensor_bytes(obj, depth: int) -> int:

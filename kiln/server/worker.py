@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ..api import LLM, Generation
 from ..engine import Batch, BatchRequest
 from ..sampling import SamplingParams
-from .metrics import ServeStats, count_graphs, state_bytes
+from .metrics import ServeStats, count_graphs, count_pool, state_bytes
 
 
 @dataclass
@@ -192,6 +192,7 @@ class Worker:
                 continue
             self.stats.state_bytes = sum(state_bytes(slot.request.state) for slot in slots)
             count_graphs(self.stats, self.llm.engine)
+            count_pool(self.stats, batch)
             drain()
         for slot in slots:          # shutting down
             slot.job.cancelled.set()

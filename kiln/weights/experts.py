@@ -893,11 +893,16 @@ class MemoryPlan:
     batch_slot: int = 0             # bytes a pool slot holds (its requests' state at batch_context)
     batch_context: int = 0
     batch_spare: int = 0            # bytes of the pool's spare slot (its windowed layers hold every position)
+    batch_pages: int = 0            # KV pages the slots share (kiln.cache.SlotPool), of batch_page bytes
+    batch_page: int = 0
+    batch_full: int = 0             # requests the pages hold at once at batch_context (more when shorter)
 
     @property
     def pool(self) -> int:
         """The batch state pool's bytes: its slots and the spare one (kiln.cache.SlotPool)."""
-        return self.batch * self.batch_slot + (self.batch_spare or self.batch_slot) if self.batch else 0
+        if not self.batch:
+            return 0
+        return self.batch * self.batch_slot + self.batch_pages * self.batch_page + self.batch_spare
 
     @property
     def need(self) -> int:
@@ -918,6 +923,7 @@ class MemoryPlan:
                 "workspace_bytes": self.workspace, "expert_slot_bytes": self.slot_bytes,
                 "resident_expert_bytes": self.experts if self.slots is None else 0,
                 "batch_slots": self.batch or None, "batch_context": self.batch_context or None,
+                "batch_kv_pages": self.batch_pages or None,
                 "batch_bytes": self.pool}
 
     def line(self) -> str:
@@ -931,8 +937,9 @@ class MemoryPlan:
                        f"({_gb(self.slot_bytes)}, {self.policy})")
         head = (f"the model ({_gb(self.need + self.experts)} resident) passes the free device memory less a "
                 f"margin ({_gb(self.budget)})" if self.auto else f"--gpu-memory {_gb(self.budget)}")
-        batch = (f"; batch state {self.batch} slots of {self.batch_context} tokens ({_gb(self.pool)}): "
-                 f"{self.batch} concurrent requests" if self.batch else "")
+        batch = (f"; batch state {self.batch} slots of up to {self.batch_context} tokens ({_gb(self.pool)}): "
+                 f"{self.batch} concurrent requests, KV pages for {self.batch_full} of them at the full "
+                 f"{self.batch_context} tokens (more when shorter)" if self.batch else "")
         return (f"[kiln] {head}: {experts}; core {_gb(self.core)}, cache {_gb(self.cache)}, "
                 f"workspace {_gb(self.workspace)}{batch}")
 

@@ -183,7 +183,7 @@ def test_a_batch_with_fewer_slots_than_prompts_runs_them_all(moe_p2, monkeypatch
 
     lent, pool = [], moe_p2.engine.slot_pool(2)
     take = pool.take
-    monkeypatch.setattr(pool, "take", lambda tokens=None: (st := take(tokens)) is not None
+    monkeypatch.setattr(pool, "take", lambda tokens=None, spare=0: (st := take(tokens, spare)) is not None
                         and lent.append(pool.count - len(pool.free)) or st)
     pooled, batch = run()
     assert batch.pool is pool and len(pool.free) == pool.count and len(lent) == 3 and max(lent) <= 2
@@ -199,7 +199,7 @@ def test_a_batch_with_fewer_slots_than_prompts_runs_them_all(moe_p2, monkeypatch
 def test_a_cached_prefix_is_shared_page_for_page_and_freed_with_its_last_holder(moe_p2):
     """Paged KV with a prefix cache: a request starting from a kept prefix holds the prefix's whole
     pages themselves (no copy), gets a copy of its partly filled last page, and the tokens it gets in a
-    batch of its own; a request holds only the pages its prompt and max new tokens need; the pages
+    batch of its own; a request holds only the pages its prompt and first step need; the pages
     come back when the last holder (request or cache entry) lets go."""
     import kiln
     from kiln.cache import PAGE, PagedPrefix, pages_for
@@ -220,7 +220,7 @@ def test_a_cached_prefix_is_shared_page_for_page_and_freed_with_its_last_holder(
     while r.state is None or r.pos < len(second):
         batch.step()
     mine = pool._held[r.state[0].slot]
-    assert len(mine) == pages_for(len(second) + 3)
+    assert len(mine) == pages_for(len(second) + 1)
     assert mine[0] == kept.pages[0] and pool.refs[kept.pages[0]] == 2     # the whole page: shared
     assert mine[1] != kept.pages[1] and pool.refs[kept.pages[1]] == 1     # the partial one: copied
     assert [pool.table[r.state[0].slot, j].item() for j in range(len(mine))] == mine
@@ -292,3 +292,40 @@ def test_sliding_window_layers_keep_a_ring_of_pages_and_give_the_tokens_of_whole
     want, cached_whole, whole = run()
     assert not any(isinstance(layer, PagedKV) and layer.ring for layer in whole.states[0])
     assert got == want and cached == cached_whole == 320
+
+
+@pytest.mark.skipif(SWITCHED_OFF, reason="a kernel family is switched off")
+def test_requests_take_pages_as_they_grow_and_the_newest_is_preempted_when_none_are_free(monkeypatch):
+    """A request holds the pages of its prompt and first step, and one more each PAGE positions it
+    makes. Three requests whose prompts and first steps fit a pool of 5 pages but whose growth does
+    not: at the page boundary the newest is preempted (its slot and pages freed), waits, and prefills
+    its prompt and the tokens it made again when pages free up; every request, a seeded sampled one
+    among them, gets the tokens of a pool with room for all; every page is back at the end."""
+    import kiln
+    from kiln.cache import PAGE, SlotPool
+    from kiln.engine import Batch
+
+    monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")
+    eng = kiln.load("synth:tiny-qwen3.5", device="cpu", dtype="f32", backend="cuda", max_context=512).engine
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 300, (PAGE - 4,), generator=g).tolist() for _ in range(3)]
+    params = [kiln.SamplingParams(max_new_tokens=7), kiln.SamplingParams(max_new_tokens=7),
+              kiln.SamplingParams(max_new_tokens=7, temperature=0.8, seed=5)]
+
+    def run(pages):
+        eng._pool = SlotPool(eng.model.make_state(eng.dtype, eng.device), 3, 512, pages)
+        batch = Batch(eng, set(), slots=3)
+        requests = [batch.add(p, s) for p, s in zip(prompts, params)]
+        held = []
+        while any(not r.done for r in requests):
+            batch.step()
+            held.append([batch.pool.held(r.state[0].slot) if r.state is not None else 0 for r in requests])
+        return [list(r.out) for r in requests], batch, held
+
+    want, roomy, held = run(12)
+    first = [h[0] for h in held if h[0]]
+    assert roomy.preempted == 0 and sorted(first) == first and set(first) == {1, 2}   # a second page past PAGE
+    got, tight, held = run(5)
+    assert tight.preempted == 1 and [1, 1, 1] in held and [2, 2, 0] in held
+    assert got == want and all(len(t) == 7 for t in got)
+    assert len(tight.pool.free_pages) == 5 and len(tight.pool.free) == 3 and tight.lent == 0

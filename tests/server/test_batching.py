@@ -130,7 +130,8 @@ def _metrics(port: int) -> dict[str, float]:
     lines = text.strip().splitlines()
     names = {ln.split()[2] for ln in lines if ln.startswith("# TYPE")}
     assert names >= {"kiln_requests_running", "kiln_requests_waiting", "kiln_generated_tokens_total",
-                     "kiln_prefix_hit_rate", "kiln_state_bytes", "kiln_output_tokens_per_second"}
+                     "kiln_prefix_hit_rate", "kiln_state_bytes", "kiln_output_tokens_per_second",
+                     "kiln_kv_pages_used", "kiln_kv_pages", "kiln_preemptions_total"}
     samples = [ln.rsplit(" ", 1) for ln in lines if not ln.startswith("#")]
     return {re.sub(r'model="[^"]*",?', "", k).replace("{}", ""): float(v) for k, v in samples}
 

@@ -175,9 +175,11 @@ def _pool_bytes(pool) -> int:
 
 def test_a_budget_sizes_the_batch_pool_and_says_how_many_requests_it_allows(capsys):
     """--gpu-memory with --max-batch on the cuda backend (its batched steps pool the requests' state):
-    the budget holds the pool too, as many slots of the max context as --max-batch asks or as fit,
-    and the load says how many concurrent requests that is; below two slots, a one-line error."""
-    from kiln.cache import SlotPool
+    the budget holds the pool too. Requests take KV pages as they grow, so the pool is --max-batch
+    slots of fixed state (the GDN states) and the pages that fit, up to every slot's max context;
+    slots past what fits beside one max-context request's pages are cut, and the load says how many
+    concurrent requests that is; below one slot and its pages, a one-line error."""
+    from kiln.cache import PAGE, SlotPool, pages_for
     spec, context = "synth:tiny-qwen3.5", 512
 
     def load_with(gb, batch=64):
@@ -185,24 +187,32 @@ def test_a_budget_sizes_the_batch_pool_and_says_how_many_requests_it_allows(caps
                          max_batch=batch, quiet=False)
 
     roomy = load_with(1.0)
-    one = _pool_bytes(SlotPool(roomy.model.make_state(torch.float32, "cpu"), 1, context)) // 2   # a slot and the spare
+    template = roomy.model.make_state(torch.float32, "cpu")
+    fixed, page = SlotPool.ring_bytes(template, context), SlotPool.page_bytes(template, context)
+    spare, full = SlotPool.bytes_per_slot(template, context, rings=False), pages_for(context)
+    assert fixed > 0 and page > 0 and full * PAGE == context
     plan = roomy.memory
-    assert plan.batch == 64 and plan.batch_context == context and plan.pool == 65 * one
+    assert plan.batch == 64 and plan.batch_context == context and plan.batch_pages == 64 * full
+    assert plan.pool == 64 * fixed + 64 * full * page + spare
     rest = plan.need - plan.pool                          # the core, cache and workspace
-    tight = load_with((rest + 6 * one + one // 2) / GB)   # room for 5 slots and the spare
-    assert tight.memory.batch == 5 and "5 concurrent requests" in tight.memory.line()
+    tight = load_with((rest + spare + 64 * fixed + 6 * page + page // 2) / GB)   # 64 slots, 6 pages
+    assert tight.memory.batch == 64 and tight.memory.batch_pages == 6
+    assert "64 concurrent requests, KV pages for 1 of them at the full 512 tokens" in tight.memory.line()
     capsys.readouterr()
     pool = tight.engine.slot_pool(64)
-    assert pool.count == 5 and pool.capacity == context and _pool_bytes(pool) == tight.memory.pool
-    assert "batch state: 5 slots of up to 512 tokens each" in capsys.readouterr().err
+    assert pool.count == 64 and pool.pages == 6 and pool.capacity == context
+    assert _pool_bytes(pool) == tight.memory.pool
+    assert "batch state: 64 slots of up to 512 tokens each, KV in 6 pages" in capsys.readouterr().err
+    few = load_with((rest + spare + 5 * fixed + full * page + fixed // 2) / GB)   # 5 slots beside a full request
+    assert few.memory.batch == 5 and few.memory.batch_pages == full
     prompts = [[3, 1, 4], [1, 5, 9, 2], [6, 5], [3, 5, 8, 9, 7], [9, 3], [2, 3, 8, 4]]
-    first = [tight.generate(p, max_new_tokens=1).token_ids for p in prompts]       # each prompt's own prefill
-    got = [c.token_ids for c in tight.generate(prompts, max_new_tokens=3, ignore_eos=True)]  # 6 requests, 5 slots
+    first = [few.generate(p, max_new_tokens=1).token_ids for p in prompts]       # each prompt's own prefill
+    got = [c.token_ids for c in few.generate(prompts, max_new_tokens=3, ignore_eos=True)]  # 6 requests, 5 slots
     assert [t[:1] for t in got] == first and all(len(t) == 3 for t in got)
     with pytest.raises(KilnError, match="not two batch slots of 512 tokens") as e:
-        load_with((rest + one + one // 2) / GB)
+        load_with((rest + spare + fixed + full * page - 1) / GB)
     assert "\n" not in str(e.value)
-    assert load_with((rest + one + one // 2) / GB, batch=1).memory.batch == 0     # no batch: no pool planned
+    assert load_with((rest + spare) / GB, batch=1).memory.batch == 0     # no batch: no pool planned
 
 
 def test_a_budget_keeps_the_experts_before_the_batch_pool(packed):
@@ -215,12 +225,16 @@ def test_a_budget_keeps_the_experts_before_the_batch_pool(packed):
         return memory_plan(ckpt, ops, dtype, CONTEXT, gb, slots, None, None, 8)
 
     roomy = plan(10.0)
-    assert roomy.slots is None and roomy.batch == 8 and roomy.pool == 9 * roomy.batch_slot
-    one, rest, experts = roomy.batch_slot, roomy.need - roomy.pool, roomy.experts
+    fixed, page, spare = roomy.batch_slot, roomy.batch_page, roomy.batch_spare
+    one = fixed + page                                               # a slot at the max context (48: a page)
+    assert roomy.slots is None and roomy.batch == 8 and roomy.batch_pages == 8 and roomy.pool == 8 * one + spare
+    rest, experts = roomy.need - roomy.pool, roomy.experts
     assert roomy.count == 8 and experts == 8 * roomy.per_slot        # 8 experts a layer: min(16, 8) kept
-    tight = plan((rest + experts + 4 * one + one // 2) / GB)         # the whole pool does not fit beside them
-    assert tight.batch == 3 and tight.slots is None                  # the experts first, 3 slots and the spare
-    asked = plan((rest + 2 * roomy.per_slot + 6 * one + one // 2) / GB, slots=2)
-    assert asked.batch == 5 and asked.slots == 2                     # the 2 slots asked, then 5 batch slots
+    tight = plan((rest + experts + spare + 3 * one + one // 2) / GB)   # the whole pool does not fit beside them
+    assert tight.slots is None and tight.batch == 8                  # the experts first, then 8 slots
+    assert tight.batch_pages == (3 * one + one // 2 - 8 * fixed) // page < 8    # and the pages left
+    asked = plan((rest + 2 * roomy.per_slot + spare + 6 * one + one // 2) / GB, slots=2)
+    assert asked.slots == 2 and asked.batch == 8                     # the 2 slots asked, then the pool
+    assert asked.batch_pages == (6 * one + one // 2 - 8 * fixed) // page
     with pytest.raises(KilnError, match="less than one expert slot"):
         plan((rest + roomy.per_slot // 2) / GB)
