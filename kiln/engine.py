@@ -735,14 +735,15 @@ class Batch:
 
     def _grow(self) -> None:
         """Each pooled running request holding the page its next step writes, oldest first; while too
-        few pages are free, the prefix cache's kept ones are dropped, then the newest running request
-        is preempted (the requester itself when it is the newest)."""
+        few pages are free, the prefix cache's kept ones are dropped, then the newest pooled running
+        request is preempted (the requester itself when it is the newest; one with a state of its own
+        frees no page)."""
         for r in list(self.running):
             while r.pos >= r.room and r.state is not None:      # (a preempted one: state None)
                 if self.pool.grow(r.state, r.pos + 1):
                     r.room = self.pool.held(r.state[0].slot) * PAGE
                 elif self.prefixes is None or not self.prefixes.drop_oldest():
-                    self._preempt(self.running[-1])
+                    self._preempt(next(q for q in reversed(self.running) if SlotPool.slots_of([q.state])))
 
     def _preempt(self, r: BatchRequest) -> None:
         """A running request's state freed for older ones (vLLM's recompute preemption): it goes back to
