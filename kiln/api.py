@@ -376,7 +376,7 @@ def batch_pool(plan: MemoryPlan, cls, cfg, ops, dtype, limit: int, batch: int, s
             return                  # (fit says what the experts lack)
         room -= keep
     left = room - spare             # the spare slot a captured batch step pads with, then the slots
-    fits = batch if left >= one and not fixed else min(batch, max(left - full * page, 0) // max(fixed, 1))
+    fits = 0 if left < one else min(batch, (left - full * page) // fixed) if fixed else batch
     if fits < 1:
         raise KilnError(f"--gpu-memory {plan.budget / GB:.2f} GB leaves {max(room, 0) / GB:.2f} GB after the core, "
                         f"cache, workspace{' and expert slots' if plan.count else ''}: not two batch slots of "
