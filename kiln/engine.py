@@ -130,8 +130,8 @@ class Engine:
                   + pages * SlotPool.page_bytes(template, cap)) / 1e9
             why = f": the concurrent requests --gpu-memory allows ({asked} asked)" if slots < asked else ""
             print(f"[kiln] batch state: {slots} slots of up to {cap} tokens each, KV in {pages} pages of {PAGE} "
-                  f"tokens ({gb:.1f} GB; {pages // pages_for(cap)} requests of {cap} tokens at once, more when "
-                  f"shorter){why}", file=sys.stderr)
+                  f"tokens ({gb:.1f} GB; {_count(pages // pages_for(cap), 'request')} of {cap} tokens at once, "
+                  f"more when shorter){why}", file=sys.stderr)
         return self._pool
 
     def _pool_shape(self, template: list, slots: int) -> tuple[int, int] | None:
@@ -384,6 +384,10 @@ class Engine:
     def _check_owner(self, req: _Request) -> None:
         if (req.reuse and self._kept is not req) or (req.on_graph and self._owner is not req):
             raise RuntimeError("this stream's state was taken over by a newer request")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
