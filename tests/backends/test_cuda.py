@@ -295,7 +295,9 @@ def test_sliding_window_layers_keep_a_ring_of_pages_and_give_the_tokens_of_whole
 
 
 @pytest.mark.skipif(SWITCHED_OFF, reason="a kernel family is switched off")
-def test_requests_take_pages_as_they_grow_and_the_newest_is_preempted_when_none_are_free(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_requests_take_pages_as_they_grow_and_the_newest_is_preempted_when_none_are_free(device, monkeypatch):
     """A request holds the pages of its prompt and first step, and one more each PAGE positions it
     makes. Three requests whose prompts and first steps fit a pool of 5 pages but whose growth does
     not: at the page boundary the newest is preempted (its slot and pages freed), waits, and prefills
@@ -306,7 +308,7 @@ def test_requests_take_pages_as_they_grow_and_the_newest_is_preempted_when_none_
     from kiln.engine import Batch
 
     monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")
-    eng = kiln.load("synth:tiny-qwen3.5", device="cpu", dtype="f32", backend="cuda", max_context=512).engine
+    eng = kiln.load("synth:tiny-qwen3.5", device=device, dtype="f32", backend="cuda", max_context=512).engine
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(1, 300, (PAGE - 4,), generator=g).tolist() for _ in range(3)]
     params = [kiln.SamplingParams(max_new_tokens=7), kiln.SamplingParams(max_new_tokens=7),
