@@ -458,13 +458,15 @@ class SlotPool:
         """`need` free pages, held once: the ones right after page `after` where they are free, else
         consecutive ones where the free pages have such a run (the slot's K/V then read as one
         buffer by every op: no copies), else the lowest free ones."""
-        free = sorted(self.free_pages)
         follow = [] if after is None else list(range(after + 1, after + 1 + need))
-        if follow and set(follow) <= set(free):
-            pages = follow
-        else:
-            start = next((i for i in range(len(free) - need + 1) if free[i + need - 1] - free[i] == need - 1), None)
-            pages = free[start: start + need] if start is not None else free[:need]
+        if follow and all(self.width <= p < len(self.refs) and self.refs[p] == 0 for p in follow):
+            for page in follow:          # a request growing by its next page: no sort of the free list
+                self.free_pages.remove(page)
+                self.refs[page] = 1
+            return follow
+        free = sorted(self.free_pages)
+        start = next((i for i in range(len(free) - need + 1) if free[i + need - 1] - free[i] == need - 1), None)
+        pages = free[start: start + need] if start is not None else free[:need]
         taken = set(pages)
         self.free_pages = [p for p in self.free_pages if p not in taken]
         for page in pages:
