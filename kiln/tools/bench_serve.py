@@ -175,6 +175,12 @@ class StartedServer:
         self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=self.log)
 
+    def start_lines(self) -> list[str]:
+        """The server's own `[kiln] ...` lines (the memory plan, the batch state's slots and pages):
+        what a run measured depends on them."""
+        text = Path(self.log.name).read_text(errors="replace")
+        return [s.strip()[:400] for s in text.splitlines() if s.startswith("[kiln]")][:20]
+
     def _last_log_line(self) -> str:
         lines = [s.strip() for s in Path(self.log.name).read_text(errors="replace").splitlines() if s.strip()]
         return lines[-1][:300] if lines else "no output"
@@ -696,6 +702,8 @@ def main(a) -> int:
             server = StartedServer(a.target, flags, key)
             say(f"starting {shlex.join(['kiln', *server.command[3:]])} (log: {server.log.name})")
             server.wait_ready(a.ready_timeout)
+            for line in server.start_lines():
+                say(f"server: {line}")
             endpoint = server.endpoint
         card = model_card(endpoint)
         bench = Bench(a, endpoint, card, lines, say)
@@ -710,8 +718,11 @@ def main(a) -> int:
                 say(f"kept kiln serve's log: {server.log.name}")
         raise
     if server is not None:
+        started = server.start_lines()
         server.stop(keep_log=False)
     report = _report(a, bench, card, server, levels)
+    if server is not None:
+        report["server_lines"] = started
     print(table(levels), flush=True)
     _write(a, report, say)
     return 0

@@ -318,6 +318,7 @@ def test_a_model_target_starts_and_stops_its_server(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert "--device cpu --queue-limit 1" in report["server_command"] and report["model"] == "synth:tiny-qwen3.5"
     assert report["environment"]["torch"] and report["environment"]["gpu"]
+    assert report["server_lines"] == []         # the cpu backend's tiny serve says nothing at start
     one, four = report["results"]
     assert (one["completed"], one["failed"], one["rejected"]) == (4, 0, 0)
     assert four["failed"] == 0 and four["rejected"] >= 1 and four["completed"] + four["rejected"] == 4
@@ -328,3 +329,16 @@ def test_a_model_target_starts_and_stops_its_server(tmp_path, capsys):
     conn = http.client.HTTPConnection("127.0.0.1", int(port), timeout=2)
     with pytest.raises(OSError):            # the server is gone
         conn.request("GET", "/health")
+
+
+def test_the_servers_start_lines_are_its_own_kiln_lines(tmp_path):
+    """What a run measured depends on the server's plan (slots, pages): its `[kiln]` lines go in the JSON."""
+    from kiln.tools.bench_serve import StartedServer
+    log = tmp_path / "serve.log"
+    log.write_text("INFO: Started server process\n[kiln] batch state: 64 slots of up to 4096 tokens each\n"
+                   "[autotune] gemv 1x4096x4096: 9.1 us\n  [kiln] indented: not a start line\n"
+                   "[kiln] decode step captured as one CUDA graph: 700 launches per token\n")
+    server = StartedServer.__new__(StartedServer)
+    server.log = type("Log", (), {"name": str(log)})()
+    assert server.start_lines() == ["[kiln] batch state: 64 slots of up to 4096 tokens each",
+                                    "[kiln] decode step captured as one CUDA graph: 700 launches per token"]
