@@ -8,6 +8,7 @@ returns False when it cannot rewind that far (the engine then prefills from scra
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import torch
 
@@ -415,6 +416,21 @@ class SlotPool:
     def held(self, slot: int) -> int:
         """Pages slot `slot` holds."""
         return self.width if slot == self.count else len(self._held.get(slot, ()))
+
+    def check(self, table: bool = True) -> None:
+        """Raise AssertionError where the books disagree: a held page out of range or counted fewer
+        times than slots hold it (slots share an adopted prefix's pages, each counted), a free page
+        still counted or listed twice, or a table row (read from the device: a sync) not listing its
+        slot's pages."""
+        total, held = len(self.refs), [p for pages in self._held.values() for p in pages]
+        assert all(self.width <= p < total for p in held + self.free_pages), "a page out of range"
+        assert all(self.refs[p] >= n for p, n in Counter(held).items()), "a held page counted too few times"
+        assert len(self.free_pages) == len(set(self.free_pages)), "a page freed twice"
+        assert not set(held) & set(self.free_pages), "a held page listed free"
+        assert all(self.refs[p] == 0 for p in self.free_pages), "a free page still counted"
+        rows = self.table.tolist() if table else {}
+        for slot, pages in self._held.items() if table else ():
+            assert rows[slot][: len(pages)] == pages, f"slot {slot}'s table row is not its pages"
 
     def fits(self, tokens: int) -> bool:
         """Whether a request of `tokens` positions can ever hold its pages here."""

@@ -62,6 +62,8 @@ POOL_CONTEXT = 32768    # a pooled batch slot's KV positions at most (a longer r
 POOL_MEMORY = 0.6       # share of the free device memory a batch's slot pool may take
 MAX_POOL = 64           # slots for LLM.generate's batches (more prompts wait for a free one)
 PREFIX_BLOCK = 64       # a batch's prefix cache keeps state at multiples of this many prompt tokens
+# Batch._check at every step (debugging): 1 on the host only, 2 the block table read back too (a sync)
+CHECK_POOL = int(os.environ.get("KILN_CHECK_POOL", "0") or 0)
 PREFIX_ENTRIES = 8      # ... for this many prefixes, the least recently used dropped first
 
 
@@ -267,6 +269,12 @@ class Engine:
         finally:
             ops.rows_apart = False
 
+    def replays(self, positions: list[int], states: list[list]) -> bool:
+        """Whether decode_batch of these rows would replay a captured graph as it is."""
+        slots, graphs = SlotPool.slots_of(states), self._batch_graphs
+        return (slots is not None and graphs is not None and states[0][0] is self._pool.states[slots[0]][0]
+                and graphs.ready(len(states), positions))
+
     def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams], eos_ids) -> list[TokenStream]:
         """Token streams of several requests decoded together (kiln.engine.Batch): each stream's ids
         advance the shared batch as they are read, so they may be read in any order or interleaved."""
@@ -399,7 +407,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-@dataclass
+@dataclass(eq=False)      # a request is itself: queues find and remove it by identity, not by its fields
 class BatchRequest:
     """One request of a Batch: its prompt, its state, the token it feeds next and what it made."""
     ids: list[int]
@@ -629,6 +637,8 @@ class Batch:
         one applies (PrefillGraphs.run_slot: no decode steps inside it, which would use the scratch
         slot it fills). Several waiting prompts still share one eager forward (group_prefill): with
         decode steps between its layers, the GPU is kept as busy as by their graphs one by one."""
+        if CHECK_POOL and self.pool is not None:
+            self._check(parts)
         if len(parts) == 1 and self._graphable(*parts[0]):
             (r, end), = parts
             logits = self.engine.prefill_graphs.run_slot(r.ids[r.pos:end], r.state, self.pool, r.pos, self.engine.quiet)
@@ -720,7 +730,7 @@ class Batch:
             return
         self._in_step = True        # the decode forward and a bucket's capture call this hook too
         try:
-            self._advance()
+            self._advance(inside=True)
             if self.on_tokens is not None:
                 self.on_tokens()
         finally:
@@ -728,26 +738,56 @@ class Batch:
         if self._prefilling and all(r.done for r in self._prefilling):
             raise _Abandoned        # their clients left: the rest of the layers would be wasted
 
-    def _advance(self) -> None:
-        """The step in flight's tokens read, the next step launched for the requests still running."""
+    def _advance(self, inside: bool = False) -> None:
+        """The step in flight's tokens read, the next step launched for the requests still running.
+        `inside` a prefill's layers (on a GPU) the step is launched only where it replays a captured
+        graph as it is and every request has its next page without dropping a kept prefix or
+        preempting; else it waits for the prefill's end. A GPU serve under page pressure with steps
+        that captured, warmed or preempted between a prefill's layers hit device-side index asserts
+        (docs/batching.md), not reproduced with those steps kept outside."""
         self._resolve()
         self.running = [r for r in self.running if not r.done]
+        careful = inside and self.cuda
         if self.pool is not None:
-            self._grow()
+            if not self._grow(preempt=not careful):
+                return
+            if CHECK_POOL:
+                self._check()
+        if careful and self.running and not self.engine.replays([r.pos for r in self.running],
+                                                                 [r.state for r in self.running]):
+            return
         if self.running:
             self._launch(self.running)
 
-    def _grow(self) -> None:
+    def _grow(self, preempt: bool = True) -> bool:
         """Each pooled running request holding the page its next step writes, oldest first; while too
         few pages are free, the prefix cache's kept ones are dropped, then the newest pooled running
         request is preempted (the requester itself when it is the newest; one with a state of its own
-        frees no page)."""
+        frees no page). Without `preempt`: False at the first request short of a page (none dropped)."""
         for r in list(self.running):
             while r.pos >= r.room and r.state is not None:      # (a preempted one: state None)
                 if self.pool.grow(r.state, r.pos + 1):
                     r.room = self.pool.held(r.state[0].slot) * PAGE
+                elif not preempt:
+                    return False
                 elif self.prefixes is None or not self.prefixes.drop_oldest():
                     self._preempt(next(q for q in reversed(self.running) if SlotPool.slots_of([q.state])))
+        return True
+
+    def _check(self, parts: list | None = None) -> None:
+        """KILN_CHECK_POOL=1: the pool's books (SlotPool.check) and what the next step or prefill
+        `parts` feed, checked on the host before they run (a bad index would otherwise surface later
+        as a device-side assert)."""
+        self.pool.check(table=CHECK_POOL >= 2)
+        vocab = self.engine.model.cfg.vocab_size
+        for r in self.running:
+            assert 0 <= r.token < vocab, f"token {r.token} out of the vocabulary"
+            assert r.state is None or r.pos < r.room, f"position {r.pos} past the {r.room} its pages hold"
+        for r, end in parts or ():
+            assert all(0 <= t < vocab for t in r.ids[r.pos:end]), "a prompt token out of the vocabulary"
+            assert all(layer.length == r.pos for layer in r.state), f"state lengths not at {r.pos}"
+            slot = SlotPool.slots_of([r.state])
+            assert slot is None or self.pool.held(slot[0]) * PAGE >= end, f"pages short of position {end}"
 
     def _preempt(self, r: BatchRequest) -> None:
         """A running request's state freed for older ones (vLLM's recompute preemption): it goes back to

@@ -35,6 +35,17 @@ def check(pool: SlotPool, prefixes: list) -> None:
     assert len(free) + sum(r > 0 for r in pool.refs) == pool.pages        # the scratch's pages are never lent
     for slot, pages in pool._held.items():
         assert pool.table[slot, : len(pages)].tolist() == pages
+    pool.check()                # the pool's own check (KILN_CHECK_POOL) agrees
+
+
+def test_the_pools_own_check_catches_a_page_freed_while_held():
+    pool = SlotPool(template(), slots=2, capacity=4 * PAGE, pages=6)
+    state = pool.take(2 * PAGE)
+    pool.check()
+    page = pool._held[state[0].slot][0]
+    pool.free_pages.append(page)
+    with pytest.raises(AssertionError, match="a held page listed free"):
+        pool.check(table=False)
 
 
 @pytest.mark.parametrize("seed", range(4))

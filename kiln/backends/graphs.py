@@ -401,6 +401,13 @@ class BatchGraphs:
         self.failed = False
         self.captures = 0
 
+    def ready(self, rows: int, positions: list[int]) -> bool:
+        """Whether a step of `rows` rows at `positions` would replay a captured graph as it is (no
+        eager warm-up, no capture: what a decode step launched inside a prefill's layers may run)."""
+        bucket = next((k for k in self.buckets if k >= rows), None)
+        return (not self.failed and bucket in self.graphs
+                and self.graphs[bucket][0] == key_span(max(positions)))
+
     def step(self, tokens: list[int], positions: list[int], slots: list[int], states: list[list],
              quiet: bool = True) -> torch.Tensor | None:
         """The logits [B, V] of one decode step of the rows, states advanced; None where it cannot run

@@ -331,3 +331,45 @@ def test_requests_take_pages_as_they_grow_and_the_newest_is_preempted_when_none_
     assert tight.preempted == 1 and [1, 1, 1] in held and [2, 2, 0] in held
     assert got == want and all(len(t) == 7 for t in got)
     assert len(tight.pool.free_pages) == 5 and len(tight.pool.free) == 3 and tight.lent == 0
+    if device == "cpu":
+        careful_steps_inside_a_prefill(eng, prompts, params, want, monkeypatch)
+
+
+def careful_steps_inside_a_prefill(eng, prompts, params, want, monkeypatch):
+    """A step launched between a prefill's layers on a GPU (Batch._advance(inside=True), here with
+    Batch.cuda forced): it takes a page only where one is free, never preempts, and launches only a
+    step that replays a captured graph; the step after the prefill does the rest, same tokens."""
+    from kiln.cache import SlotPool
+    from kiln.engine import Batch
+
+    eng._pool = SlotPool(eng.model.make_state(eng.dtype, eng.device), 3, 512, 5)
+    batch = Batch(eng, set(), slots=3)
+    requests = [batch.add(p, s) for p, s in zip(prompts, params)]
+    flags, preempted_inside, declined = {"inside": False, "replays": False}, [], 0
+    launch, preempt = batch._launch, batch._preempt
+
+    def launch_here(live):          # (its pinned copy and event need a GPU: launched as on a CPU)
+        batch.cuda = False
+        try:
+            launch(live)
+        finally:
+            batch.cuda = True
+
+    def preempt_logged(r):
+        preempted_inside.append(flags["inside"])
+        preempt(r)
+
+    batch.cuda, batch._launch, batch._preempt = True, launch_here, preempt_logged
+    monkeypatch.setattr(eng, "replays", lambda positions, states: flags["replays"])
+    batch.step()
+    batch._advance(inside=True)     # no captured graph to replay: nothing launched
+    assert batch.pending is None and batch.running
+    flags["replays"] = True
+    while any(not r.done for r in requests):
+        flags["inside"] = True
+        batch._advance(inside=True)
+        flags["inside"] = False
+        declined += batch.pending is None and bool(batch.running)
+        batch.step()
+    assert [list(r.out) for r in requests] == want
+    assert batch.preempted == 1 and preempted_inside == [False] and declined >= 1
