@@ -26,7 +26,7 @@ from ..errors import KilnError
 from ..sampling import SamplingParams
 from . import protocol, tools
 from .protocol import ApiError, bad
-from .worker import Job, Outcome, QueueFull, Worker
+from .worker import EngineDead, Job, Outcome, QueueFull, Worker, fatal
 
 MAX_BODY = 16 * 2**20  # bytes: far more than any prompt that fits a context
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -233,7 +233,15 @@ def _sse(obj: dict) -> bytes:
 
 
 def _failure(e: Exception) -> ApiError:
+    if isinstance(e, EngineDead) or fatal(e):
+        return _dead(e)
     return ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
+
+
+def _dead(e: Exception) -> ApiError:
+    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return ApiError(503, f"the server's GPU failed ({why}); it must be restarted", code="engine_dead",
+                    type="server_error")
 
 
 async def _stream(job: Job, shape: _Shape, include_usage: bool):
@@ -299,6 +307,8 @@ async def _respond(service: Service, request: Request, req: protocol.Request,
     job = Job(prompts)
     try:
         service.worker.submit(job)
+    except EngineDead as e:
+        raise _dead(e) from None
     except QueueFull:
         raise ApiError(429, f"the server is busy ({service.worker.jobs.maxsize} requests are waiting); retry later",
                        code="queue_full", type="rate_limit_error") from None
@@ -392,6 +402,8 @@ def create_app(llm: LLM, model_id: str, api_key: str | None = None, queue_limit:
 
     @app.get("/health")
     async def health():
+        if service.worker.dead is not None:
+            return JSONResponse(_dead(EngineDead(service.worker.dead)).body(), status_code=503)
         return {"status": "ok", "model": service.model_id, "running": service.worker.running,
                 "queued": service.worker.jobs.qsize()}
 

@@ -57,6 +57,16 @@ class QueueFull(Exception):
     pass
 
 
+class EngineDead(Exception):
+    """The GPU failed in a way that leaves it unusable to this process (a CUDA error such as a
+    device-side assert poisons its context): every later request would fail the same way."""
+
+
+def fatal(e: BaseException) -> bool:
+    """Whether an exception is such a CUDA error (an out-of-memory error is not: the next request may fit)."""
+    return type(e).__name__ == "AcceleratorError" or str(e).startswith("CUDA error")
+
+
 @dataclass
 class _Slot:
     """One prompt of a job running in the batch."""
@@ -72,6 +82,7 @@ class Worker:
         self.stats = ServeStats()      # GET /metrics
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_limit)  # waiting jobs, the running one excluded
         self.running = False
+        self.dead: str | None = None    # why the GPU is unusable (fatal): requests are refused from then on
         self._thread = threading.Thread(target=self._serve, name="kiln-engine", daemon=True)
 
     def start(self) -> None:
@@ -89,16 +100,38 @@ class Worker:
         self._thread.join(timeout=5)
 
     def submit(self, job: Job) -> None:
+        if self.dead is not None:
+            raise EngineDead(self.dead)
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
             raise QueueFull from None
 
+    def _die(self, e: BaseException) -> None:
+        """After a fatal error: refuse new requests, fail the waiting ones, say so once on stderr."""
+        if self.dead is None:
+            self.dead = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"[kiln] fatal: the GPU failed ({self.dead}); every request fails from now on: restart kiln serve",
+                  file=sys.stderr, flush=True)
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:             # the shutdown sentinel: back for the loop to see
+                self.jobs.put_nowait(None)
+                return
+            job.emit("error", EngineDead(self.dead))
+            self.stats.done("error")
+
     def _serve(self) -> None:
         if self.max_batch > 1:
             return self._serve_batched()
         while (job := self.jobs.get()) is not None:
-            if not job.cancelled.is_set():
+            if self.dead is not None:
+                job.emit("error", EngineDead(self.dead))
+                self.stats.done("error")
+            elif not job.cancelled.is_set():
                 self.running = True
                 try:
                     self._run(job)
@@ -139,6 +172,8 @@ class Worker:
             traceback.print_exc(file=sys.stderr)
             self.stats.done("error")
             job.emit("error", e)
+            if fatal(e):
+                self._die(e)
             return False
         finally:
             self.stats.running = 0
@@ -189,6 +224,8 @@ class Worker:
                 for _ in slots:
                     self.stats.done("error")
                 slots.clear()
+                if fatal(e):
+                    self._die(e)
                 continue
             self.stats.state_bytes = sum(state_bytes(slot.request.state) for slot in slots)
             count_graphs(self.stats, self.llm.engine)
@@ -208,6 +245,10 @@ class Worker:
             if job is None:
                 return False
             if job.cancelled.is_set():
+                continue
+            if self.dead is not None:
+                job.emit("error", EngineDead(self.dead))
+                self.stats.done("error")
                 continue
             try:
                 for index, (ids, params) in enumerate(job.prompts):
