@@ -62,9 +62,9 @@ POOL_CONTEXT = 32768    # a pooled batch slot's KV positions at most (a longer r
 POOL_MEMORY = 0.6       # share of the free device memory a batch's slot pool may take
 MAX_POOL = 64           # slots for LLM.generate's batches (more prompts wait for a free one)
 PREFIX_BLOCK = 64       # a batch's prefix cache keeps state at multiples of this many prompt tokens
+PREFIX_ENTRIES = 8      # ... for this many prefixes, the least recently used dropped first
 # Batch._check at every step (debugging): 1 on the host only, 2 the block table read back too (a sync)
 CHECK_POOL = int(os.environ.get("KILN_CHECK_POOL", "0") or 0)
-PREFIX_ENTRIES = 8      # ... for this many prefixes, the least recently used dropped first
 
 
 class Engine:
@@ -250,9 +250,8 @@ class Engine:
         graph per batch bucket (kiln.backends.graphs.BatchGraphs). The logits are valid until the
         next step."""
         slots = SlotPool.slots_of(states)
-        graphs = self._batch_graphs
-        if (slots is not None and graphs is not None and states[0][0] is self._pool.states[slots[0]][0]
-                and (logits := graphs.step(tokens, positions, slots, states, self.quiet)) is not None):
+        if (self._graphed(states, slots)
+                and (logits := self._batch_graphs.step(tokens, positions, slots, states, self.quiet)) is not None):
             return logits
         ids, pos = upload(tokens, self.device), upload(positions, self.device)   # not waiting for the stream
         layers = [StateBatch(layer) for layer in zip(*states)]
@@ -269,11 +268,15 @@ class Engine:
         finally:
             ops.rows_apart = False
 
+    def _graphed(self, states: list[list], slots: list[int] | None) -> bool:
+        """Whether a batched step of these rows (their pool slots: SlotPool.slots_of) goes to the
+        engine pool's graphs (BatchGraphs)."""
+        return (slots is not None and self._batch_graphs is not None
+                and states[0][0] is self._pool.states[slots[0]][0])
+
     def replays(self, positions: list[int], states: list[list]) -> bool:
         """Whether decode_batch of these rows would replay a captured graph as it is."""
-        slots, graphs = SlotPool.slots_of(states), self._batch_graphs
-        return (slots is not None and graphs is not None and states[0][0] is self._pool.states[slots[0]][0]
-                and graphs.ready(len(states), positions))
+        return self._graphed(states, SlotPool.slots_of(states)) and self._batch_graphs.ready(len(states), positions)
 
     def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams], eos_ids) -> list[TokenStream]:
         """Token streams of several requests decoded together (kiln.engine.Batch): each stream's ids
