@@ -13,6 +13,7 @@ from collections import Counter
 import torch
 
 from .errors import KilnError
+from .indexcheck import checked
 
 
 def upload(values, device: torch.device, dtype=torch.long) -> torch.Tensor:
@@ -250,6 +251,7 @@ class PagedKV(KVCache):
     def read(self, n: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V at positions first .. n - 1, [n - first, KV, D] each."""
         rows = self.rows(first, n - first)
+        rows = checked(rows, self.pool_k.shape[0], "kv_rows")
         return self.pool_k.index_select(0, rows), self.pool_v.index_select(0, rows)
 
     def read_whole(self) -> tuple[torch.Tensor, torch.Tensor]:

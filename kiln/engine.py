@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from . import indexcheck
 from .backends.graphs import PREFILL_GRAPH_ROWS, BatchGraphs, DecodeGraph, PrefillGraphs, graphable
 from .cache import PAGE, PagedKV, PagedPrefix, SlotPool, StateBatch, key_span, pages_for, restore, snapshot, upload
 from .errors import KilnError
@@ -65,12 +66,17 @@ PREFIX_BLOCK = 64       # a batch's prefix cache keeps state at multiples of thi
 PREFIX_ENTRIES = 8      # ... for this many prefixes, the least recently used dropped first
 # Batch._check at every step (debugging): 1 on the host only, 2 the block table read back too (a sync)
 CHECK_POOL = int(os.environ.get("KILN_CHECK_POOL", "0") or 0)
+# diagnosis of the index assert under page pressure (docs/batching.md): which half of the care taken by a
+# decode step launched inside a GPU prefill is kept. "pages": only free pages (eager steps, warm-ups and
+# captures allowed); "graphs": only ready graphs (preemption and prefix drops allowed); "none": neither
+INSIDE = os.environ.get("KILN_INSIDE", "both")
 
 
 class Engine:
     def __init__(self, model, dtype, device, max_context: int, prefill_chunk: int = 512,
                  graphs: bool = False, quiet: bool = True, batch_graphs: bool = True):
         self.model, self.dtype, self.device = model, dtype, torch.device(device)
+        indexcheck.prepare(self.device)
         self.max_context, self.prefill_chunk = max_context, prefill_chunk
         self.quiet = quiet
         # Prefix reuse (off unless asked for): the last reusing request, whose state and consumed ids
@@ -679,6 +685,8 @@ class Batch:
                 r.sampler = Sampler(r.params, eng.device)
             r.history = torch.tensor(r.ids, device=eng.device)
         self.running.append(r)
+        if indexcheck.ON:
+            indexcheck.report()
         self._emit(r, self._choose(r, logits))
 
     def _start_from_prefix(self, r: BatchRequest) -> None:
@@ -752,12 +760,13 @@ class Batch:
         self.running = [r for r in self.running if not r.done]
         careful = inside and self.cuda
         if self.pool is not None:
-            if not self._grow(preempt=not careful):
+            if not self._grow(preempt=not (careful and INSIDE in ("both", "pages"))):
                 return
             if CHECK_POOL:
                 self._check()
-        if careful and self.running and not self.engine.replays([r.pos for r in self.running],
-                                                                 [r.state for r in self.running]):
+        rows = self.running
+        if (careful and INSIDE in ("both", "graphs") and rows
+                and not self.engine.replays([r.pos for r in rows], [r.state for r in rows])):
             return
         if self.running:
             self._launch(self.running)

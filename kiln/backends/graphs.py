@@ -25,6 +25,7 @@ import torch
 
 from ..cache import GDNState, KVCache, StateBatch, key_span
 from ..errors import KilnError
+from ..indexcheck import checked
 
 GRAPHABLE = (KVCache, GDNState)
 
@@ -319,7 +320,7 @@ class PrefillGraphs:
             if isinstance(layer, GDNState):
                 for mine, pool in ((layer.conv, layer.pool_conv), (layer.ssm, layer.pool_ssm)):
                     if offset:
-                        mine.copy_(pool.index_select(0, slot)[0])
+                        mine.copy_(pool.index_select(0, checked(slot, pool.shape[0], "slot_state"))[0])
                     else:
                         mine.zero_()
             elif offset:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from ..cache import KVCache, StateBatch, paged, stage, unstage
 from ..errors import KilnError
+from ..indexcheck import checked
 from ..weights.checkpoint import FileSpan
 from ..weights.quantized import cat_rows
 from ..weights.upload import Uploader, file_reads_on, pinned_upload_on, placed
@@ -52,7 +53,7 @@ def last_rows(x: torch.Tensor, last_only) -> torch.Tensor:
     """The rows whose logits are asked for: the last `last_only` (True: the last one), the rows a
     tensor of indices names (each prompt's last, several prefilled together), or all (False)."""
     if isinstance(last_only, torch.Tensor):
-        return x.index_select(0, last_only)
+        return x.index_select(0, checked(last_only, x.shape[0], "last_rows"))
     return x[-last_only:] if last_only else x
 
 

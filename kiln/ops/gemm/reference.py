@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...indexcheck import checked
 from ..quant.reference import QuantizedWeight, dequantize
 
 ACTIVATIONS = {
@@ -21,7 +22,10 @@ class GemmReference:
     """Needs the norm family beside it (rmsnorm, add_rmsnorm) for the fused forms."""
 
     def embed(self, ids: torch.Tensor, table: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        x = dequantize(table.rows(ids)) if isinstance(table, QuantizedWeight) else F.embedding(ids, table)
+        if isinstance(table, QuantizedWeight):
+            x = dequantize(table.rows(ids))
+        else:
+            x = F.embedding(checked(ids, table.shape[0], "embed"), table)
         if scale is not None:  # Gemma: the scale is cast to the weight dtype first, as HF does
             x = x * torch.tensor(scale, dtype=table.dtype)   # a CPU scalar: no copy, so a graph can hold it
         return x

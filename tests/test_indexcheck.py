@@ -1,0 +1,37 @@
+"""KILN_CHECK_INDEX's device-side index check: counted by site, clamped, reported at the next sync."""
+
+import pytest
+import torch
+
+from kiln import indexcheck
+
+
+@pytest.fixture
+def on(monkeypatch):
+    monkeypatch.setattr(indexcheck, "ON", True)
+    counts = torch.zeros((len(indexcheck.SITES), 2), dtype=torch.long)
+    monkeypatch.setattr(indexcheck, "_counts", {torch.device("cpu"): counts})
+    return counts
+
+
+def test_an_out_of_range_index_is_clamped_counted_and_reported(on):
+    idx = torch.tensor([3, 9, 1, -2])
+    got = indexcheck.checked(idx, 5, "last_rows")
+    assert got.tolist() == [3, 4, 1, 0]
+    assert on[indexcheck.SITES.index("last_rows")].tolist() == [2, 9]
+    assert on[indexcheck.SITES.index("embed")].tolist() == [0, 0]
+    with pytest.raises(RuntimeError, match=r"last_rows: 2 bad \(largest 9\)"):
+        indexcheck.report()
+
+
+def test_indices_in_range_pass_as_they_are(on):
+    idx = torch.randint(0, 7, (16,))
+    assert torch.equal(indexcheck.checked(idx, 7, "embed"), idx)
+    indexcheck.report()             # nothing to say
+    assert on.sum() == 0
+
+
+def test_off_returns_the_same_tensor(monkeypatch):
+    monkeypatch.setattr(indexcheck, "ON", False)
+    idx = torch.tensor([99])
+    assert indexcheck.checked(idx, 5, "embed") is idx
