@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import indexcheck
+from . import indexcheck, steptrace
 from .backends.graphs import PREFILL_GRAPH_ROWS, BatchGraphs, DecodeGraph, PrefillGraphs, graphable
 from .cache import PAGE, PagedKV, PagedPrefix, SlotPool, StateBatch, key_span, pages_for, restore, snapshot, upload
 from .errors import KilnError
@@ -416,6 +416,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+_SERIALS = itertools.count()
+
+
 @dataclass(eq=False)      # a request is itself: queues find and remove it by identity, not by its fields
 class BatchRequest:
     """One request of a Batch: its prompt, its state, the token it feeds next and what it made."""
@@ -436,6 +439,7 @@ class BatchRequest:
     span: int = 0                       # the positions it may reach: its prompt and its decode steps
     room: int = 0                       # positions its pool pages hold (0: none taken; own state: past span)
     made: list = field(default_factory=list)     # every token it made (a preempted request prefills them again)
+    serial: int = field(default_factory=lambda: next(_SERIALS))     # names it in a KILN_TRACE file
 
 
 class PrefixCache:
@@ -559,6 +563,7 @@ class Batch:
     def cancel(self, r: BatchRequest) -> None:
         """The request leaves at the next step (its reader is gone); its state is freed now."""
         if not r.done:
+            steptrace.event("cancel", r=r.serial)
             r.cancelled = r.done = True
             self._release(r)
         if r in self.waiting:
@@ -586,6 +591,7 @@ class Batch:
         prefill forward (a request whose prefill ends now decodes from the next step)."""
         if self._in_step:   # e.g. on_tokens reading a stream: it would prefill the same chunk again
             raise RuntimeError("Batch.step called from inside a step (on_tokens must only read request.out)")
+        steptrace.event("step", running=len(self.running), waiting=len(self.waiting))
         self._advance()
         if self.waiting:
             self._prefill_next()
@@ -650,6 +656,7 @@ class Batch:
             self._check(parts)
         if len(parts) == 1 and self._graphable(*parts[0]):
             (r, end), = parts
+            steptrace.event("prefill", how="graph", parts=self._trace_parts(parts))
             logits = self.engine.prefill_graphs.run_slot(r.ids[r.pos:end], r.state, self.pool, r.pos, self.engine.quiet)
             if logits is not None:
                 self._prefilled(r, end, logits)
@@ -658,6 +665,7 @@ class Batch:
         model = eng.model
         model.between_layers = self._between_layers if self.interleave else None
         self._prefilling = [r for r, _ in parts]
+        steptrace.event("prefill", how="eager", parts=self._trace_parts(parts))
         try:
             if len(parts) == 1:
                 (r, end), = parts
@@ -668,6 +676,7 @@ class Batch:
             logits = None           # every one of them cancelled inside it
         finally:
             model.between_layers, self._prefilling = None, []
+            steptrace.event("prefill_end")
         for j, (r, end) in enumerate(parts):
             if not r.done:          # not cancelled during its prefill (a server drains between layers)
                 self._prefilled(r, end, logits[j])
@@ -720,6 +729,8 @@ class Batch:
                     break           # pages held by running requests: it waits for one to end
             self.lent += state is not None
             r.room = 0 if state is None else self.pool.held(state[0].slot) * PAGE
+            if state is not None:
+                steptrace.event("take", r=r.serial, slot=state[0].slot, room=r.room, prompt=len(r.ids))
             return state
         eng = self.engine
         r.room = r.span + 1
@@ -727,6 +738,7 @@ class Batch:
 
     def _release(self, r: BatchRequest) -> None:
         if self.pool is not None and r.state is not None and SlotPool.slots_of([r.state]) is not None:
+            steptrace.event("release", r=r.serial, slot=r.state[0].slot)
             self.pool.give(r.state)
             self.lent -= 1
         r.state = None
@@ -738,6 +750,7 @@ class Batch:
             return
         done = self.pending[2]
         if done is not None and not done.query():
+            steptrace.event("hook", ready=False)
             return
         self._in_step = True        # the decode forward and a bucket's capture call this hook too
         try:
@@ -769,7 +782,7 @@ class Batch:
                 and not self.engine.replays([r.pos for r in rows], [r.state for r in rows])):
             return
         if self.running:
-            self._launch(self.running)
+            self._launch(self.running, inside)
 
     def _grow(self, preempt: bool = True) -> bool:
         """Each pooled running request holding the page its next step writes, oldest first; while too
@@ -780,6 +793,7 @@ class Batch:
             while r.pos >= r.room and r.state is not None:      # (a preempted one: state None)
                 if self.pool.grow(r.state, r.pos + 1):
                     r.room = self.pool.held(r.state[0].slot) * PAGE
+                    steptrace.event("grow", r=r.serial, slot=r.state[0].slot, room=r.room)
                 elif not preempt:
                     return False
                 elif self.prefixes is None or not self.prefixes.drop_oldest():
@@ -806,17 +820,20 @@ class Batch:
         the head of the queue with the tokens it made appended to its prompt, prefilled again when
         pages free up; its stream goes on where it was (a sampled one with its own generator). It
         queues behind the prompts already holding a slot, which must finish their prefill to free it."""
+        steptrace.event("preempt", r=r.serial)
         self._release(r)
         self.running.remove(r)
         r.ids, r.pos, r.keep_at, r.room = r.ids[: r.span - r.steps] + r.made, 0, 0, 0
         self.waiting.insert(sum(q.state is not None for q in self.waiting), r)
         self.preempted += 1
 
-    def _launch(self, live: list[BatchRequest]) -> None:
+    def _launch(self, live: list[BatchRequest], inside: bool = False) -> None:
         """The decode step launched, each row's token chosen on the device behind it (the greedy
         rows' argmax in one launch, a sampled row by its own sampler and history), and on a GPU the
         tokens copied to pinned memory and an event marking the end: read without waiting for work
         queued after it, such as a prefill's layers."""
+        if steptrace.PATH:
+            self._trace_launch(live, inside)
         logits = self.engine.decode_batch([r.token for r in live], [r.pos for r in live], [r.state for r in live])
         chosen = logits.argmax(-1)
         for j, r in enumerate(live):
@@ -830,12 +847,26 @@ class Batch:
             done.record()
         self.pending = (list(live), chosen, done)
 
+    def _trace_launch(self, live: list[BatchRequest], inside: bool) -> None:
+        """KILN_TRACE: a decode step about to be launched, and how it will run (a graph ready as it is,
+        or a warm-up, capture or eager step)."""
+        pos, states = [r.pos for r in live], [r.state for r in live]
+        slots = SlotPool.slots_of(states)
+        steptrace.event("launch", inside=inside, rows=len(live), slots=slots, first=min(pos), last=max(pos),
+                        ready=bool(slots is not None and self.engine.replays(pos, states)))
+
+    @staticmethod
+    def _trace_parts(parts: list[tuple[BatchRequest, int]]) -> list:
+        """KILN_TRACE: each part of a prefill as [request, slot (None: a state of its own), from, to]."""
+        return [[r.serial, (SlotPool.slots_of([r.state]) or [None])[0], r.pos, end] for r, end in parts]
+
     def _resolve(self) -> None:
         """Each row's token from the step in flight; a request cancelled since its launch is skipped."""
         if self.pending is None:
             return
         live, chosen, done = self.pending
         self.pending = None
+        steptrace.event("resolve", rows=len(live))
         if done is not None:
             done.synchronize()
         for r, token in zip(live, chosen.tolist()):

@@ -23,6 +23,7 @@ from collections import OrderedDict
 
 import torch
 
+from .. import steptrace
 from ..cache import GDNState, KVCache, StateBatch, key_span
 from ..errors import KilnError
 from ..indexcheck import checked
@@ -283,6 +284,8 @@ class PrefillGraphs:
         captured at the key's first use; `state` (holding `start` tokens) left holding the part too."""
         n = len(ids)
         host = torch.tensor(ids + [0] * (b - n) + [n] + extra, dtype=torch.long)
+        steptrace.event("prefill_graph", rows=b, start=start, n=n, extra=extra,
+                        how="replay" if key in self.graphs else "eager_then_capture")
         if key not in self.graphs:
             inputs = host[:b].to(self.device), host[b:].to(self.device)
             logits = body(*inputs)
@@ -419,6 +422,9 @@ class BatchGraphs:
             return None
         spare, keys = bucket - b, key_span(max(positions))
         host = torch.tensor([tokens + [0] * spare, positions + [0] * spare, slots + [self.pool.count] * spare])
+        steptrace.event("batch_graph", bucket=bucket, rows=b, keys=keys,
+                        how="warm" if bucket not in self.warm else "replay" if
+                        self.graphs.get(bucket, (None,))[0] == keys else "capture")
         if bucket not in self.warm:
             self.warm.add(bucket)
             self._warm(bucket, keys)
