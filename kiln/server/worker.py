@@ -121,16 +121,19 @@ class Worker:
             if job is None:             # the shutdown sentinel: back for the loop to see
                 self.jobs.put_nowait(None)
                 return
-            job.emit("error", EngineDead(self.dead))
-            self.stats.done("error")
+            self._refuse(job)
+
+    def _refuse(self, job: Job) -> None:
+        """A job failed with EngineDead (the GPU failed earlier): an OpenAI-shaped 503 for its client."""
+        job.emit("error", EngineDead(self.dead))
+        self.stats.done("error")
 
     def _serve(self) -> None:
         if self.max_batch > 1:
             return self._serve_batched()
         while (job := self.jobs.get()) is not None:
             if self.dead is not None:
-                job.emit("error", EngineDead(self.dead))
-                self.stats.done("error")
+                self._refuse(job)
             elif not job.cancelled.is_set():
                 self.running = True
                 try:
@@ -247,8 +250,7 @@ class Worker:
             if job.cancelled.is_set():
                 continue
             if self.dead is not None:
-                job.emit("error", EngineDead(self.dead))
-                self.stats.done("error")
+                self._refuse(job)
                 continue
             try:
                 for index, (ids, params) in enumerate(job.prompts):

@@ -175,11 +175,15 @@ class StartedServer:
         self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=self.log)
 
-    def start_lines(self) -> list[str]:
-        """The server's own `[kiln] ...` lines (the memory plan, the batch state's slots and pages):
-        what a run measured depends on them."""
+    def start_lines(self, first: int = 20, last: int = 10) -> list[str]:
+        """The server's own `[kiln] ...` lines (the memory plan, the batch state's slots and pages, the
+        graphs captured, a fatal error): what a run measured depends on them. Past `first` + `last`
+        lines, the first and the last ones with a line saying how many were left out between."""
         text = Path(self.log.name).read_text(errors="replace")
-        return [s.strip()[:400] for s in text.splitlines() if s.startswith("[kiln]")][:20]
+        lines = [s.strip()[:400] for s in text.splitlines() if s.startswith("[kiln]")]
+        if len(lines) <= first + last:
+            return lines
+        return [*lines[:first], f"... {len(lines) - first - last} [kiln] lines left out ...", *lines[-last:]]
 
     def _last_log_line(self) -> str:
         lines = [s.strip() for s in Path(self.log.name).read_text(errors="replace").splitlines() if s.strip()]

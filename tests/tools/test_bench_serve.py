@@ -342,3 +342,18 @@ def test_the_servers_start_lines_are_its_own_kiln_lines(tmp_path):
     server.log = type("Log", (), {"name": str(log)})()
     assert server.start_lines() == ["[kiln] batch state: 64 slots of up to 4096 tokens each",
                                     "[kiln] decode step captured as one CUDA graph: 700 launches per token"]
+
+
+def test_a_long_server_log_keeps_its_first_and_last_kiln_lines(tmp_path):
+    """A run that captures many graphs, then fails: the plan at the start and the fatal line at the
+    end both reach the JSON, with a line counting those left out between."""
+    from kiln.tools.bench_serve import StartedServer
+    log = tmp_path / "serve.log"
+    log.write_text("".join(f"[kiln] line {i}\n" for i in range(40)) + "[kiln] fatal: the GPU failed\n")
+    server = StartedServer.__new__(StartedServer)
+    server.log = type("Log", (), {"name": str(log)})()
+    lines = server.start_lines()
+    assert lines[:20] == [f"[kiln] line {i}" for i in range(20)]
+    assert lines[20] == "... 11 [kiln] lines left out ..."
+    assert lines[21:] == [f"[kiln] line {i}" for i in range(31, 40)] + ["[kiln] fatal: the GPU failed"]
+    assert server.start_lines(first=50) == [f"[kiln] line {i}" for i in range(40)] + ["[kiln] fatal: the GPU failed"]
