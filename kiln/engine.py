@@ -23,7 +23,7 @@ from . import indexcheck, steptrace
 from .backends.graphs import PREFILL_GRAPH_ROWS, BatchGraphs, DecodeGraph, PrefillGraphs, graphable
 from .cache import PAGE, PagedKV, PagedPrefix, SlotPool, StateBatch, key_span, pages_for, restore, snapshot, upload
 from .errors import KilnError
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, sample_rows
 
 
 @dataclass
@@ -692,7 +692,8 @@ class Batch:
         if not (r.params.greedy and r.params.repetition_penalty == 1.0):
             if r.sampler is None:   # (a preempted request draws on from its own generator)
                 r.sampler = Sampler(r.params, eng.device)
-            r.history = torch.tensor(r.ids, device=eng.device)
+            if r.params.repetition_penalty != 1.0:     # the fed ids, for the penalty only
+                r.history = upload(r.ids, eng.device)
         self.running.append(r)
         if indexcheck.ON:
             indexcheck.report()
@@ -829,23 +830,37 @@ class Batch:
 
     def _launch(self, live: list[BatchRequest], inside: bool = False) -> None:
         """The decode step launched, each row's token chosen on the device behind it (the greedy
-        rows' argmax in one launch, a sampled row by its own sampler and history), and on a GPU the
-        tokens copied to pinned memory and an event marking the end: read without waiting for work
-        queued after it, such as a prefill's layers."""
+        rows' argmax in one launch, the sampled rows' draws together: sample_rows, each under its own
+        settings and generator), and on a GPU the tokens copied to pinned memory and an event marking
+        the end: read without waiting for work queued after it, such as a prefill's layers."""
         if steptrace.PATH:
             self._trace_launch(live, inside)
         logits = self.engine.decode_batch([r.token for r in live], [r.pos for r in live], [r.state for r in live])
         chosen = logits.argmax(-1)
-        for j, r in enumerate(live):
-            if r.sampler is not None:
-                r.history = torch.cat([r.history, upload([r.token], r.history.device)])
-                chosen[j:j + 1] = r.sampler.draw(logits[j], r.history)
+        sampled = [j for j, r in enumerate(live) if r.sampler is not None]
+        if sampled:
+            chosen = self._draw(live, sampled, logits, chosen)
         done = None
         if self.cuda:
             chosen = torch.empty(len(live), dtype=torch.long, pin_memory=True).copy_(chosen, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         self.pending = (list(live), chosen, done)
+
+    def _draw(self, live: list[BatchRequest], sampled: list[int], logits: torch.Tensor,
+              chosen: torch.Tensor) -> torch.Tensor:
+        """`chosen` with the sampled rows' tokens in their places (their histories take the token
+        this step feeds first: the repetition penalty counts it)."""
+        for j in sampled:
+            r = live[j]
+            if r.history is not None:
+                r.history = torch.cat([r.history, upload([r.token], r.history.device)])
+        rows = [live[j] for j in sampled]
+        if len(sampled) == len(live):
+            return sample_rows(logits, [r.sampler for r in rows], [r.history for r in rows])
+        at = upload(sampled, logits.device)
+        drawn = sample_rows(logits.index_select(0, at), [r.sampler for r in rows], [r.history for r in rows])
+        return chosen.index_copy(0, at, drawn)
 
     def _trace_launch(self, live: list[BatchRequest], inside: bool) -> None:
         """KILN_TRACE: a decode step about to be launched, and how it will run (a graph ready as it is,

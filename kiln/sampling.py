@@ -1,13 +1,19 @@
 """Token sampling and stop-string matching.
 
 `SamplingParams` carries the user's decoding settings, `Sampler` turns one step's logits into a
-token id, and `StopMatcher` watches the decoded text stream for stop strings.
+token id, `sample_rows` does it for several requests' rows at once (a batch's decode step), and
+`StopMatcher` watches the decoded text stream for stop strings.
 
 Semantics follow Hugging Face transformers' `generate` logits processors, applied in the same
-order: repetition penalty, temperature, top-k, top-p, min-p; then a draw with
-`torch.multinomial` from a per-request `torch.Generator`. Everything runs on the device the
+order: repetition penalty, temperature, top-k, top-p, min-p; then a draw from a per-request
+`torch.Generator` by torch.multinomial's own one-sample algorithm (argmax of p / q, q ~ Exp(1))
+without its checks of p (half a dozen more launches a row in torch 2.x, a host read in older
+versions; scores here are softmaxes of finite or -inf values). Everything runs on the device the
 logits live on, and nothing reads a value back to the host except the final `.item()`.
-"""
+
+One request alone and the same request among others get the same scores and the same draws: a
+Sampler is `sample_rows` on one row, and every step of it is computed row by row (see
+`process_rows` for the one place where that needs care)."""
 
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ from kiln.errors import KilnError
 __all__ = [
     "SamplingParams",
     "Sampler",
+    "sample_rows",
+    "process_rows",
     "StopMatcher",
     "apply_repetition_penalty",
     "apply_temperature",
@@ -182,22 +190,7 @@ class Sampler:
 
         In greedy mode only the repetition penalty is applied (the filters cannot change the argmax).
         """
-        p = self.params
-        if logits.dim() == 2 and logits.shape[0] == 1:
-            logits = logits[0]
-        if logits.dim() != 1:
-            raise ValueError(f"Sampler expects logits of shape [V], got {tuple(logits.shape)}")
-        x = logits.to(device=self.device, dtype=torch.float32)
-        if history is not None and not isinstance(history, torch.Tensor):
-            history = torch.as_tensor(history, dtype=torch.long)
-        x = apply_repetition_penalty(x, history, p.repetition_penalty)
-        if p.greedy:
-            return x
-        x = apply_temperature(x, p.temperature)
-        x = apply_top_k(x, p.top_k)
-        x = apply_top_p(x, p.top_p)
-        x = apply_min_p(x, p.min_p)
-        return x
+        return process_rows(self._row(logits), [self.params], [history])[0]
 
     def __call__(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> int:
         return int(self.draw(logits, history).item())
@@ -205,11 +198,107 @@ class Sampler:
     def draw(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
         """The chosen token as a one-element tensor on the device, without waiting for it (a batch
         queues its rows' draws behind the decode step and reads them all at once)."""
-        scores = self.process(logits, history)
-        if self.params.greedy:
-            return torch.argmax(scores).reshape(1)
-        probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator)
+        return sample_rows(self._row(logits), [self], [history])
+
+    def _row(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.dim() == 1:
+            logits = logits[None]
+        if logits.dim() != 2 or logits.shape[0] != 1:
+            raise ValueError(f"Sampler expects logits of shape [V], got {tuple(logits.shape)}")
+        return logits.to(device=self.device)
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """Per-row settings as a float32 column on the logits' device, copied without waiting for the
+    stream (a pageable copy would wait for the decode step queued before it)."""
+    t = torch.tensor(values, dtype=torch.float32)
+    if like.is_cuda:
+        return t.pin_memory().to(like.device, non_blocking=True)[:, None]
+    return t.to(like.device)[:, None]
+
+
+def process_rows(logits: torch.Tensor, params: list[SamplingParams], histories: list) -> torch.Tensor:
+    """`Sampler.process` for several rows at once: logits [B, V], row j under params[j] with the ids
+    histories[j] (None: no history) for its repetition penalty; float32 scores [B, V].
+
+    Row by row, each filter is the one above (apply_*), with the settings of the rows it does not
+    concern made neutral (temperature 1, no k, p 1, min-p 0). The one op whose result for a row
+    depends on the rows beside it is CUDA's cumsum: a single row takes a whole-tensor scan (CUB),
+    several rows a row-by-row one that sums in another order; one row is scanned beside a copy of
+    itself, so a request's top-p keeps the same tokens alone and in a batch."""
+    x = logits.to(torch.float32)
+    penalised = [j for j, (p, h) in enumerate(zip(params, histories)) if p.repetition_penalty != 1.0 and h is not None]
+    if penalised and x is logits:
+        x = x.clone()                           # the caller's logits stay as they were
+    for j in penalised:                         # rare: row by row, in place
+        h = histories[j] if isinstance(histories[j], torch.Tensor) else torch.as_tensor(histories[j], dtype=torch.long)
+        x[j] = apply_repetition_penalty(x[j], h, params[j].repetition_penalty)
+    if all(p.greedy for p in params):
+        return x
+    free = [p.greedy for p in params]          # greedy rows: every filter neutral
+    temps = [1.0 if g else p.temperature for p, g in zip(params, free)]
+    if any(t != 1.0 for t in temps):
+        t = _column(temps, x)
+        x = torch.where(t == 1.0, x, (x - x.amax(dim=-1, keepdim=True)) / t)
+    x = _top_k_rows(x, [0 if g else p.top_k for p, g in zip(params, free)])
+    x = _top_p_rows(x, [1.0 if g else p.top_p for p, g in zip(params, free)])
+    mins = [0.0 if g else p.min_p for p, g in zip(params, free)]
+    if any(m > 0.0 for m in mins):
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * _column(mins, x), _NEG_INF)
+    return x
+
+
+def _top_k_rows(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """apply_top_k with row j's k (0 or >= V: off): the k-th largest value of each row kept with the
+    ones above it."""
+    vocab = x.shape[-1]
+    on = [0 < k < vocab for k in ks]
+    if not any(on):
+        return x
+    top = torch.topk(x, max(k for k, o in zip(ks, on) if o), dim=-1).values
+    kth = top.gather(-1, _column([float(k - 1 if o else 0) for k, o in zip(ks, on)], x).long())
+    kth = torch.where(_column([1.0 if o else 0.0 for o in on], x) > 0, kth, _NEG_INF)
+    return x.masked_fill(x < kth, _NEG_INF)
+
+
+def _top_p_rows(x: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """apply_top_p with row j's p (1: off, its threshold below any tail mass), the sort stable so
+    that tied scores fall in one order whatever the sort's algorithm."""
+    if all(p >= 1.0 for p in ps):
+        return x
+    ascending, order = torch.sort(x, dim=-1, descending=False, stable=True)
+    probs = torch.softmax(ascending, dim=-1)
+    if x.is_cuda and x.shape[0] == 1:       # the row-by-row scan, as among other rows (process_rows)
+        tail = torch.cat([probs, probs]).cumsum(dim=-1)[:1]
+    else:
+        tail = probs.cumsum(dim=-1)
+    drop_sorted = tail <= _column([1.0 - p if p < 1.0 else -1.0 for p in ps], x)
+    drop_sorted[:, -1:].fill_(False)        # never drop the top token
+    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return x.masked_fill(drop, _NEG_INF)
+
+
+def sample_rows(logits: torch.Tensor, samplers: list[Sampler], histories: list) -> torch.Tensor:
+    """Row j's token under samplers[j] (its settings and its generator), [B] on the logits' device,
+    without waiting for them. A greedy row takes the argmax of its scores; a sampled row draws as
+    torch.multinomial(softmax(scores), 1) does, q ~ Exp(1) from its own generator then the argmax
+    of p / q, but without multinomial's checks of p (more launches a row, or a host read in older
+    torch), and with one division and one argmax for all the rows."""
+    scores = process_rows(logits, [s.params for s in samplers], histories)
+    greedy = [s.params.greedy for s in samplers]
+    if all(greedy):
+        return torch.argmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    q = torch.empty_like(probs)
+    for j, s in enumerate(samplers):
+        if not greedy[j]:
+            q[j].exponential_(1.0, generator=s.generator)
+    drawn = torch.argmax(probs / q, dim=-1)
+    if any(greedy):
+        drawn = torch.where(_column([1.0 if g else 0.0 for g in greedy], scores)[:, 0] > 0,
+                            torch.argmax(scores, dim=-1), drawn)
+    return drawn
 
 
 # --------------------------------------------------------------------------------------------

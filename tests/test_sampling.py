@@ -236,6 +236,92 @@ def test_unseeded_samplers_differ_and_record_their_seed():
     assert [replay(logits) for _ in range(20)] == [s1_again(logits) for _ in range(20)]
 
 
+def test_the_draw_is_multinomials_own():
+    """The draw (q ~ Exp(1) from the request's generator, then argmax p / q) is the algorithm
+    torch.multinomial uses for one sample: the same token for the same generator state."""
+    from kiln.sampling import sample_rows
+    for seed in range(20):
+        logits = _random_logits(seed, vocab=300)
+        logits[::7] = float("-inf")                       # zero probabilities among them
+        params = SamplingParams(temperature=0.9, seed=seed)
+        ours = Sampler(params)
+        theirs = torch.Generator().manual_seed(seed)
+        for _ in range(5):
+            probs = torch.softmax(ours.process(logits), dim=-1)
+            expected = int(torch.multinomial(probs, 1, generator=theirs))
+            assert int(sample_rows(logits[None], [ours], [None])) == expected
+
+
+MIXED = [SamplingParams(temperature=0.8, seed=1),
+         SamplingParams(temperature=1.2, top_k=20, seed=2),
+         SamplingParams(temperature=0.7, top_p=0.9, seed=3),
+         SamplingParams(repetition_penalty=1.3),                      # greedy with a penalty
+         SamplingParams(temperature=1.0, min_p=0.05, seed=4),
+         SamplingParams(temperature=0.6, top_k=50, top_p=0.8, min_p=0.02, repetition_penalty=1.2, seed=5),
+         SamplingParams(temperature=1.0, seed=6),
+         SamplingParams(temperature=0.9, top_p=0.5, seed=7)]
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4, 5, 6, 7], [2, 7], [3, 5, 1]])
+def test_rows_sampled_together_match_each_request_alone(rows):
+    """A batch's sampled rows (sample_rows) give each request the scores and the tokens it gets
+    alone, step after step: same settings, same seed, the same generator consumed."""
+    from kiln.sampling import process_rows, sample_rows
+    params = [MIXED[i] for i in rows]
+    alone = [Sampler(p) for p in params]
+    together = [Sampler(p) for p in params]
+    g = torch.Generator().manual_seed(len(rows))
+    histories = [torch.randint(0, 500, (int(torch.randint(0, 40, (1,), generator=g)),), generator=g) for _ in rows]
+    for step in range(6):
+        logits = torch.randn(len(rows), 500, generator=g) * 3
+        logits[:, 100 + step] = logits.max() + 1           # ties for the top and near it
+        logits[:, 200 + step] = logits[:, 100 + step]
+        scores = process_rows(logits, params, histories)
+        for j, s in enumerate(alone):
+            assert torch.equal(scores[j], s.process(logits[j], histories[j]))
+        got = sample_rows(logits, together, histories).tolist()
+        want = [s(logits[j], histories[j]) for j, s in enumerate(alone)]
+        assert got == want, step
+        histories = [torch.cat([h, torch.tensor([t])]) for h, t in zip(histories, want)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode")
+def test_cuda_rows_sampled_together_match_alone_without_a_host_sync():
+    """On the GPU at a real vocabulary (CUDA's cumsum scans one row and several rows differently):
+    each request's tokens alone and among the others, and no host sync while sampling a batch."""
+    from kiln.sampling import sample_rows
+    vocab = 248320
+    alone = [Sampler(p, device="cuda") for p in MIXED]
+    together = [Sampler(p, device="cuda") for p in MIXED]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    histories = [torch.arange(0, 3000, 7, device="cuda") for _ in MIXED]
+    logits = (torch.randn(len(MIXED), vocab, generator=g, device="cuda") * 4).bfloat16()
+    sample_rows(logits, together, histories)           # warm-up (lazy init may sync)
+    [s.draw(logits[j], histories[j]) for j, s in enumerate(alone)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            got = sample_rows(logits, together, histories)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for _ in range(3):
+        want = [int(s.draw(logits[j], histories[j])) for j, s in enumerate(alone)]
+    assert got.tolist() == want
+
+
+def test_sampling_rows_leaves_the_logits_as_they_were():
+    from kiln.sampling import sample_rows
+    logits = torch.randn(3, 50)
+    before = logits.clone()
+    params = [SamplingParams(repetition_penalty=2.0), SamplingParams(temperature=0.5, top_p=0.5, seed=1),
+              SamplingParams(temperature=2.0, repetition_penalty=0.5, seed=2)]
+    sample_rows(logits, [Sampler(p) for p in params], [torch.arange(10), None, torch.arange(5, 30)])
+    assert torch.equal(logits, before)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode")
 def test_cuda_no_host_sync_and_matches_cpu_masks():

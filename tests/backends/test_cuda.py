@@ -348,10 +348,10 @@ def careful_steps_inside_a_prefill(eng, prompts, params, want, monkeypatch):
     flags, preempted_inside, declined = {"inside": False, "replays": False}, [], 0
     launch, preempt = batch._launch, batch._preempt
 
-    def launch_here(live):          # (its pinned copy and event need a GPU: launched as on a CPU)
+    def launch_here(live, inside=False):    # (its pinned copy and event need a GPU: launched as on a CPU)
         batch.cuda = False
         try:
-            launch(live)
+            launch(live, inside)
         finally:
             batch.cuda = True
 
