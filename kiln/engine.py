@@ -375,7 +375,8 @@ class Engine:
             more = self._graph_greedy if req.on_graph else self._eager_greedy
             return lambda logits, steps: self._greedy(req, logits, steps, more)
         step = self._graph_step if req.on_graph else self._eager_step
-        sampler, history = Sampler(params, self.device), torch.tensor(req.consumed, device=self.device)
+        sampler = Sampler(params, self.device)
+        history = upload(req.consumed, self.device) if params.repetition_penalty != 1.0 else None
         return lambda logits, steps: self._sampled(req, logits, steps, step, sampler, history)
 
     def _greedy(self, req: _Request, logits, steps: int, more) -> Iterator[int]:
@@ -386,13 +387,15 @@ class Engine:
         yield from more(token, pos, req.state, steps, req.consumed, lambda k: self._check_owner(req))
 
     def _sampled(self, req: _Request, logits, steps: int, step, sampler: Sampler, history) -> Iterator[int]:
-        """The sampler's choice from each step's logits; `history` (the fed ids) is for its repetition penalty."""
+        """The sampler's choice from each step's logits; `history` (the fed ids) is for its repetition
+        penalty (None without one)."""
         pos = len(req.consumed)
         token = sampler(logits, history)
         for k in range(steps):
             yield token
             self._check_owner(req)
-            history = torch.cat([history, history.new_tensor([token])])
+            if history is not None:
+                history = torch.cat([history, upload([token], history.device)])
             logits = step(token, pos + k, req.state)
             req.consumed.append(token)
             token = sampler(logits, history)
