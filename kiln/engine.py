@@ -839,8 +839,8 @@ class Batch:
         if steptrace.PATH:
             self._trace_launch(live, inside)
         logits = self.engine.decode_batch([r.token for r in live], [r.pos for r in live], [r.state for r in live])
-        chosen = logits.argmax(-1)
         sampled = [j for j, r in enumerate(live) if r.sampler is not None]
+        chosen = logits.argmax(-1) if len(sampled) < len(live) else None
         if sampled:
             chosen = self._draw(live, sampled, logits, chosen)
         done = None
@@ -851,9 +851,10 @@ class Batch:
         self.pending = (list(live), chosen, done)
 
     def _draw(self, live: list[BatchRequest], sampled: list[int], logits: torch.Tensor,
-              chosen: torch.Tensor) -> torch.Tensor:
-        """`chosen` with the sampled rows' tokens in their places (their histories take the token
-        this step feeds first: the repetition penalty counts it)."""
+              chosen: torch.Tensor | None) -> torch.Tensor:
+        """`chosen` (the other rows' argmax; None when every row is sampled) with the sampled rows'
+        tokens in their places (their histories take the token this step feeds first: the
+        repetition penalty counts it)."""
         for j in sampled:
             r = live[j]
             if r.history is not None:

@@ -208,13 +208,31 @@ class Sampler:
         return logits.to(device=self.device)
 
 
-def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    """Per-row settings as a float32 column on the logits' device, copied without waiting for the
-    stream (a pageable copy would wait for the decode step queued before it)."""
-    t = torch.tensor(values, dtype=torch.float32)
-    if like.is_cuda:
-        return t.pin_memory().to(like.device, non_blocking=True)[:, None]
-    return t.to(like.device)[:, None]
+class _Rows:
+    """Each row's settings, the filters a row does not use made neutral (a greedy row uses none),
+    as host lists and as one float32 [B, 7] tensor uploaded once (through pinned memory on a GPU:
+    a pageable copy would wait for the decode step queued before it). `inv` is the temperature's
+    float32 reciprocal: torch divides a CUDA tensor by a Python number as a * (1 / b), so one row
+    alone (the old form, and transformers' warper) and every row here round the same."""
+
+    def __init__(self, params: list[SamplingParams], vocab: int, like: torch.Tensor):
+        self.greedy = [p.greedy for p in params]
+        sampled = [p for p, g in zip(params, self.greedy) if not g]
+        self.temp = [1.0 if g else p.temperature for p, g in zip(params, self.greedy)]
+        self.k = [0 if g or not 0 < p.top_k < vocab else p.top_k for p, g in zip(params, self.greedy)]
+        self.p = [1.0 if g else p.top_p for p, g in zip(params, self.greedy)]
+        self.min_p = [0.0 if g else p.min_p for p, g in zip(params, self.greedy)]
+        inv = torch.tensor(self.temp, dtype=torch.float32).reciprocal().tolist()
+        table = torch.tensor([[t, i, max(k - 1, 0), float(k > 0), 1.0 - p if p < 1.0 else -1.0, m, float(g)]
+                              for t, i, k, p, m, g in zip(self.temp, inv, self.k, self.p, self.min_p, self.greedy)],
+                             dtype=torch.float32)
+        if like.is_cuda:
+            table = table.pin_memory().to(like.device, non_blocking=True)
+        else:
+            table = table.to(like.device)
+        self.any_sampled = bool(sampled)
+        (self.t_col, self.inv_col, self.k_idx, self.k_on, self.p_thr, self.min_col,
+         self.greedy_col) = (table[:, c:c + 1] for c in range(7))
 
 
 def process_rows(logits: torch.Tensor, params: list[SamplingParams], histories: list) -> torch.Tensor:
@@ -222,10 +240,13 @@ def process_rows(logits: torch.Tensor, params: list[SamplingParams], histories: 
     histories[j] (None: no history) for its repetition penalty; float32 scores [B, V].
 
     Row by row, each filter is the one above (apply_*), with the settings of the rows it does not
-    concern made neutral (temperature 1, no k, p 1, min-p 0). The one op whose result for a row
-    depends on the rows beside it is CUDA's cumsum: a single row takes a whole-tensor scan (CUB),
-    several rows a row-by-row one that sums in another order; one row is scanned beside a copy of
-    itself, so a request's top-p keeps the same tokens alone and in a batch."""
+    concern made neutral (temperature 1, no k, p 1, min-p 0). Every op computes a row as it would
+    alone except CUDA's cumsum, whose summing order depends on how many rows it scans
+    (`_row_cumsum` keeps it fixed), so a request keeps the same tokens alone and in any batch."""
+    return _process(logits, params, histories)[0]
+
+
+def _process(logits: torch.Tensor, params: list[SamplingParams], histories: list):
     x = logits.to(torch.float32)
     penalised = [j for j, (p, h) in enumerate(zip(params, histories)) if p.repetition_penalty != 1.0 and h is not None]
     if penalised and x is logits:
@@ -233,50 +254,60 @@ def process_rows(logits: torch.Tensor, params: list[SamplingParams], histories: 
     for j in penalised:                         # rare: row by row, in place
         h = histories[j] if isinstance(histories[j], torch.Tensor) else torch.as_tensor(histories[j], dtype=torch.long)
         x[j] = apply_repetition_penalty(x[j], h, params[j].repetition_penalty)
-    if all(p.greedy for p in params):
-        return x
-    free = [p.greedy for p in params]          # greedy rows: every filter neutral
-    temps = [1.0 if g else p.temperature for p, g in zip(params, free)]
-    if any(t != 1.0 for t in temps):
-        t = _column(temps, x)
-        x = torch.where(t == 1.0, x, (x - x.amax(dim=-1, keepdim=True)) / t)
-    x = _top_k_rows(x, [0 if g else p.top_k for p, g in zip(params, free)])
-    x = _top_p_rows(x, [1.0 if g else p.top_p for p, g in zip(params, free)])
-    mins = [0.0 if g else p.min_p for p, g in zip(params, free)]
-    if any(m > 0.0 for m in mins):
+    rows = _Rows(params, x.shape[-1], x)
+    if not rows.any_sampled:
+        return x, rows
+    if any(t != 1.0 for t in rows.temp):
+        shifted = x - x.amax(dim=-1, keepdim=True)
+        scaled = shifted * rows.inv_col if x.is_cuda else shifted / rows.t_col
+        x = torch.where(rows.t_col == 1.0, x, scaled)
+    if any(rows.k):
+        top = torch.topk(x, max(rows.k), dim=-1).values
+        kth = torch.where(rows.k_on > 0, top.gather(-1, rows.k_idx.long()), _NEG_INF)
+        x = x.masked_fill(x < kth, _NEG_INF)
+    if any(p < 1.0 for p in rows.p):
+        x = _top_p_rows(x, rows.p_thr)
+    if any(m > 0.0 for m in rows.min_p):
         probs = torch.softmax(x, dim=-1)
-        x = x.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * _column(mins, x), _NEG_INF)
-    return x
+        x = x.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * rows.min_col, _NEG_INF)
+    return x, rows
 
 
-def _top_k_rows(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
-    """apply_top_k with row j's k (0 or >= V: off): the k-th largest value of each row kept with the
-    ones above it."""
-    vocab = x.shape[-1]
-    on = [0 < k < vocab for k in ks]
-    if not any(on):
-        return x
-    top = torch.topk(x, max(k for k, o in zip(ks, on) if o), dim=-1).values
-    kth = top.gather(-1, _column([float(k - 1 if o else 0) for k, o in zip(ks, on)], x).long())
-    kth = torch.where(_column([1.0 if o else 0.0 for o in on], x) > 0, kth, _NEG_INF)
-    return x.masked_fill(x < kth, _NEG_INF)
-
-
-def _top_p_rows(x: torch.Tensor, ps: list[float]) -> torch.Tensor:
-    """apply_top_p with row j's p (1: off, its threshold below any tail mass), the sort stable so
-    that tied scores fall in one order whatever the sort's algorithm."""
-    if all(p >= 1.0 for p in ps):
-        return x
+def _top_p_rows(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """apply_top_p with row j's tail-mass threshold (1 - p; -1 where top-p is off), the sort stable
+    so that tied scores fall in one order whatever the sort's algorithm (the kept count is as
+    before; which of tied tokens at the cut are kept may differ from an unstable sort's)."""
     ascending, order = torch.sort(x, dim=-1, descending=False, stable=True)
-    probs = torch.softmax(ascending, dim=-1)
-    if x.is_cuda and x.shape[0] == 1:       # the row-by-row scan, as among other rows (process_rows)
-        tail = torch.cat([probs, probs]).cumsum(dim=-1)[:1]
-    else:
-        tail = probs.cumsum(dim=-1)
-    drop_sorted = tail <= _column([1.0 - p if p < 1.0 else -1.0 for p in ps], x)
+    tail = _row_cumsum(torch.softmax(ascending, dim=-1))
+    drop_sorted = tail <= threshold
     drop_sorted[:, -1:].fill_(False)        # never drop the top token
     drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
     return x.masked_fill(drop, _NEG_INF)
+
+
+def _row_cumsum(probs: torch.Tensor) -> torch.Tensor:
+    """cumsum along rows, each row summed in an order that does not depend on the others. On CUDA,
+    torch scans a tensor of one row with CUB (another order) and several rows with a kernel whose
+    threads a row, and so its chunking, follow log2(rows) against log2(V) (ATen's
+    get_log_num_threads_x_inner_scan: min(9, max(4, (9 + log2 V - log2 rows) // 2)), logs rounded
+    up). Scanned in groups of 2 to 2^(log2 V - 9) rows (exactly 2 when V <= 512), a lone row beside
+    a copy of itself, every row gets the same threads: the same sums alone and in any batch."""
+    if not probs.is_cuda:
+        return probs.cumsum(dim=-1)          # (a sequential loop a row)
+    parts = []
+    for a, b in scan_groups(*probs.shape):
+        part = probs[a:b]
+        if b - a == 1:
+            parts.append(torch.cat([part, part]).cumsum(dim=-1)[:1])
+        else:
+            parts.append(part.cumsum(dim=-1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def scan_groups(rows: int, vocab: int) -> list[tuple[int, int]]:
+    """The row ranges _row_cumsum scans apart on CUDA (a range of one row is scanned beside a copy)."""
+    group = 1 << max(1, (vocab - 1).bit_length() - 9)
+    return [(a, min(a + group, rows)) for a in range(0, rows, group)]
 
 
 def sample_rows(logits: torch.Tensor, samplers: list[Sampler], histories: list) -> torch.Tensor:
@@ -284,20 +315,19 @@ def sample_rows(logits: torch.Tensor, samplers: list[Sampler], histories: list) 
     without waiting for them. A greedy row takes the argmax of its scores; a sampled row draws as
     torch.multinomial(softmax(scores), 1) does, q ~ Exp(1) from its own generator then the argmax
     of p / q, but without multinomial's checks of p (more launches a row, or a host read in older
-    torch), and with one division and one argmax for all the rows."""
-    scores = process_rows(logits, [s.params for s in samplers], histories)
-    greedy = [s.params.greedy for s in samplers]
-    if all(greedy):
+    torch), and with one division and one argmax for all the rows. A row of NaN logits (a broken
+    model) gives a token where multinomial raised."""
+    scores, rows = _process(logits, [s.params for s in samplers], histories)
+    if not rows.any_sampled:
         return torch.argmax(scores, dim=-1)
     probs = torch.softmax(scores, dim=-1)
     q = torch.empty_like(probs)
     for j, s in enumerate(samplers):
-        if not greedy[j]:
+        if not rows.greedy[j]:
             q[j].exponential_(1.0, generator=s.generator)
     drawn = torch.argmax(probs / q, dim=-1)
-    if any(greedy):
-        drawn = torch.where(_column([1.0 if g else 0.0 for g in greedy], scores)[:, 0] > 0,
-                            torch.argmax(scores, dim=-1), drawn)
+    if any(rows.greedy):
+        drawn = torch.where(rows.greedy_col[:, 0] > 0, torch.argmax(scores, dim=-1), drawn)
     return drawn
 
 

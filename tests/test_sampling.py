@@ -285,31 +285,40 @@ def test_rows_sampled_together_match_each_request_alone(rows):
         histories = [torch.cat([h, torch.tensor([t])]) for h, t in zip(histories, want)]
 
 
+def _mixed(n: int) -> list[SamplingParams]:
+    """n settings cycling through MIXED, each with a seed of its own."""
+    import dataclasses
+    return [dataclasses.replace(MIXED[i % len(MIXED)], seed=None if MIXED[i % len(MIXED)].seed is None else 100 + i)
+            for i in range(n)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode")
-def test_cuda_rows_sampled_together_match_alone_without_a_host_sync():
-    """On the GPU at a real vocabulary (CUDA's cumsum scans one row and several rows differently):
-    each request's tokens alone and among the others, and no host sync while sampling a batch."""
-    from kiln.sampling import sample_rows
-    vocab = 248320
-    alone = [Sampler(p, device="cuda") for p in MIXED]
-    together = [Sampler(p, device="cuda") for p in MIXED]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    histories = [torch.arange(0, 3000, 7, device="cuda") for _ in MIXED]
-    logits = (torch.randn(len(MIXED), vocab, generator=g, device="cuda") * 4).bfloat16()
+@pytest.mark.parametrize("vocab,rows", [(500, 5), (500, 65), (32000, 65), (248320, 8), (248320, 65)])
+def test_cuda_rows_sampled_together_match_alone_without_a_host_sync(vocab, rows):
+    """On the GPU (where torch's cumsum sums a row in an order that follows the rows beside it):
+    each request's scores and tokens alone and among the others, and no host sync while sampling."""
+    from kiln.sampling import process_rows, sample_rows
+    params = _mixed(rows)
+    alone = [Sampler(p, device="cuda") for p in params]
+    together = [Sampler(p, device="cuda") for p in params]
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    histories = [torch.arange(0, min(vocab, 3000), 7, device="cuda") for _ in params]
+    logits = (torch.randn(rows, vocab, generator=g, device="cuda") * 4).bfloat16()
     sample_rows(logits, together, histories)           # warm-up (lazy init may sync)
     [s.draw(logits[j], histories[j]) for j, s in enumerate(alone)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(3):
-            got = sample_rows(logits, together, histories)
+        got = [sample_rows(logits, together, histories) for _ in range(3)][-1]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    for _ in range(3):
-        want = [int(s.draw(logits[j], histories[j])) for j, s in enumerate(alone)]
+    want = [[int(s.draw(logits[j], histories[j])) for j, s in enumerate(alone)] for _ in range(3)][-1]
     assert got.tolist() == want
+    scores = process_rows(logits, params, histories)
+    for j, s in enumerate(alone):
+        assert torch.equal(scores[j], s.process(logits[j], histories[j])), j
 
 
 def test_sampling_rows_leaves_the_logits_as_they_were():
@@ -539,3 +548,27 @@ def test_validate_rejects(bad):
     assert "\n" not in str(exc.value)
     with pytest.raises(KilnError):
         Sampler(params)
+
+
+def _aten_scan_threads(rows: int, vocab: int) -> int:
+    """log2 of the threads a row of ATen's CUDA cumsum over the last dim (get_log_num_threads_x_inner_scan),
+    None where it takes CUB's whole-tensor scan instead (a single row)."""
+    if rows == 1:
+        return None
+    lx, ly = (vocab - 1).bit_length(), (rows - 1).bit_length()
+    return min(9, max(4, (9 + lx - ly) // 2))
+
+
+@pytest.mark.parametrize("vocab", [317, 500, 512, 513, 1024, 2048, 32000, 49152, 128256, 248320, 262144])
+def test_cuda_scan_groups_give_every_row_the_same_threads(vocab):
+    """The top-p tail sums on CUDA: whatever the batch, every group _row_cumsum scans (a lone row
+    padded to two) gets the threads a row that one row padded to two gets, so a row sums in one order."""
+    from kiln.sampling import scan_groups
+    alone = _aten_scan_threads(2, vocab)
+    for rows in (1, 2, 3, 5, 8, 17, 64, 65, 300, 513, 1100):
+        groups = scan_groups(rows, vocab)
+        assert groups[0][0] == 0 and groups[-1][1] == rows
+        assert all(a < b and b == c for (a, b), (c, _) in zip(groups, groups[1:]))
+        assert {_aten_scan_threads(max(b - a, 2), vocab) for a, b in groups} == {alone}
+    if vocab >= 248320:
+        assert len(scan_groups(64, vocab)) == 1          # a real vocabulary: one scan for a whole batch
