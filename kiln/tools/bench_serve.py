@@ -5,8 +5,9 @@ child process (a free loopback port; stopped at the end, on Ctrl-C and on errors
 warm-up request goes first. Then, per concurrency level, `--num-requests` requests are sent with at
 most `concurrency` in flight: one client thread each, every client sending its next request as soon
 as its last one ended. A request is a streamed /v1/completions call on `--prompt-length` seeded
-random token ids (every request its own prompt) with max_tokens = --gen, temperature 0 and
-ignore_eos where the server takes it; or, with --requests-file, a streamed /v1/chat/completions
+random token ids (every request its own prompt) with max_tokens = --gen, temperature 0 (or
+--temperature and --top-p, each request seeded: --seed plus its index) and ignore_eos where the
+server takes it; or, with --requests-file, a streamed /v1/chat/completions
 call on a line of the file.
 
 Clocks (perf_counter, in the client): TTFT is from just before the connection opens to the first
@@ -37,7 +38,7 @@ from urllib.parse import urlsplit
 from xml.sax.saxutils import escape
 
 from ..api import pick_device
-from ..cli.flags import at_least, nonneg_int, positive_float, positive_int, positive_int_list
+from ..cli.flags import at_least, finite, nonneg_int, positive_float, positive_int, positive_int_list
 from ..errors import KilnError
 from .benchutil import check_writable, command_line, environment, markdown_table, now_iso, write_atomic
 
@@ -70,7 +71,11 @@ def add_parser(sub) -> None:
     p.add_argument("--vocab-size", type=positive_int, default=None, metavar="N",
                    help=f"random token ids are drawn below N (default: the vocab_size /v1/models reports, "
                         f"else {SAFE_VOCAB})")
-    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the random prompts (default 0)")
+    p.add_argument("--seed", type=nonneg_int, default=0,
+                   help="seed of the random prompts, and of sampled requests (plus their index; default 0)")
+    p.add_argument("--temperature", type=finite, default=0.0,
+                   help="each random-prompt request's temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=finite, default=1.0, help="each random-prompt request's top_p (default 1: off)")
     p.add_argument("--timeout", type=positive_float, default=600, metavar="S",
                    help="seconds a request may wait for its next byte (default 600)")
     p.add_argument("--api-key", default=None, metavar="KEY",
@@ -269,9 +274,11 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
 
 
-def completion_request(model: str, ids: list[int], gen: int, ignore_eos: bool) -> Planned:
+def completion_request(model: str, ids: list[int], gen: int, ignore_eos: bool,
+                       sampling: dict | None = None) -> Planned:
+    """A streamed /v1/completions body: greedy, or `sampling`'s temperature, top_p and seed."""
     body = {"model": model, "prompt": ids, "max_tokens": gen, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(sampling or {})}
     if ignore_eos:
         body["ignore_eos"] = True
     return Planned("/v1/completions", body, len(ids))
@@ -571,7 +578,13 @@ def svg_plot(levels: list[dict], title: str) -> str:
 
 # -- the command ---------------------------------------------------------------------------------------
 def _check_outputs(a) -> None:
-    """Mistakes that would otherwise surface only after the run."""
+    """Mistakes that would otherwise surface only after the run (or as every request refused)."""
+    if a.temperature < 0:
+        raise KilnError(f"--temperature must be >= 0 (0 = greedy), got {a.temperature}")
+    if not 0 < a.top_p <= 1:
+        raise KilnError(f"--top-p must be in (0, 1] (1 = off), got {a.top_p}")
+    if a.requests_file and (a.temperature != 0 or a.top_p != 1):
+        raise KilnError("--temperature and --top-p set the random-prompt requests; --requests-file lines set their own")
     if a.json_path:
         check_writable(a.json_path, "--json")
     if a.plot:
@@ -605,6 +618,7 @@ class Bench:
         self.counts = [a.num_requests or max(4 * c, 8) for c in a.concurrency]
         prompts = [] if chat_lines else random_prompts(1 + sum(self.counts), a.prompt_length, self.vocab, a.seed)
         self.prompts, self.ignore_eos = iter(prompts), chat_lines is None
+        self.sent = 0               # random-prompt requests planned so far (a sampled one's seed follows it)
 
     def send(self, req: Planned) -> Result:
         return send(self.endpoint, req, self.a.timeout)
@@ -613,8 +627,19 @@ class Bench:
         """The next n requests: fresh random prompts, or the file's lines from its first (every level
         sends the same chat requests)."""
         if self.lines is None:
-            return [completion_request(self.model, next(self.prompts), self.gen, self.ignore_eos) for _ in range(n)]
+            return [completion_request(self.model, next(self.prompts), self.gen, self.ignore_eos, self._sampling())
+                    for _ in range(n)]
         return [chat_request(self.model, self.lines[i % len(self.lines)], self.gen) for i in range(n)]
+
+    def _sampling(self) -> dict | None:
+        """The next random-prompt request's sampling fields: None when greedy (--temperature 0)."""
+        self.sent += 1
+        if self.a.temperature == 0:
+            return None
+        out = {"temperature": self.a.temperature, "seed": self.a.seed + self.sent}
+        if self.a.top_p != 1.0:
+            out["top_p"] = self.a.top_p
+        return out
 
     def warm_up(self) -> None:
         """One unmeasured request (first-request costs stay out of the numbers); it also finds out
@@ -673,7 +698,8 @@ def _report(a, bench: Bench, card: dict, server: StartedServer | None, levels: l
                      "requests_file": a.requests_file, "num_requests": bench.counts, "seed": a.seed,
                      "vocab": None if bench.lines else bench.vocab,
                      "vocab_source": None if bench.lines else bench.vocab_source, "ignore_eos": bench.ignore_eos,
-                     "temperature": None if bench.lines else 0, "timeout_s": a.timeout, "warmup_requests": 1},
+                     "temperature": None if bench.lines else a.temperature,
+                     "top_p": None if bench.lines else a.top_p, "timeout_s": a.timeout, "warmup_requests": 1},
         "results": levels,
     }
 

@@ -175,7 +175,8 @@ def test_warm_up_drops_ignore_eos_when_the_server_refuses_it(monkeypatch):
         return Result(ok=True, status=200)
 
     monkeypatch.setattr(bench_serve, "send", fake_send)
-    a = Namespace(gen=4, num_requests=2, concurrency=[1], prompt_length=5, vocab_size=None, seed=0, timeout=1)
+    a = Namespace(gen=4, num_requests=2, concurrency=[1], prompt_length=5, vocab_size=None, seed=0, timeout=1,
+                  temperature=0.0, top_p=1.0)
     for refuse in (False, True):
         sent.clear()
         bench = Bench(a, parse_url("http://127.0.0.1:1", None), {"id": "m", "vocab_size": 50}, None, lambda m: None)
@@ -186,6 +187,23 @@ def test_warm_up_drops_ignore_eos_when_the_server_refuses_it(monkeypatch):
         plans = bench.plans(2)
         assert [("ignore_eos" in p.body) for p in plans] == [not refuse] * 2
         assert plans[0].body["prompt"] != plans[1].body["prompt"] != sent[0]["prompt"]
+        assert all(p.body["temperature"] == 0 and "seed" not in p.body and "top_p" not in p.body for p in plans)
+
+
+def test_sampled_requests_carry_the_settings_and_a_seed_each():
+    """--temperature and --top-p: every random-prompt request sampled, seeded --seed plus its index
+    (a rerun sends the same requests)."""
+    a = Namespace(gen=4, num_requests=3, concurrency=[1], prompt_length=5, vocab_size=None, seed=7, timeout=1,
+                  temperature=0.8, top_p=0.9)
+    runs = []
+    for _ in range(2):
+        bench = Bench(a, parse_url("http://127.0.0.1:1", None), {"id": "m", "vocab_size": 50}, None, lambda m: None)
+        runs.append([p.body for p in bench.plans(3)])
+    assert runs[0] == runs[1]
+    assert [(b["temperature"], b["top_p"], b["seed"]) for b in runs[0]] == [(0.8, 0.9, s) for s in (8, 9, 10)]
+    a.top_p = 1.0
+    bench = Bench(a, parse_url("http://127.0.0.1:1", None), {"id": "m", "vocab_size": 50}, None, lambda m: None)
+    assert "top_p" not in bench.plans(1)[0].body
 
 
 # -- bad input: one line, exit code 2 ------------------------------------------------------------------
@@ -205,12 +223,18 @@ def test_bad_files_and_flags_are_refused_before_anything_runs(tmp_path, capsys):
     url = "http://127.0.0.1:1"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n\n{"messages": [}\n')
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     cases = [
         (["--requests-file", str(tmp_path / "missing.jsonl")], "missing.jsonl: No such file"),
         (["--requests-file", str(bad)], "bad.jsonl:3: not valid JSON"),
         (["--plot", str(tmp_path / "p.png")], "ending in .svg"),
         (["--json", str(tmp_path / "no" / "r.json")], "does not exist"),
         (["--device", "cpu"], "--device apply to a server bench-serve starts"),
+        (["--temperature", "-0.5"], "--temperature must be >= 0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--requests-file", str(good), "--temperature", "0.7"], "--requests-file lines set their own"),
     ]
     for extra, message in cases:
         assert main(["bench-serve", url, *extra]) == 2
