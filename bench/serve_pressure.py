@@ -136,6 +136,16 @@ def one_run(a, tag: str, gpu_memory: float | None, env: dict, work: Path) -> dic
     return run
 
 
+def write(report: dict, path: str) -> None:
+    """The report with its summary, written to a temporary name and renamed."""
+    report["summary"] = [{k: r.get(k) for k in ("tag", "env", "fault", "completed", "failed", "preemptions",
+                                                "output_tok_s")} for r in report["runs"]]
+    tmp_out = f"{path}.tmp"
+    with open(tmp_out, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp_out, path)
+
+
 def env_note(env: dict) -> str:
     keep = [(k, v) for k, v in sorted(env.items()) if k.startswith(("KILN_", "CUDA_")) and k != "KILN_TRACE"]
     return " ".join(f"{k}={v}" for k, v in keep)
@@ -166,12 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE for the server (repeatable)")
     p.add_argument("--trace", action="store_true", help="KILN_TRACE on; the last --trace-events events kept")
     p.add_argument("--trace-events", type=int, default=300)
-    p.add_argument("--budget-s", type=float, default=480, help="start no run past this many seconds")
+    p.add_argument("--budget-s", type=float, default=360,
+                   help="start no run past this many seconds (default 360: a run takes about 2 minutes)")
     p.add_argument("--ready-timeout", type=float, default=240)
     p.add_argument("--run-timeout", type=float, default=180)
     a = p.parse_args(argv)
     if a.pages is not None and a.gpu_memory is not None:
         p.error("give --pages or --gpu-memory, not both")
+    if a.runs < 1:
+        p.error("--runs must be at least 1")
     env = parse_env(a.env)
     import torch
 
@@ -190,12 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[serve_pressure] {run['tag']}: fault={run['fault']} completed={run['completed']} "
                   f"failed={run['failed']} preemptions={run['preemptions']} tok/s={run['output_tok_s']} "
                   f"({run['seconds']} s)", file=sys.stderr, flush=True)
-    report["summary"] = [{k: r.get(k) for k in ("tag", "env", "fault", "completed", "failed", "preemptions",
-                                                "output_tok_s")} for r in report["runs"]]
-    tmp_out = f"{a.out}.tmp"
-    with open(tmp_out, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp_out, a.out)
+            write(report, a.out)        # after every run: a call cut by its time limit keeps the runs done
     faults = sum(r["fault"] for r in report["runs"])
     print(f"{faults} of {len(report['runs'])} runs faulted; wrote {a.out}")
     return 0
