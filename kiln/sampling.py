@@ -222,6 +222,9 @@ class _Rows:
         self.k = [0 if g or not 0 < p.top_k < vocab else p.top_k for p, g in zip(params, self.greedy)]
         self.p = [1.0 if g else p.top_p for p, g in zip(params, self.greedy)]
         self.min_p = [0.0 if g else p.min_p for p, g in zip(params, self.greedy)]
+        self.any_sampled = bool(sampled)
+        if not sampled:                 # greedy rows only (a repetition penalty brought them here)
+            return
         inv = torch.tensor(self.temp, dtype=torch.float32).reciprocal().tolist()
         table = torch.tensor([[t, i, max(k - 1, 0), float(k > 0), 1.0 - p if p < 1.0 else -1.0, m, float(g)]
                               for t, i, k, p, m, g in zip(self.temp, inv, self.k, self.p, self.min_p, self.greedy)],
@@ -230,7 +233,6 @@ class _Rows:
             table = table.pin_memory().to(like.device, non_blocking=True)
         else:
             table = table.to(like.device)
-        self.any_sampled = bool(sampled)
         (self.t_col, self.inv_col, self.k_idx, self.k_on, self.p_thr, self.min_col,
          self.greedy_col) = (table[:, c:c + 1] for c in range(7))
 
