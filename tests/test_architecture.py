@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "kiln"
 
 # Lowest first. A module may import from its own layer and any layer above it in this list.
 LAYERS = [
-    {"errors", "fsutil"},
+    {"errors", "fsutil", "indexcheck", "steptrace"},
     {"hub", "tokenizer", "sampling", "messages"},
     {"weights"},
     {"cache", "models"},
