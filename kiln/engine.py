@@ -659,7 +659,8 @@ class Batch:
             self._check(parts)
         if len(parts) == 1 and self._graphable(*parts[0]):
             (r, end), = parts
-            steptrace.event("prefill", how="graph", parts=self._trace_parts(parts))
+            if steptrace.PATH:
+                steptrace.event("prefill", how="graph", parts=self._trace_parts(parts))
             logits = self.engine.prefill_graphs.run_slot(r.ids[r.pos:end], r.state, self.pool, r.pos, self.engine.quiet)
             if logits is not None:
                 self._prefilled(r, end, logits)
@@ -668,7 +669,8 @@ class Batch:
         model = eng.model
         model.between_layers = self._between_layers if self.interleave else None
         self._prefilling = [r for r, _ in parts]
-        steptrace.event("prefill", how="eager", parts=self._trace_parts(parts))
+        if steptrace.PATH:      # (its parts are listed only when tracing)
+            steptrace.event("prefill", how="eager", parts=self._trace_parts(parts))
         try:
             if len(parts) == 1:
                 (r, end), = parts

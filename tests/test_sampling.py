@@ -321,6 +321,28 @@ def test_cuda_rows_sampled_together_match_alone_without_a_host_sync(vocab, rows)
         assert torch.equal(scores[j], s.process(logits[j], histories[j])), j
 
 
+def test_rows_processed_together_equal_the_plain_filters_row_by_row():
+    """process_rows against its plain reference, the apply_* chain on each row alone (CPU, random
+    scores: no ties for the sorts to order differently)."""
+    from kiln.sampling import (
+        apply_min_p,
+        apply_repetition_penalty,
+        apply_temperature,
+        apply_top_k,
+        apply_top_p,
+        process_rows,
+    )
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(len(MIXED), 500, generator=g) * 3
+    histories = [torch.randint(0, 500, (20,), generator=g) for _ in MIXED]
+    got = process_rows(logits, MIXED, histories)
+    for j, p in enumerate(MIXED):
+        x = apply_repetition_penalty(logits[j].clone(), histories[j], p.repetition_penalty)
+        if not p.greedy:
+            x = apply_min_p(apply_top_p(apply_top_k(apply_temperature(x, p.temperature), p.top_k), p.top_p), p.min_p)
+        assert torch.equal(got[j], x), j
+
+
 def test_sampling_rows_leaves_the_logits_as_they_were():
     from kiln.sampling import sample_rows
     logits = torch.randn(3, 50)
