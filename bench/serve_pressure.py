@@ -1,7 +1,7 @@
 """kiln serve under page pressure, several times, each run a fresh server: did it stay up, how many
 requests completed, how many preemptions, and, when the GPU failed, the server's last `[kiln]` lines
 and (with --trace) the batch's last events (kiln/steptrace.py). The experiment of docs/batching.md's
-"Known problem", one call on the GPU machine:
+"Fixed: a device-side assert" section, one call on the GPU machine:
 
     PYTHONPATH=. python3 bench/serve_pressure.py OUT.json --model synth:qwen3.5-9b --pages 250 \\
         --runs 4 --env KILN_INSIDE=none --trace

@@ -66,10 +66,11 @@ PREFIX_BLOCK = 64       # a batch's prefix cache keeps state at multiples of thi
 PREFIX_ENTRIES = 8      # ... for this many prefixes, the least recently used dropped first
 # Batch._check at every step (debugging): 1 on the host only, 2 the block table read back too (a sync)
 CHECK_POOL = int(os.environ.get("KILN_CHECK_POOL", "0") or 0)
-# diagnosis of the index assert under page pressure (docs/batching.md): which half of the care taken by a
-# decode step launched inside a GPU prefill is kept. "pages": only free pages (eager steps, warm-ups and
-# captures allowed); "graphs": only ready graphs (preemption and prefix drops allowed); "none": neither
-INSIDE = os.environ.get("KILN_INSIDE", "both")
+# what a decode step launched inside a GPU prefill may not do (docs/batching.md, the index assert, fixed in
+# kiln/ops/counters.py): "none" (default) anything a step does; "pages" only take free pages (no
+# preemption, no prefix drop); "graphs" only replay a ready graph; "both" the two (the workaround of
+# before the fix, ~6% slower under page pressure)
+INSIDE = os.environ.get("KILN_INSIDE", "none")
 
 
 class Engine:
@@ -770,11 +771,8 @@ class Batch:
 
     def _advance(self, inside: bool = False) -> None:
         """The step in flight's tokens read, the next step launched for the requests still running.
-        `inside` a prefill's layers (on a GPU) the step is launched only where it replays a captured
-        graph as it is and every request has its next page without dropping a kept prefix or
-        preempting; else it waits for the prefill's end. A GPU serve under page pressure with steps
-        that captured, warmed or preempted between a prefill's layers hit device-side index asserts
-        (docs/batching.md), not reproduced with those steps kept outside."""
+        `inside` a prefill's layers (on a GPU) KILN_INSIDE may hold the step back until the
+        prefill's end: where it would not replay a ready graph, or would preempt (a diagnosis switch)."""
         self._resolve()
         self.running = [r for r in self.running if not r.done]
         careful = inside and self.cuda

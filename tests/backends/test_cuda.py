@@ -336,11 +336,14 @@ def test_requests_take_pages_as_they_grow_and_the_newest_is_preempted_when_none_
 
 
 def careful_steps_inside_a_prefill(eng, prompts, params, want, monkeypatch):
-    """A step launched between a prefill's layers on a GPU (Batch._advance(inside=True), here with
-    Batch.cuda forced): it takes a page only where one is free, never preempts, and launches only a
-    step that replays a captured graph; the step after the prefill does the rest, same tokens."""
+    """KILN_INSIDE=both: a step launched between a prefill's layers on a GPU (Batch._advance(inside=True),
+    here with Batch.cuda forced) takes a page only where one is free, never preempts, and launches only
+    a step that replays a captured graph; the step after the prefill does the rest, same tokens."""
+    from kiln import engine
     from kiln.cache import SlotPool
     from kiln.engine import Batch
+
+    monkeypatch.setattr(engine, "INSIDE", "both")
 
     eng._pool = SlotPool(eng.model.make_state(eng.dtype, eng.device), 3, 512, 5)
     batch = Batch(eng, set(), slots=3)

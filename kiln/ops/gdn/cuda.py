@@ -7,10 +7,13 @@ from __future__ import annotations
 import torch
 
 from ...cache import GDNState, SlotGDN
+from ..counters import keep_counters
 from ..dispatch import TunedOps
 from . import kernels
 from .reference import GdnReference
 from .unpack import unpack
+
+keep_counters(kernels)  # a captured graph's arrival counters never freed (kiln/ops/counters.py)
 
 # b and a of a padded prefill's spare rows: sigmoid(b) and softplus(a + dt_bias) are then exactly 0
 # in f32, so such a row's beta and log-decay are 0 and it leaves the recurrent state as it was.

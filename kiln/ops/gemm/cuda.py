@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import torch
 
+from ..counters import keep_counters
 from ..dispatch import TunedOps
 from ..quant.cuda import quant_act_down, quant_embed, quant_linear, quant_norm_linear
 from ..quant.reference import QuantizedWeight
 from . import activation, gelu, gemm, gemm_act, norm_gemm
 from .reference import GemmReference
+
+keep_counters(gemm)     # a captured graph's split-K counters never freed (kiln/ops/counters.py)
 
 
 def dense(*ws) -> bool:
