@@ -18,24 +18,19 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kiln.errors import KilnError  # noqa: E402
+from kiln.tools.bench_serve import StartedServer  # noqa: E402
+
 FAULT_MARKS = ("device-side assert", "srcIndex < srcSelectDimSize", "[kiln] fatal:", "illegal memory access")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def budget_for(model: str, pages: int, context: int, batch: int, dtype: str) -> float:
@@ -51,21 +46,6 @@ def _env(extra: dict) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def wait_healthy(url: str, server: subprocess.Popen, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if server.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(1)
-    return False
 
 
 def log_outcome(text: str) -> dict:
@@ -95,36 +75,35 @@ def trace_tail(path: Path, n: int) -> list[dict]:
 
 
 def one_run(a, tag: str, gpu_memory: float | None, env: dict, work: Path) -> dict:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log, trace = work / f"serve_{tag}.log", work / f"trace_{tag}.jsonl"
+    trace = work / f"trace_{tag}.jsonl"
     env = dict(env, **({"KILN_TRACE": str(trace)} if a.trace else {}))
-    serve = [sys.executable, "-m", "kiln.cli", "serve", a.model, "--dtype", a.dtype, "--max-batch", str(a.max_batch),
-             "--max-context", str(a.max_context), "--queue-limit", str(a.max_batch), "--port", str(port)]
+    flags = ["--dtype", a.dtype, "--max-batch", str(a.max_batch), "--max-context", str(a.max_context),
+             "--queue-limit", str(a.max_batch)]
     if gpu_memory is not None:      # (none: the whole device, no page pressure unless the context is long)
-        serve += ["--gpu-memory", f"{gpu_memory:.2f}"]
-    bench_json = work / f"bench_{tag}.json"
-    bench = [sys.executable, "-m", "kiln.cli", "bench-serve", url, "--prompt-length", str(a.prompt_length),
-             "--gen", str(a.gen), "--concurrency", str(a.max_batch), "--json", str(bench_json)]
-    run = {"tag": tag, "env": env_note(env), "serve": shlex.join(serve[1:]), "bench_serve": shlex.join(bench[1:])}
+        flags += ["--gpu-memory", f"{gpu_memory:.2f}"]
     t0 = time.monotonic()
-    with open(log, "w") as err:
-        server = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=err, env=_env(env))
-        try:
-            run["ready"] = wait_healthy(url, server, a.ready_timeout)
-            if run["ready"]:
-                done = subprocess.run(bench, capture_output=True, text=True, env=_env({}), timeout=a.run_timeout)
-                run["bench_serve_rc"] = done.returncode
-        except subprocess.TimeoutExpired:
-            run["bench_serve_rc"] = "timeout"
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+    server = StartedServer(a.model, flags, None, env=_env(env))
+    bench_json = work / f"bench_{tag}.json"
+    bench = [sys.executable, "-m", "kiln.cli", "bench-serve", server.endpoint.url, "--prompt-length",
+             str(a.prompt_length), "--gen", str(a.gen), "--concurrency", str(a.max_batch), "--json", str(bench_json)]
+    run = {"tag": tag, "env": env_note(env), "serve": shlex.join(server.command[1:]),
+           "bench_serve": shlex.join(bench[1:])}
+    try:
+        server.wait_ready(a.ready_timeout)
+        run["ready"] = True
+        done = subprocess.run(bench, capture_output=True, text=True, env=_env({}), timeout=a.run_timeout)
+        run["bench_serve_rc"] = done.returncode
+    except KilnError:
+        run["ready"] = False
+    except subprocess.TimeoutExpired:
+        run["bench_serve_rc"] = "timeout"
+    finally:
+        server.stop(keep_log=True)
+    log = Path(server.log.name)
+    text = log.read_text(errors="replace")
+    log.unlink()
     run["seconds"] = round(time.monotonic() - t0, 1)
-    run.update(log_outcome(log.read_text(errors="replace")))
+    run.update(log_outcome(text))
     result = json.loads(bench_json.read_text()) if bench_json.exists() else None
     run["bench"] = result
     level = (result or {}).get("results", [{}])[0]

@@ -172,13 +172,13 @@ def free_port() -> int:
 class StartedServer:
     """`kiln serve MODEL FLAGS` on a free loopback port in a child process, its stderr in a temp log."""
 
-    def __init__(self, model: str, flags: list[str], api_key: str | None):
+    def __init__(self, model: str, flags: list[str], api_key: str | None, env: dict | None = None):
         self.endpoint = Endpoint("http", "127.0.0.1", free_port(), "", api_key)
         self.log = tempfile.NamedTemporaryFile(prefix="kiln-bench-serve-", suffix=".log", delete=False)
         self.command = [sys.executable, "-m", "kiln.cli", "serve", model, *flags,
                         "--host", "127.0.0.1", "--port", str(self.endpoint.port)]
         self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=self.log)
+                                     stderr=self.log, env=env)
 
     def start_lines(self, first: int = 20, last: int = 10) -> list[str]:
         """The server's own `[kiln] ...` lines (the memory plan, the batch state's slots and pages, the
