@@ -720,7 +720,7 @@ ZERO_COPY = ("auto", "on", "off")
 class ExpertPlan:
     """How a model's routed experts stream (kiln.load's expert_* arguments, the CLI's flags): the
     policy and slots a layer, their home (auto: host memory when every layer's experts fit in
-    `host_memory` GB, or when no budget is given; else disk, which needs a packed directory), I/O
+    `host_memory` GB, or without it in host_room(); else disk, which needs a packed directory), I/O
     threads, and a routing profile for the static policy."""
     policy: str = "lfu"
     slots: int = 16
@@ -743,10 +743,7 @@ class ExpertPlan:
         if not names:
             raise KilnError("this model has no routed experts to stream (--expert-cache-slots is for MoE models)")
         prefix = {n: layer_prefix(n) for n in names}
-        home = self.home
-        if home == "auto":     # host unless the experts, as they will be held, pass --host-memory
-            need = None if self.host_memory is None else sum(weight_bytes(ckpt, names, dtype).values())
-            home = "host" if need is None or need <= self.host_memory * 1e9 else "disk"
+        home = self._auto_home(ckpt, names, dtype) if self.home == "auto" else self.home
         convert = lambda stored: placed(stored, dtype, "cpu")  # noqa: E731
         if home == "disk":
             homes = _disk_homes(ckpt, names, prefix, convert, self.verify != "off", self.direct_io)
@@ -763,6 +760,46 @@ class ExpertPlan:
         zero = self.zero_copy == "on" or (self.zero_copy == "auto" and torch.device(device).type == "cuda")
         store = ExpertStore(homes, device, self.policy, self.slots, self.io_threads, self.profile, zero)
         return store, {n: store.handle(prefix[n], n, shapes[n]) for n in names}
+
+    def _auto_home(self, ckpt, names: list[str], dtype) -> str:
+        """Host unless the experts, as they will be held, pass --host-memory; without it, unless they
+        pass host_room() (where their size is known without loading them): then disk for a packed
+        directory, and a one-line error for any other checkpoint (host memory cannot hold them)."""
+        if self.host_memory is not None:
+            return "host" if sum(weight_bytes(ckpt, names, dtype).values()) <= self.host_memory * GB else "disk"
+        room, need = host_room(), _known_bytes(ckpt, names, dtype)
+        if room is None or need is None or need <= room:
+            return "host"
+        if ckpt.format == "packed":
+            return "disk"
+        raise KilnError(f"the routed experts take {need / GB:.3g} GB, more than the {room / GB:.3g} GB of host "
+                        f"memory kiln takes by default ({HOST_SHARE:.0%} of the available): stream them from "
+                        f"disk through a packed directory (kiln pack {ckpt.path} DIR), or give --host-memory GB")
+
+
+HOST_SHARE = 0.75   # of the host's available memory the experts take without --host-memory: our GPU
+                    # machine pins 96 GB of its 125 GiB (REFERENCE.md), and the process needs the rest
+
+
+def host_room() -> int | None:
+    """Bytes of host memory streamed experts may take without --host-memory: HOST_SHARE of what the
+    kernel reports available (Linux's MemAvailable); None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * HOST_SHARE)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _known_bytes(ckpt, names: list[str], dtype) -> int | None:
+    """weight_bytes' total where it comes without loading a tensor (a packed manifest, a synthesized
+    draw, plain safetensors spans); None for the rest (GGUF, mlx-lm's quantised files)."""
+    if ckpt.format in ("packed", "synth") or all(ckpt.locate(n) is not None for n in names):
+        return sum(weight_bytes(ckpt, names, dtype).values())
+    return None
 
 
 def layer_prefix(name: str) -> str:

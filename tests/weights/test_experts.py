@@ -105,6 +105,32 @@ def test_auto_home_weighs_the_experts_as_they_will_be_held(packed):
         assert llm.model.expert_store.home_tier == tier, (gb, tier)
 
 
+def test_auto_home_without_host_memory_is_disk_past_the_hosts_room(packed, monkeypatch):
+    """No --host-memory: the experts stay in host memory while they fit host_room(); past it a packed
+    directory streams them from disk, and another checkpoint is a one-line error naming kiln pack."""
+    from kiln.weights import experts
+
+    src = packed.parent / "hf"
+    assert (src / "config.json").exists()
+    monkeypatch.setattr(experts, "host_room", lambda: 10 ** 12)
+    assert load(packed, expert_cache_slots=SLOTS).model.expert_store.home_tier == "host"
+    monkeypatch.setattr(experts, "host_room", lambda: 1000)
+    assert load(packed, expert_cache_slots=SLOTS).model.expert_store.home_tier == "disk"
+    with pytest.raises(KilnError, match=r"more than the 1e-06 GB of host memory .*\(kiln pack "):
+        load(src, expert_cache_slots=SLOTS)
+    assert load(src, expert_cache_slots=SLOTS, host_memory=1000.0).model.expert_store.home_tier == "host"
+
+
+def test_host_room_reads_the_available_memory():
+    from kiln.weights.experts import HOST_SHARE, host_room
+
+    room = host_room()
+    if room is None:
+        pytest.skip("no /proc/meminfo here")
+    available = next(int(ln.split()[1]) * 1024 for ln in open("/proc/meminfo") if ln.startswith("MemAvailable:"))
+    assert 0 < room <= available and abs(room - HOST_SHARE * available) < 0.05 * available
+
+
 def test_direct_io_reads_give_the_resident_logits(packed, resident):
     """O_DIRECT reads (page-aligned buffers, 4 KiB-aligned blobs), every expert read every step."""
     llm = load(packed, expert_cache_slots=SLOTS, expert_policy="os", expert_home="disk", direct_io=True)
