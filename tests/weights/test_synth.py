@@ -364,11 +364,13 @@ def test_list_names_every_configuration():
 # -- drawn quantised ----------------------------------------------------------------------------
 
 def test_a_quantised_draw_is_mx_quantize_of_the_rounded_draw(monkeypatch):
-    """Quantised block by block as drawn (several blocks, a partial last one), the words, scales and
-    biases are quantize() of the whole tensor rounded to bf16: no 16-bit copy needed for the same result."""
+    """Quantised a few blocks at a time as drawn (several trips, a partial last block and a partial last
+    trip), the words, scales and biases are quantize() of the whole tensor rounded to bf16: no 16-bit
+    copy needed for the same result."""
     from kiln.ops.quant.reference import quantize
 
     monkeypatch.setattr(synth, "BLOCK", 64 * 40)
+    monkeypatch.setattr(synth, "DRAW_BATCH", 3)      # 7.5 blocks: trips of 3, 3 and 1.5
     name = "model.layers.0.mlp.up_proj.weight"
     drawn = synth.Synthesis(synth.CONFIGS["tiny-llama"], {name: (150, 128)}, False, 3)
     for bits, group in ((4, 64), (3, 32), (2, 128)):
