@@ -16,9 +16,14 @@ _counts: dict[torch.device, torch.Tensor] = {}   # per device: [sites, 2] (bad c
 
 
 def prepare(device: torch.device) -> None:
-    """The counters allocated before any capture (a graph then updates the same buffer)."""
-    if ON and torch.device(device).type == "cuda" and device not in _counts:
-        _counts[torch.device(device)] = torch.zeros((len(SITES), 2), dtype=torch.long, device=device)
+    """The counters allocated before any capture (a graph then updates the same buffer), keyed by the
+    device as a tensor on it names it: "cuda" is cuda:N there (until 2026-12-04 they were keyed by
+    "cuda", which no tensor's device equals: nothing was checked on a GPU)."""
+    device = torch.device(device)
+    if ON and device.type == "cuda":
+        device = torch.empty(0, device=device).device
+        if device not in _counts:
+            _counts[device] = torch.zeros((len(SITES), 2), dtype=torch.long, device=device)
 
 
 def checked(idx: torch.Tensor, size: int, site: str) -> torch.Tensor:

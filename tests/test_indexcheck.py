@@ -35,3 +35,16 @@ def test_off_returns_the_same_tensor(monkeypatch):
     monkeypatch.setattr(indexcheck, "ON", False)
     idx = torch.tensor([99])
     assert indexcheck.checked(idx, 5, "embed") is idx
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prepared_for_cuda_checks_the_tensors_on_cuda_0(monkeypatch):
+    """The engine prepares torch.device("cuda"); its tensors say cuda:0: the same counters."""
+    monkeypatch.setattr(indexcheck, "ON", True)
+    monkeypatch.setattr(indexcheck, "_counts", {})
+    indexcheck.prepare(torch.device("cuda"))
+    got = indexcheck.checked(torch.tensor([1, 7], device="cuda"), 5, "embed")
+    assert got.tolist() == [1, 4]
+    with pytest.raises(RuntimeError, match=r"embed: 1 bad \(largest 7\)"):
+        indexcheck.report()
