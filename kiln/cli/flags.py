@@ -117,7 +117,8 @@ def add_expert_flags(p: argparse.ArgumentParser) -> None:
                    help="which experts the slots keep (default lfu; static needs --expert-profile)")
     g.add_argument("--expert-home", choices=["auto", "host", "disk"], default="auto",
                    help="where streamed experts live: host memory, or disk (a packed directory); auto: host "
-                        "unless they pass --host-memory (default: 75%% of the available host memory)")
+                        "unless they pass --host-memory (default: 75%% of the available host memory; disk then needs a "
+                        "packed directory)")
     g.add_argument("--host-memory", type=finite, default=None, metavar="GB",
                    help="host memory the streamed experts may take (auto home: disk beyond it)")
     g.add_argument("--io-threads", type=positive_int, default=8, metavar="N", help="parallel expert reads (default 8)")
