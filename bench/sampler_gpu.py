@@ -36,17 +36,17 @@ def timed(fn, iters: int) -> dict:
         fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    gpu = []
+    gpu, host = [], []
     for _ in range(3):
         t0 = time.perf_counter()
         start.record()
         for _ in range(iters):
             fn()
         end.record()
-        host = (time.perf_counter() - t0) / iters
+        host.append((time.perf_counter() - t0) / iters * 1000)
         torch.cuda.synchronize()
         gpu.append(start.elapsed_time(end) / iters)
-    return {"gpu_ms": round(statistics.median(gpu), 4), "host_ms": round(host * 1000, 4)}
+    return {"gpu_ms": round(statistics.median(gpu), 4), "host_ms": round(statistics.median(host), 4)}
 
 
 def parts(rows: int, vocab: int, temperature: float, top_p: float, iters: int, dev=torch.device("cuda"),
@@ -56,7 +56,7 @@ def parts(rows: int, vocab: int, temperature: float, top_p: float, iters: int, d
     samplers = [sampling.Sampler(p, dev) for p in params]
     none = [None] * rows
     scores, _ = sampling._process(logits, params, none)
-    ascending = torch.sort(scores, dim=-1, stable=True).values
+    sorted_probs = torch.softmax(torch.sort(scores, dim=-1, stable=True).values, dim=-1)
     probs = torch.softmax(scores, dim=-1)
     q = torch.empty_like(probs)
 
@@ -70,7 +70,7 @@ def parts(rows: int, vocab: int, temperature: float, top_p: float, iters: int, d
         "sort_stable": lambda: torch.sort(scores, dim=-1, stable=True),
         "sort": lambda: torch.sort(scores, dim=-1),
         "topk_1024": lambda: torch.topk(scores, min(1024, vocab), dim=-1),
-        "cumsum": lambda: sampling._row_cumsum(torch.softmax(ascending, dim=-1)),
+        "cumsum": lambda: sampling._row_cumsum(sorted_probs),
         "noise_rows": noise_rows,
         "noise_one": lambda: q.exponential_(1.0),
         "draw": lambda: torch.argmax(torch.softmax(scores, dim=-1) / q, dim=-1),
@@ -82,7 +82,8 @@ def parts(rows: int, vocab: int, temperature: float, top_p: float, iters: int, d
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("--rows", default="1,8,32,64")
+    p.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=[1, 8, 32, 64],
+                   help="comma list of row counts")
     p.add_argument("--vocab", type=int, default=248320)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"environment": environment(torch.device("cuda")), "date": now_iso(), "command": command_line(),
               "settings": {"vocab": a.vocab, "temperature": a.temperature, "top_p": a.top_p, "iters": a.iters},
               "rows": {}}
-    for rows in (int(r) for r in a.rows.split(",")):
+    for rows in a.rows:
         report["rows"][rows] = parts(rows, a.vocab, a.temperature, a.top_p, a.iters)
         line = ", ".join(f"{k} {v['gpu_ms']:.3f}/{v['host_ms']:.3f}" for k, v in report["rows"][rows].items())
         print(f"[sampler_gpu] {rows} rows (gpu/host ms): {line}", file=sys.stderr)

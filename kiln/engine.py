@@ -77,6 +77,8 @@ class Engine:
     def __init__(self, model, dtype, device, max_context: int, prefill_chunk: int = 512,
                  graphs: bool = False, quiet: bool = True, batch_graphs: bool = True):
         self.model, self.dtype, self.device = model, dtype, torch.device(device)
+        if INSIDE not in ("none", "pages", "graphs", "both"):
+            raise KilnError(f"KILN_INSIDE takes none, pages, graphs or both, not {INSIDE!r}")
         indexcheck.prepare(self.device)
         self.max_context, self.prefill_chunk = max_context, prefill_chunk
         self.quiet = quiet

@@ -31,6 +31,15 @@ class Keeping(dict):
             self.kept.setdefault(value.data_ptr(), value)
         super().__setitem__(key, value)
 
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args, **kwargs) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
 
 def keep_counters(*modules) -> None:
     """Make each module's `_COUNTERS` dict a Keeping one (idempotent). KILN_KEEP_COUNTERS=0 leaves

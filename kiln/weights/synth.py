@@ -418,11 +418,16 @@ def quantized_draw(synthesis: Synthesis, name: str, fmt: tuple[int, int], dtype:
         for b in itertools.islice(blocks, DRAW_BATCH):
             staging[size:size + b.numel()] = b
             size += b.numel()
+        if size == 0:
+            raise KilnError(f"{name}: the draw ended at {at} of {n} values")
         q = quantize(staging[:size].to(device, non_blocking=True).to(dtype).view(-1, group), bits, group)
         g = size // group
         packed[at * bits // 32:(at + size) * bits // 32] = q.packed.reshape(-1)     # (these copies wait for it)
         scales[at // group:at // group + g], biases[at // group:at // group + g] = q.scales[:, 0], q.biases[:, 0]
         at += size
+    if device == "cuda":
+        del q
+        torch.cuda.empty_cache()    # the trips' ~1 GB of temporaries: not left reserved past the load
     rows = shape[:-1]
     return QuantizedWeight(packed.view(*rows, -1), scales.view(*rows, -1), biases.view(*rows, -1), bits, group)
 

@@ -37,6 +37,38 @@ def test_a_replaced_counter_buffer_stays_alive(module):
     assert ref() is not None and ref().data_ptr() == addr
 
 
+@pytest.mark.skipif(not KEEPING, reason="KILN_KEEP_COUNTERS=0: the old behaviour, on purpose")
+def test_a_side_streams_swapped_buffer_is_kept_and_the_swaps_add_nothing():
+    """ForkOps swaps gemm's counters for the side stream's own around a branch (kiln/ops/fork.py): a
+    buffer grown inside the branch keeps the old one alive; repeated swaps keep nothing new."""
+    from kiln.ops.fork import ForkOps
+
+    dev, fork = torch.device("cpu"), ForkOps()
+    main = gemm.arrival_counters(dev, 1)
+    with fork._own_counters(dev):
+        side = gemm.arrival_counters(dev, 1)
+    assert gemm._COUNTERS[dev] is main and side is not main
+    with fork._own_counters(dev):
+        grown = gemm.arrival_counters(dev, side.numel() + 1)
+    ref, kept = weakref.ref(side), len(gemm._COUNTERS.kept)
+    del side
+    gc.collect()
+    assert ref() is not None and fork._fork_counters is grown and gemm._COUNTERS[dev] is main
+    for _ in range(3):
+        with fork._own_counters(dev):
+            gemm.arrival_counters(dev, 1)
+    assert len(gemm._COUNTERS.kept) == kept
+
+
+def test_setdefault_and_update_keep_what_they_store():
+    from kiln.ops.counters import Keeping
+
+    d, a, b = Keeping(), torch.zeros(2), torch.zeros(3)
+    d.setdefault("x", a)
+    d.update(x=b)
+    assert {id(t) for t in d.kept.values()} == {id(a), id(b)} and d["x"] is b
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
 def test_a_captured_gdn_step_replays_right_after_its_counters_grow():
