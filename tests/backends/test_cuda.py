@@ -376,3 +376,42 @@ def careful_steps_inside_a_prefill(eng, prompts, params, want, monkeypatch):
         batch.step()
     assert [list(r.out) for r in requests] == want
     assert batch.preempted == 1 and preempted_inside == [False] and declined >= 1
+
+
+def _batch_tokens(eng, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """Greedy tokens of one Batch of 64 slots running every prompt at once (max_new_tokens each)."""
+    import kiln
+    from kiln.engine import Batch
+
+    batch = Batch(eng, set(), slots=64)
+    requests = [batch.add(p, kiln.SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+    while any(not r.done for r in requests):
+        batch.step()
+    return [list(r.out) for r in requests]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphs_captured_before_the_counters_grew_replay_right(monkeypatch):
+    """An earlier batch captures the batched steps of 2 and 1 rows; a batch of 48 then grows the GDN
+    decode's arrival counters (9 a row on this model: past the first 256 from 29 rows) and shrinks back
+    to one row, replaying those graphs: its tokens are a fresh engine's for the same batch. With
+    KILN_KEEP_COUNTERS=0 (the old behaviour, docs/batching.md "Fixed") the replays count in freed
+    memory, which breaks this where that memory went to a live tensor (tests/ops/test_counters.py
+    shows the mechanism deterministically)."""
+    import kiln
+
+    monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 500, (5 + int(n),), generator=g).tolist() for n in torch.randint(0, 35, (48,),
+                                                                                                   generator=g)]
+    lengths = [4 + (7 * j) % 29 for j in range(48)]        # ending one after another: down to one row
+
+    def engine():
+        return kiln.load("synth:tiny-qwen3.5", device="cuda", dtype="bf16", backend="cuda", max_context=512).engine
+
+    first = engine()
+    _batch_tokens(first, prompts[:2], [40, 20])
+    got = _batch_tokens(first, prompts, lengths)
+    assert got == _batch_tokens(engine(), prompts, lengths)
+    assert [len(t) for t in got] == lengths
