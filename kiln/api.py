@@ -39,6 +39,9 @@ from .weights.synth import parse_spec
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 EXPERT_SLOTS = 16     # expert slots a layer when streaming and not told (--expert-cache-slots)
+# A streamed model's prefill chunk halves (down to this) while its slots a layer fall short of those
+# asked (else EXPERT_SLOTS): the cuda backend's smallest tuned chunk (backends.cuda.PREFILL_CHUNK).
+STREAM_CHUNK_MIN = 512
 
 
 @dataclass
@@ -330,19 +333,49 @@ def memory_plan(ckpt, ops, dtype, limit: int, gpu_memory: float | None, slots: i
     plan = MemoryPlan(auto_budget(free) if auto else int(gpu_memory * GB), core=0,
                       cache=state_bytes(cls, cfg, ops, dtype, limit, chunk),
                       workspace=workspace_bytes(cls, cfg, view.shapes, names, chunk + graph_rows),
-                      policy=policy or "lfu", auto=auto)
+                      policy=policy or "lfu", auto=auto, chunk=chunk)
     item = torch.empty((), dtype=dtype).element_size()
     if auto and plan.need + sum(_numel(view.shapes[n]) for n in names) * item <= plan.budget:
         return None         # fits with every weight at `dtype` (a quantised one takes less): no need to size them
     held = weight_bytes(view, names, dtype)
     plan.core = sum(b for n, b in held.items() if n not in stacks)
     _expert_sizes(plan, view.shapes, held, stacks)
-    plan.workspace += staging_bytes(cfg, view.shapes, held, stacks, min(max(batch, 1), getattr(ops, "mapped_rows", 0)))
+    staging = staging_bytes(cfg, view.shapes, held, stacks, min(max(batch, 1), getattr(ops, "mapped_rows", 0)))
+    plan.workspace += staging
     if auto and plan.need + plan.experts <= plan.budget:
         return None         # a resident load fits: automatic streaming stays off
+    if plan.count and (slots is not None or plan.need + plan.experts > plan.budget):
+        def sized(rows: int, graphs: bool) -> tuple[int, int]:
+            extra = min(rows, PREFILL_GRAPH_ROWS) if graphs and graph_rows else 0
+            return (state_bytes(cls, cfg, ops, dtype, limit, rows),
+                    workspace_bytes(cls, cfg, view.shapes, names, rows + extra) + staging)
+        stream_chunk(plan, slots, sized)
     if not auto:
         batch_pool(plan, cls, cfg, ops, dtype, limit, batch, slots)
     return fit(plan, slots)
+
+
+def stream_chunk(plan: MemoryPlan, slots: int | None, sized: Callable[[int, bool], tuple[int, int]]) -> None:
+    """A streamed model's prefill chunk, cache and workspace. No prefill graph runs beside streamed
+    experts (they read no host memory), so their rows leave the workspace; and while the slots a layer
+    that fit fall short of `slots` (else EXPERT_SLOTS, at most a layer's experts) the chunk halves,
+    down to STREAM_CHUNK_MIN: a smaller chunk reads the experts more often in a long prompt, but
+    decode reads them every token. Where a chunk lets every expert fit with the graphs' rows, the
+    model is resident at that chunk; where only without them, that chunk streams with them counted
+    (else fit would call it resident). `sized(rows, graphs)`: (cache, workspace) at that chunk."""
+    want = min(slots or EXPERT_SLOTS, plan.count)
+    chunk, first = plan.chunk, True
+    while first or chunk >= STREAM_CHUNK_MIN:
+        with_graphs, alone = sized(chunk, True), sized(chunk, False)
+        plan.chunk = chunk
+        if slots is None and plan.core + plan.experts + sum(with_graphs) <= plan.budget:
+            plan.cache, plan.workspace = with_graphs        # every expert resident, the graphs' rows too
+            return
+        between = slots is None and plan.core + plan.experts + sum(alone) <= plan.budget
+        plan.cache, plan.workspace = with_graphs if between else alone
+        if not between and (plan.budget - plan.need) // plan.per_slot >= want:
+            return
+        chunk, first = chunk // 2, False
 
 
 def batch_pool(plan: MemoryPlan, cls, cfg, ops, dtype, limit: int, batch: int, slots: int | None) -> None:
@@ -522,6 +555,8 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
     memory = memory_plan(ckpt, ops, dt, limit, gpu_memory, expert_cache_slots, expert_policy, free, max_batch)
     if memory is not None and not quiet:
         print(memory.line(), file=sys.stderr)
+    if memory is not None and memory.chunk and memory.chunk < min(ops.prefill_chunk, limit):
+        ops.prefill_chunk = memory.chunk     # the engine's chunk, tuned for at load (the budget's choice)
     if memory is not None and memory.count and memory.slots is None:
         plan = None         # the budget holds every expert: resident, whatever the streaming flags
     else:

@@ -939,6 +939,7 @@ class MemoryPlan:
     batch_pages: int = 0            # KV pages the slots share (kiln.cache.SlotPool), of batch_page bytes
     batch_page: int = 0
     batch_full: int = 0             # requests the pages hold at once at batch_context (more when shorter)
+    chunk: int = 0                  # the prefill chunk the cache and workspace hold (kiln.api.stream_chunk)
 
     @property
     def pool(self) -> int:
@@ -967,7 +968,7 @@ class MemoryPlan:
                 "resident_expert_bytes": self.experts if self.slots is None else 0,
                 "batch_slots": self.batch or None, "batch_context": self.batch_context or None,
                 "batch_kv_pages": self.batch_pages or None,
-                "batch_bytes": self.pool}
+                "batch_bytes": self.pool, "prefill_chunk": self.chunk or None}
 
     def line(self) -> str:
         """The plan on one line (stderr at load)."""
@@ -984,7 +985,7 @@ class MemoryPlan:
                  f"{self.batch} concurrent requests, KV pages for {self.batch_full} of them at the full "
                  f"{self.batch_context} tokens (more when shorter)" if self.batch else "")
         return (f"[kiln] {head}: {experts}; core {_gb(self.core)}, cache {_gb(self.cache)}, "
-                f"workspace {_gb(self.workspace)}{batch}")
+                f"workspace {_gb(self.workspace)} (prefill chunks of {self.chunk} tokens){batch}")
 
 
 def _gb(n: int) -> str:

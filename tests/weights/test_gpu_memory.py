@@ -215,10 +215,11 @@ def test_a_budget_sizes_the_batch_pool_and_says_how_many_requests_it_allows(caps
     assert load_with((rest + spare) / GB, batch=1).memory.batch == 0     # no batch: no pool planned
 
 
-def test_a_budget_keeps_the_experts_before_the_batch_pool(packed):
+def test_a_budget_keeps_the_experts_before_the_batch_pool(packed, measured):
     """An MoE under --gpu-memory with --max-batch: every expert resident where they fit beside the
     whole pool; else the experts keep their slots (as asked, else up to 16 a layer) and the pool
-    takes what is left; where not even the experts' slots fit, the experts' own error, not the pool's."""
+    takes what is left (streamed, with no prefill graph's rows in the workspace: those graphs do not
+    run beside streamed experts); where not even the experts' slots fit, the experts' own error."""
     ckpt, ops, dtype = open_checkpoint(packed), get_ops("cuda", torch.device("cpu")), torch.float32
 
     def plan(gb, slots=None):
@@ -233,8 +234,65 @@ def test_a_budget_keeps_the_experts_before_the_batch_pool(packed):
     tight = plan((rest + experts + spare + 3 * one + one // 2) / GB)   # the whole pool does not fit beside them
     assert tight.slots is None and tight.batch == 8                  # the experts first, then 8 slots
     assert tight.batch_pages == (3 * one + one // 2 - 8 * fixed) // page < 8    # and the pages left
-    asked = plan((rest + 2 * roomy.per_slot + spare + 6 * one + one // 2) / GB, slots=2)
+    graph_rows = measured["workspace"] - (256 << 20)                 # the prefill graphs' 48 rows (chunk 48)
+    asked = plan((rest - graph_rows + 2 * roomy.per_slot + spare + 6 * one + one // 2) / GB, slots=2)
     assert asked.slots == 2 and asked.batch == 8                     # the 2 slots asked, then the pool
+    assert asked.workspace == roomy.workspace - graph_rows
     assert asked.batch_pages == (6 * one + one // 2 - 8 * fixed) // page
     with pytest.raises(KilnError, match="less than one expert slot"):
         plan((rest + roomy.per_slot // 2) / GB)
+
+
+def test_a_streamed_model_halves_its_prefill_chunk_until_its_slots_fit(packed, measured):
+    """A tight budget on a streamed model: the prefill chunk (4,096 here, the cuda backend's) halves
+    while the slots a layer asked for do not fit beside its activations, down to 512; no prefill
+    graph's rows are held (they do not run beside streamed experts); a budget that holds every expert
+    with the graphs at a smaller chunk loads them resident at that chunk. Workspace by the documented
+    rule: 256 MiB and a chunk's rows (each as the measured plan's 48 rows)."""
+    ckpt, dtype, limit = open_checkpoint(packed), torch.float32, 4096
+    ops = get_ops("cuda", torch.device("cpu"))
+    ops.prefill_chunk = 4096
+    row = (measured["workspace"] - (256 << 20)) // CONTEXT
+
+    def plan(gb, slots=None):
+        return memory_plan(ckpt, ops, dtype, limit, gb, slots, None, None)
+
+    roomy = plan(10.0, slots=3)
+    staging = roomy.workspace - (256 << 20) - 4096 * row          # zero-copy's scratch, the same at any chunk
+    assert roomy.chunk == 4096 and roomy.slots == 3 and staging >= 0     # streamed: no graph rows held
+    core, cache, per = roomy.core, roomy.cache, roomy.per_slot
+
+    def need(chunk, graphs=False):
+        return core + cache + (256 << 20) + (chunk + (min(chunk, 2048) if graphs else 0)) * row + staging
+
+    tight = plan((need(1024) + 3.5 * per) / GB, slots=3)
+    assert (tight.chunk, tight.slots, tight.workspace) == (1024, 3, need(1024) - core - cache)
+    floor = plan((need(512) + 1.5 * per) / GB, slots=1)             # 1 slot fits only at the floor
+    assert (floor.chunk, floor.slots) == (512, 1)
+    with pytest.raises(KilnError, match="--expert-cache-slots 3"):
+        plan((need(512) + 2.5 * per) / GB, slots=3)                 # not even at 512: the slots' error
+    resident = plan((need(2048, graphs=True) + measured["experts"]) / GB)
+    assert (resident.chunk, resident.slots) == (2048, None)        # resident, its prefill graphs' rows held
+    assert resident.workspace == need(2048, graphs=True) - core - cache
+
+
+def test_the_engine_prefills_in_the_budgets_chunk_with_the_resident_tokens(packed, monkeypatch, capsys):
+    """End to end (the reference backend's 48-token chunk at this context, the floor lowered to 8): the
+    load takes the plan's chunk, says it, and a prompt longer than the chunk gives the tokens of a
+    resident load prefilling in the same chunks."""
+    import kiln.api
+    monkeypatch.setattr(kiln.api, "STREAM_CHUNK_MIN", 8)
+    roomy = load(packed, gpu_memory=10.0, expert_cache_slots=3)
+    assert roomy.memory.chunk == CONTEXT and roomy.engine.prefill_chunk == 512     # (the engine caps it at 48)
+    base = roomy.memory.need - roomy.memory.workspace + (256 << 20)
+    per_row = (roomy.memory.workspace - (256 << 20)) // CONTEXT     # (no staging on the reference backend)
+    gb = (base + 12 * per_row + 3.5 * roomy.memory.per_slot) / GB  # 3 slots fit at a chunk of 12, not 24
+    llm = load(packed, gpu_memory=gb, expert_cache_slots=3, quiet=False)
+    assert llm.memory.chunk == 12 and llm.engine.prefill_chunk == 12 and llm.memory.slots == 3
+    assert "(prefill chunks of 12 tokens)" in capsys.readouterr().err
+    assert len(PROMPT) > 12
+    resident = load(packed)
+    resident.engine.prefill_chunk = 12
+    logits, tokens = run(llm)
+    want_logits, want_tokens = run(resident)
+    assert torch.equal(logits, want_logits) and tokens == want_tokens
