@@ -45,6 +45,9 @@ from .synth import parse_spec, quant_format
 
 POLICIES = ("lfu", "lru", "static", "os")
 TRACE = 1 << 16         # MoE calls the store remembers the routing of (tests replay it; a long run forgets)
+# A staged read's most bytes: a decode layer's few misses (about 5) read in pieces spread over every
+# I/O thread, not one thread a miss (bench/disk_reads.py)
+PIECE = 1 << 20
 STACKS = ("experts.gate_up_proj", "experts.down_proj")
 
 
@@ -190,6 +193,7 @@ class DiskHome:
     fd: int = -1
     ident: tuple = ()
     lock: threading.Lock = field(default_factory=threading.Lock)
+    plans: dict = field(default_factory=dict)   # reads()' calls by destination
 
     tier = "disk"
 
@@ -231,6 +235,56 @@ class DiskHome:
         with torch.inference_mode():    # (per thread: the staging was made in the forward's)
             for name, stored in self._stored(e).items():
                 _copy_into_slot(dest[name], stored)
+
+    def reads(self, e: int, dest: dict[str, object]) -> list[tuple[int, list[memoryview]]] | None:
+        """Expert e's blob straight into `dest` (name -> one expert's tensors, as read_into takes), as
+        preadv calls (file offset, buffers) of up to PIECE bytes, each over a run of the file with no
+        gap; None where a part is not held as stored (another dtype or shape, not a contiguous host
+        tensor) or the file is read with direct I/O (its buffers must be page-aligned). The calls are
+        worked out once a destination (the staging slots stay: its buffers keep them alive)."""
+        if self.direct:
+            return None
+        key = tuple(t.data_ptr() for w in dest.values()
+                    for t in ((w.packed, w.scales, w.biases) if isinstance(w, QuantizedWeight) else (w,)))
+        if key not in self.plans:
+            self.plans[key] = self._reads(dest)
+        plan = self.plans[key]
+        return None if plan is None else [(e * self.stride + at, views) for at, views in plan]
+
+    def _reads(self, dest: dict[str, object]) -> list[tuple[int, list[memoryview]]] | None:
+        runs = []
+        for name, rec in self.records.items():
+            held = dest[name]
+            tensors = ({"weight": held.packed, "scales": held.scales, "biases": held.biases}
+                       if isinstance(held, QuantizedWeight) else {"tensor": held})
+            for part, p in rec["parts"].items():
+                t = tensors.get(part)
+                if (t is None or t.dtype != DTYPES[p["dtype"]] or list(t.shape) != list(p["shape"])
+                        or t.device.type != "cpu" or not t.is_contiguous()):
+                    return None
+                runs.append((p["offset"], memoryview(t.reshape(-1).view(torch.uint8).numpy())))
+        reads: list[tuple[int, list[memoryview]]] = []
+        end = size = -1
+        for at, view in sorted(runs, key=lambda r: r[0]):
+            while len(view):
+                if at != end or size >= PIECE:
+                    reads.append((at, []))
+                    size = 0
+                take = view[:PIECE - size]
+                reads[-1][1].append(take)
+                view, at, size, end = view[len(take):], at + len(take), size + len(take), at + len(take)
+        return reads
+
+    def read_piece(self, e: int, at: int, views: list[memoryview]) -> None:
+        """One of reads()' preadv calls (expert e's, for the error)."""
+        want = sum(len(v) for v in views)
+        try:
+            got = os.preadv(self.fd, views, at)
+        except OSError as err:
+            raise KilnError(f"{self.path}: reading expert {e} failed ({err.strerror})") from None
+        if got != want:
+            raise KilnError(f"{self.path}: expert {e} is cut short ({got} of {want} bytes at {at}): the file "
+                            f"was truncated (run kiln verify)")
 
     def _stored(self, e: int) -> dict[str, object]:
         """Expert e's parts as stored: views of this thread's buffer, valid until its next read."""
@@ -502,9 +556,7 @@ class ExpertStore:
         t0 = time.perf_counter()
         home.open()
         home.check()
-        for f in [self.pool.submit(home.read_into, e, {n: _slot(w, j) for n, w in staging.items()})
-                  for j, e in enumerate(missing)]:
-            f.result()
+        read_staged(home, self.pool, staging, missing)
         home.check()
         waited = time.perf_counter() - t0
         table = torch.zeros(gate_up.shape[0], dtype=torch.int32)
@@ -703,6 +755,22 @@ class ExpertStore:
             if isinstance(home, DiskHome) and home.fd >= 0:
                 os.close(home.fd)
                 home.fd = -1
+
+
+def read_staged(home: DiskHome, pool: ThreadPoolExecutor, staging: dict, missing: list[int]) -> None:
+    """Experts `missing` read into slots 0.. of the staging stacks (missing[j] into slot j) by the
+    pool, all at once: straight into the slots in pieces where the parts are held as stored
+    (DiskHome.reads), else each whole through a thread's buffer (DiskHome.read_into)."""
+    futures = []
+    for j, e in enumerate(missing):
+        dest = {n: _slot(w, j) for n, w in staging.items()}
+        reads = home.reads(e, dest)
+        if reads is None:
+            futures.append(pool.submit(home.read_into, e, dest))
+        else:
+            futures += [pool.submit(home.read_piece, e, at, views) for at, views in reads]
+    for f in futures:
+        f.result()
 
 
 def _hot(profile: dict | None, layer: str, slots: int) -> list[int]:

@@ -505,3 +505,61 @@ def test_the_staging_kernel_equals_its_reference():
     for a, b in zip(got_scratch, want_scratch):
         assert torch.equal(a, b)
     assert torch.equal(got_scratch[0][1], host[0][0]) and not got_scratch[0][0].any()   # a hit copies nothing
+
+
+@pytest.mark.parametrize("piece", (1 << 20, 100, 4096))
+def test_staged_reads_land_each_expert_in_pieces_bit_for_bit(tmp_path, monkeypatch, piece):
+    """From disk, the misses are read straight into their staging slots in pieces of up to PIECE
+    bytes (a piece may span parts, a part may take several pieces; ragged sizes: 3-bit words, odd
+    rows), all of them in flight at once: each slot holds what DiskHome.read gives, byte for byte.
+    Where a part is held in another dtype than stored (f32 scales in a bf16 run), each miss is read
+    whole and converted instead, with the same result as read()."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kiln.ops.quant.reference import quantize
+    from kiln.weights import experts
+    from kiln.weights.experts import _empty_like_stack, _slot, read_staged
+
+    monkeypatch.setattr(experts, "PIECE", piece)
+    g = torch.Generator().manual_seed(3)
+    stacks = {"l.gu": quantize(torch.randn(6, 38, 96, generator=g).to(torch.bfloat16), 3, 32),
+              "l.dn": quantize(torch.randn(6, 96, 64, generator=g).to(torch.bfloat16), 4, 64)}
+    home = disk_home(tmp_path / "layer.bin", stacks)
+    home.open()
+    pool = ThreadPoolExecutor(max_workers=3)
+    for dtype in (torch.bfloat16, torch.float32):
+        home.convert = lambda w, dtype=dtype: w._with(w.packed, w.scales.to(dtype), w.biases.to(dtype))
+        staging = {n: _empty_like_stack(w, 4, "cpu") for n, w in home.read(0).items()}
+        dest = {n: _slot(w, 0) for n, w in staging.items()}
+        plan = home.reads(5, dest)
+        assert (plan is None) == (dtype == torch.float32)
+        if plan is not None:
+            sizes = [sum(len(v) for v in views) for _, views in plan]
+            assert max(sizes) <= piece and sum(sizes) == sum(p["nbytes"] for r in home.records.values()
+                                                             for p in r["parts"].values())
+        missing = [5, 0, 3, 2]
+        read_staged(home, pool, staging, missing)
+        for j, e in enumerate(missing):
+            want = home.read(e)
+            for n, w in staging.items():
+                got = _slot(w, j)
+                for a, b in ((got.packed, want[n].packed), (got.scales, want[n].scales),
+                             (got.biases, want[n].biases)):
+                    assert a.dtype == b.dtype
+                    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def test_a_staged_read_of_a_cut_file_is_a_one_line_error(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kiln.ops.quant.reference import quantize
+    from kiln.weights.experts import _empty_like_stack, read_staged
+
+    g = torch.Generator().manual_seed(4)
+    stacks = {"l.gu": quantize(torch.randn(4, 64, 64, generator=g).to(torch.bfloat16), 4, 64)}
+    home = disk_home(tmp_path / "layer.bin", stacks)
+    staging = {n: _empty_like_stack(w, 2, "cpu") for n, w in home.read(0).items()}
+    os.truncate(tmp_path / "layer.bin", home.stride * 3 + 100)
+    with pytest.raises(KilnError, match="expert 3 is cut short") as e:
+        read_staged(home, ThreadPoolExecutor(max_workers=2), staging, [1, 3])
+    assert "\n" not in str(e.value)
