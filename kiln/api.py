@@ -373,7 +373,7 @@ def stream_chunk(plan: MemoryPlan, slots: int | None, sized: Callable[[int, bool
             return
         between = slots is None and plan.core + plan.experts + sum(alone) <= plan.budget
         plan.cache, plan.workspace = with_graphs if between else alone
-        if not between and (plan.budget - plan.need) // plan.per_slot >= want:
+        if not between and plan.slots_in(plan.budget - plan.need) >= want:
             return
         chunk, first = chunk // 2, False
 
@@ -404,7 +404,7 @@ def batch_pool(plan: MemoryPlan, cls, cfg, ops, dtype, limit: int, batch: int, s
     if plan.count and plan.experts + batch * one + spare <= room:
         room -= plan.experts        # every expert resident beside the whole pool
     elif plan.count:                # streamed: their slots first (as asked, else the default's 16 a layer)
-        keep = (slots or min(EXPERT_SLOTS, plan.count)) * plan.per_slot
+        keep = plan.slot_cost(slots or min(EXPERT_SLOTS, plan.count))
         if keep > room:
             return                  # (fit says what the experts lack)
         room -= keep

@@ -44,6 +44,7 @@ from .quantized import QuantizedWeight
 from .synth import parse_spec, quant_format
 
 POLICIES = ("lfu", "lru", "static", "os")
+SCRATCH = 16    # static's scratch slots at most (a token's misses, up to 10 in the 397B: decode fits them)
 TRACE = 1 << 16         # MoE calls the store remembers the routing of (tests replay it; a long run forgets)
 # A staged read's most bytes: a decode layer's few misses (about 5) read in pieces spread over every
 # I/O thread, not one thread a miss (bench/disk_reads.py)
@@ -69,21 +70,22 @@ class SlotCache:
         self.last: dict[int, int] = {}
         self.clock = 0
         self.hot = list(hot or [])[:slots] if policy == "static" else []
+        self.scratch = min(slots, SCRATCH) if policy == "static" else 0
 
     @property
     def capacity(self) -> int:
-        """Slots a stack needs: the cache, plus static's scratch."""
-        return 2 * self.slots if self.policy == "static" else self.slots
+        """Slots a stack needs: the cache, plus static's scratch (as many again, at most SCRATCH)."""
+        return self.slots + self.scratch
 
     def batches(self, needed: list[int]) -> list[list[int]]:
         """needed (ascending) cut into runs whose loads fit: `slots` experts a run (lru, lfu, os), or
-        (static) any number of the hot set's and `slots` others (the scratch slots)."""
+        (static) any number of the hot set's and `scratch` others (the scratch slots)."""
         if self.policy != "static":
             return [needed[i: i + self.slots] for i in range(0, len(needed), self.slots)]
         out, cur, loads = [], [], 0
         for e in needed:
             miss = e not in self.slot_of
-            if miss and loads == self.slots:
+            if miss and loads == self.scratch:
                 out.append(cur)
                 cur, loads = [], 0
             cur.append(e)
@@ -166,13 +168,20 @@ class SlotCache:
 
 @dataclass
 class HostHome:
-    """A layer's stacks in host memory, already in the run's dtypes (pinned where CUDA is)."""
+    """A layer's stacks in host memory, already in the run's dtypes (pinned where CUDA is). `rows`:
+    the stacks hold only these experts, expert e at row rows[e] (the static policy's hot set lives
+    in its device slots alone: ExpertStore.compact); None: every expert, e at row e."""
     stacks: dict[str, object]       # stack name -> [E, ...] tensor or QuantizedWeight
+    rows: dict[int, int] | None = None
 
     tier = "host"
 
+    def row(self, e: int) -> int:
+        return e if self.rows is None else self.rows[e]
+
     def read(self, e: int) -> dict[str, object]:
-        return {n: w[e] for n, w in self.stacks.items()}
+        r = self.row(e)
+        return {n: w[r] for n, w in self.stacks.items()}
 
     def nbytes(self) -> int:
         w = next(iter(self.stacks.values()))
@@ -418,6 +427,7 @@ class ExpertStore:
         self.trace: deque = deque(maxlen=TRACE)           # (layer, needed ids) of the last TRACE MoE calls
         self.tokens: dict[str, int] = {}                    # rows through each layer
         self.pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="kiln-experts")
+        self.kept: dict[str, list[int]] = {}               # compacted layers: their hot sets, only in slots
         if policy == "static" and not profile:
             raise KilnError("expert policy static needs a routing profile (--expert-profile FILE)")
 
@@ -439,6 +449,24 @@ class ExpertStore:
             if loads:
                 self._load(layer, loads, count=False)
         return self.stacks[layer]
+
+    def compact(self, layer: str, pin: bool | None = None) -> None:
+        """The static policy, homed in host memory: the layer's hot set loaded into its slots now (where
+        it stays: static never evicts), then its host stacks cut to the other experts (HostHome.rows),
+        so that host memory holds only what is read from it: the 397B's hot 60% on the GPU and the rest
+        in 96 GB of pinned host memory, where the whole would not fit. The cut stacks pinned with
+        `pin` (None: as they were)."""
+        home, cache = self.homes[layer], self.caches[layer]
+        if self.policy != "static" or not isinstance(home, HostHome) or home.rows is not None:
+            return
+        with torch.inference_mode():
+            self._slots(layer)
+        count = next(iter(home.stacks.values())).shape[0]
+        keep = [e for e in range(count) if e not in cache.slot_of]
+        home.stacks = {n: _take(w, keep, pin) for n, w in home.stacks.items()}
+        home.rows = {e: r for r, e in enumerate(keep)}
+        self.kept[layer] = list(cache.hot)
+        self.tables.pop(layer, None)
 
     def _load(self, layer: str, loads: list[tuple[int, int]], count: bool = True) -> None:
         self._finish(layer, loads, self._start(layer, loads), count)
@@ -627,8 +655,15 @@ class ExpertStore:
             self.tokens[layer] = self.tokens.get(layer, 0) + rows
 
     def _table_values(self, layer: str, count: int) -> torch.Tensor:
-        """Each expert's slot, or -1 - expert where it is read in place."""
-        table = -1 - torch.arange(count, dtype=torch.int32)
+        """Each expert's slot, or -1 - its row of the host stacks where it is read in place."""
+        home = self.homes[layer]
+        rows = getattr(home, "rows", None)
+        if rows is None:
+            table = -1 - torch.arange(count, dtype=torch.int32)
+        else:               # (an expert the host does not hold is always in a slot)
+            table = torch.zeros(count, dtype=torch.int32)
+            for e, r in rows.items():
+                table[e] = -1 - r
         for e, s in self.caches[layer].slot_of.items():
             table[e] = s
         return table
@@ -650,7 +685,7 @@ class ExpertStore:
             stats.bytes += (len(needed) - hits + len(promos)) * home.nbytes()
             for _, _, victim in promos:
                 if victim is not None:
-                    table[victim: victim + 1].fill_(-1 - victim)
+                    table[victim: victim + 1].fill_(-1 - home.row(victim))
             for e, slot, _ in promos:
                 for n, w in home.read(e).items():
                     _copy_into(self.stacks[layer][n], slot, w)
@@ -697,11 +732,16 @@ class ExpertStore:
     def reset(self, policy: str | None = None, profile: dict | None = None, zero_copy: bool | None = None) -> None:
         """Empty slots and fresh counts, under another policy (and profile) or zero-copy choice if given:
         one load measured under several (bench/stream_policies.py). A decode graph captured before
-        keeps its read mode, and its slots unless the capacity stays: the caller drops it."""
-        self.policy = policy or self.policy
-        if self.policy == "static" and not profile:
+        keeps its read mode, and its slots unless the capacity stays: the caller drops it. A compacted
+        layer (compact()) keeps its hot set: only static with the same one."""
+        policy = policy or self.policy
+        if policy == "static" and not profile:
             raise KilnError("expert policy static needs a routing profile (--expert-profile FILE)")
-        self.caches = {p: SlotCache(self.slots, self.policy, _hot(profile, p, self.slots)) for p in self.homes}
+        caches = {p: SlotCache(self.slots, policy, _hot(profile, p, self.slots)) for p in self.homes}
+        if any(caches[p].hot != hot for p, hot in self.kept.items()):
+            raise KilnError("this load keeps the static policy's hot experts on the device only (not in host "
+                            "memory): it runs static with the same profile; load again for another policy")
+        self.policy, self.caches = policy, caches
         self.stats = {p: Stats() for p in self.homes}
         self.pending, self.tokens = {}, {}
         self.trace.clear()
@@ -712,8 +752,8 @@ class ExpertStore:
             self.tables.pop(layer, None)
         with torch.inference_mode():    # (the forward made them in inference mode)
             for layer in self.stacks:       # the same tensors (a captured graph reads them), emptied
-                if loads := self.caches[layer].preload():
-                    self._load(layer, loads, count=False)
+                if (loads := self.caches[layer].preload()) and layer not in self.kept:
+                    self._load(layer, loads, count=False)   # (a compacted layer's slots still hold them)
             for layer, table in self.tables.items():
                 table.copy_(self._table_values(layer, table.shape[0]))
 
@@ -819,25 +859,38 @@ class ExpertPlan:
         elif self.direct_io:
             raise KilnError("--direct-io reads experts homed on disk (--expert-home disk)")
         else:
-            pin = torch.device(device).type == "cuda"
-            homes = {}
-            for n in names:
-                w = convert(ckpt.load(n))
-                homes.setdefault(prefix[n], HostHome({})).stacks[n] = _pinned(w) if pin else w
+            homes = {prefix[n]: HostHome({}) for n in names}
         if self.zero_copy not in ZERO_COPY:
             raise KilnError(f"zero copy must be one of {', '.join(ZERO_COPY)}, not {self.zero_copy!r}")
         zero = self.zero_copy == "on" or (self.zero_copy == "auto" and torch.device(device).type == "cuda")
         store = ExpertStore(homes, device, self.policy, self.slots, self.io_threads, self.profile, zero)
+        if home != "disk":
+            self._host_stacks(store, ckpt, names, prefix, convert, torch.device(device).type == "cuda")
         return store, {n: store.handle(prefix[n], n, shapes[n]) for n in names}
+
+    def _host_stacks(self, store: ExpertStore, ckpt, names: list[str], prefix: dict, convert, pin: bool) -> None:
+        """Each layer's stacks read into host memory (pinned on a CUDA device); under the static policy
+        each layer compacted as soon as its stacks are in (ExpertStore.compact: the hot set to the
+        device, the rest pinned), so host memory never holds every layer's whole stacks."""
+        left, static = Counter(prefix[n] for n in names), self.policy == "static"
+        for n in names:
+            w, p = convert(ckpt.load(n)), prefix[n]
+            store.homes[p].stacks[n] = _pinned(w) if pin and not static else w   # (static: only its cut pinned)
+            left[p] -= 1
+            if left[p] == 0 and static:
+                store.compact(p, pin)
 
     def _auto_home(self, ckpt, names: list[str], dtype) -> str:
         """Host unless the experts, as they will be held, pass --host-memory; without it, unless they
         pass host_room() (where their size is known without loading them): then disk for a packed
         directory, said in a [kiln] line; any other checkpoint stays in host memory with a warning
         (MemAvailable can read far below what a VM gives as it is used: no refusal on it)."""
+        share = self._host_share(ckpt, names)
         if self.host_memory is not None:
-            return "host" if sum(weight_bytes(ckpt, names, dtype).values()) <= self.host_memory * GB else "disk"
+            need = sum(weight_bytes(ckpt, names, dtype).values()) * share
+            return "host" if need <= self.host_memory * GB else "disk"
         room, need = host_room(), _known_bytes(ckpt, names, dtype)
+        need = None if need is None else int(need * share)
         if room is None or need is None or need <= room:
             return "host"
         why = (f"the routed experts take {need / GB:.3g} GB, more than the {room / GB:.3g} GB of host memory "
@@ -849,6 +902,11 @@ class ExpertPlan:
         print(f"[kiln] warning: {why}; they stay in host memory (kiln pack {ckpt.path} DIR makes a packed "
               "directory that streams them from disk)", file=sys.stderr)
         return "host"
+
+    def _host_share(self, ckpt, names: list[str]) -> float:
+        """The share of the experts host memory holds: static keeps its hot set on the device only."""
+        count = max(ckpt.shapes[n][0] for n in names)
+        return 1 - min(self.slots, count) / count if self.policy == "static" else 1.0
 
 
 HOST_SHARE = 0.75   # of the host's available memory the experts take without --host-memory: our GPU
@@ -879,6 +937,16 @@ def _known_bytes(ckpt, names: list[str], dtype) -> int | None:
 def layer_prefix(name: str) -> str:
     """A routed-expert stack's layer: its name less the stack's suffix (STACKS)."""
     return name[: -len(next(s for s in STACKS if name.endswith(s)))]
+
+
+def _take(w, keep: list[int], pin: bool | None = None):
+    """Experts `keep` of a host stack, in that order, in a new one (pinned with `pin`; None: if w is)."""
+    if isinstance(w, QuantizedWeight):
+        return w._with(_take(w.packed, keep, pin), _take(w.scales, keep, pin), _take(w.biases, keep, pin))
+    if pin is None:
+        pin = w.is_pinned() if torch.cuda.is_available() else False
+    out = torch.empty((len(keep), *w.shape[1:]), dtype=w.dtype, pin_memory=pin)
+    return torch.index_select(w, 0, torch.tensor(keep, dtype=torch.long), out=out)
 
 
 def _pinned(w):
@@ -1022,12 +1090,24 @@ class MemoryPlan:
 
     @property
     def per_slot(self) -> int:
-        """A slot a layer: the static policy keeps as many scratch slots again (SlotCache.capacity)."""
-        return self.expert * (2 if self.policy == "static" else 1)
+        """One slot a layer: the static policy keeps a scratch slot beside each, up to SCRATCH
+        (SlotCache.capacity)."""
+        return self.slot_cost(1)
+
+    def slot_cost(self, slots: int) -> int:
+        """Bytes of `slots` slots a layer, static's scratch beside them."""
+        return self.expert * (slots + (min(slots, SCRATCH) if self.policy == "static" else 0))
+
+    def slots_in(self, room: int) -> int:
+        """The most slots a layer that `room` bytes hold (slot_cost's inverse)."""
+        n = room // self.expert
+        if self.policy != "static":
+            return n
+        return n - SCRATCH if n >= 2 * SCRATCH else n // 2
 
     @property
     def slot_bytes(self) -> int:
-        return 0 if self.slots is None else self.slots * self.per_slot
+        return 0 if self.slots is None else self.slot_cost(self.slots)
 
     def summary(self) -> dict:
         return {"gb": round(self.budget / GB, 6), "auto": self.auto, "slots": self.slots,
@@ -1079,10 +1159,10 @@ def fit(plan: MemoryPlan, slots: int | None = None) -> MemoryPlan:
                         f"{_gb(plan.need)} (a lower --max-context shrinks the cache)")
     if not plan.count:
         return plan
-    most = min(left // plan.per_slot, plan.count)
+    most = min(plan.slots_in(left), plan.count)
     if slots is not None:
-        if slots * plan.per_slot > left:
-            raise KilnError(f"--expert-cache-slots {slots} needs {_gb(slots * plan.per_slot)} of expert slots; "
+        if plan.slot_cost(slots) > left:
+            raise KilnError(f"--expert-cache-slots {slots} needs {_gb(plan.slot_cost(slots))} of expert slots; "
                             f"{what} {_gb(plan.budget)} leaves {_gb(left)} after the core, cache "
                             f"and workspace: {most} slots a layer fit")
         plan.slots = slots

@@ -88,6 +88,12 @@ def test_streamed_logits_and_tokens_are_the_resident_ones(packed, resident, prof
     store = llm.model.expert_store
     assert store.home_tier == home
     check_accounting(store, policy, SLOTS)
+    if home == "host":      # static's hot set lives in its slots only: the host holds the other experts
+        for p, h in store.homes.items():
+            hot = store.caches[p].hot
+            assert (h.rows is not None) == (policy == "static") and (policy != "static" or len(hot) > 0)
+            assert next(iter(h.stacks.values())).shape[0] == 8 - len(hot)
+            assert sorted(h.rows or range(8)) == sorted(set(range(8)) - set(hot))
 
 
 def test_auto_home_weighs_the_experts_as_they_will_be_held(packed):
@@ -416,6 +422,7 @@ def disk_home(path: Path, stacks: dict):
 
 
 @pytest.mark.parametrize("home,policy,stage", [("host", "lfu", "1"), ("host", "lru", "1"), ("host", "static", "1"),
+                                               ("compact", "static", "1"), ("compact", "static", "0"),
                                                ("host", "os", "0"), ("disk", "lfu", "1")])
 def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(home, policy, stage, tmp_path,
                                                                                monkeypatch):
@@ -425,7 +432,9 @@ def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(h
     disk: the pinned staging its read landed in), so every output is the resident op's bit for bit,
     plain and gated; the hits, misses, promotions and bytes equal simulate_in_place over the recorded
     routing. From host memory every third call is prefetched first (ops.moe_prefetch: the misses staged
-    ahead, on a side stream on a GPU), which changes no output and no count."""
+    ahead, on a side stream on a GPU), which changes no output and no count. `compact`: static with its
+    hot set in the slots only, the host stacks cut to the other experts (ExpertStore.compact): the
+    same outputs and counts."""
     pytest.importorskip("triton")
     monkeypatch.setenv("KILN_STAGE_MISSES", stage)
     from kiln.backends.cuda import CudaOps
@@ -439,9 +448,15 @@ def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(h
     down = quantize((torch.randn(e, h, i, generator=g) * i ** -0.5).to(dt), 4, 64)
     profile = {"l.": {"3": 9, "1": 5, "6": 2, "0": 1}}
     stacks = {"l.gu": gate_up, "l.dn": down}
-    where = HostHome(stacks) if home == "host" else disk_home(tmp_path / "layer.bin", stacks)
+    compact, home = home == "compact", "host" if home == "compact" else home
+    where = HostHome(dict(stacks)) if home == "host" else disk_home(tmp_path / "layer.bin", stacks)
     store = ExpertStore({"l.": where}, "cpu", policy, slots, profile=profile if policy == "static" else None,
                         zero_copy=True)
+    if compact:
+        store.compact("l.")
+        assert where.rows == {0: 0, 2: 1, 4: 2, 5: 3, 7: 4}      # 3, 1 and 6: the hot set, in the slots
+        assert where.stacks["l.gu"].packed.shape[0] == 5
+        assert torch.equal(where.read(4)["l.dn"].packed, down.packed[4])
     gu_h, dn_h = store.handle("l.", "l.gu", gate_up.shape), store.handle("l.", "l.dn", down.shape)
     ops, hosts, real = CudaOps(torch.device("cpu")), [], kernels.qgemv_pairs
     # inference mode, as a model runs: the slots and staging are made in it, and the I/O threads
@@ -505,6 +520,15 @@ def test_the_staging_kernel_equals_its_reference():
     for a, b in zip(got_scratch, want_scratch):
         assert torch.equal(a, b)
     assert torch.equal(got_scratch[0][1], host[0][0]) and not got_scratch[0][0].any()   # a hit copies nothing
+    # a compacted host (ExpertStore.compact): 4 experts at rows 0-3, the table says which
+    table = torch.tensor([-3, 0, -1, -4, 1, -2], dtype=torch.int32)       # 0 -> row 2, 2 -> 0, 3 -> 3, 5 -> 1
+    compacted = [h[:4].clone() for h in host]
+    got_scratch = [torch.zeros(pairs, w, dtype=torch.int32) for w in widths]
+    rows = staging.stage(idx, table, compacted, got_scratch)
+    assert torch.equal(rows, staging.stage_reference(idx, table, compacted, want_scratch))
+    for p, r in ((1, 2), (2, 1), (3, 0)):       # pairs of experts 0, 5, 2
+        assert all(torch.equal(s[p], h[r]) for s, h in zip(got_scratch, compacted))
+        assert all(torch.equal(s[p], w[p]) for s, w in zip(got_scratch, want_scratch))
 
 
 @pytest.mark.parametrize("piece", (1 << 20, 100, 4096))
@@ -562,4 +586,42 @@ def test_a_staged_read_of_a_cut_file_is_a_one_line_error(tmp_path):
     os.truncate(tmp_path / "layer.bin", home.stride * 3 + 100)
     with pytest.raises(KilnError, match="expert 3 is cut short") as e:
         read_staged(home, ThreadPoolExecutor(max_workers=2), staging, [1, 3])
+    assert "\n" not in str(e.value)
+
+
+def test_static_keeps_at_most_SCRATCH_scratch_slots():
+    """static's misses go through scratch slots beside its hot set: as many as the slots up to
+    SCRATCH (a decode token's misses fit; the 397B's hot set of ~280 a layer does not double), a
+    step's misses in batches of that many; the memory plan's arithmetic is the same."""
+    from kiln.weights.experts import SCRATCH, MemoryPlan, SlotCache
+
+    hot = list(range(0, 40, 2))                              # 20 hot experts of 64
+    c = SlotCache(20, "static", hot)
+    assert c.capacity == 20 + SCRATCH == 36 and SlotCache(3, "static", [1]).capacity == 6
+    c.preload()
+    needed = sorted(hot[:5] + list(range(1, 40, 2)))         # 5 hot, 20 misses
+    batches = c.batches(needed)
+    assert [sum(e not in c.slot_of for e in b) for b in batches] == [16, 4]
+    for b in batches:
+        where, loads = c.plan(b)
+        assert all(20 <= s < 36 for _, s in loads) and all(where[e] == c.slot_of[e] for e in b if e in c.slot_of)
+    for policy in ("static", "lfu"):
+        plan = MemoryPlan(0, 0, 0, 0, expert=3, policy=policy)
+        for room in range(0, 300):
+            n = plan.slots_in(room)
+            assert plan.slot_cost(n) <= room < plan.slot_cost(n + 1), (policy, room)
+
+
+def test_a_compacted_store_resets_only_to_its_own_hot_set(packed, profile, resident):
+    """Loaded static from host memory, the hot experts live in their slots only: a reset to static
+    with the same profile runs again with the resident tokens; another policy is a one-line error."""
+    prof = json.loads(Path(profile).read_text())
+    llm = load(packed, expert_cache_slots=SLOTS, expert_policy="static", expert_profile=profile, expert_home="host")
+    store = llm.model.expert_store
+    assert store.kept and all(h.rows is not None for h in store.homes.values())
+    store.reset("static", prof)
+    logits, tokens = logits_and_tokens(llm)
+    assert torch.equal(logits, resident[0]) and tokens == resident[1]
+    with pytest.raises(KilnError, match="keeps the static policy's hot experts on the device only") as e:
+        store.reset("lfu")
     assert "\n" not in str(e.value)

@@ -6,7 +6,7 @@ Why a copy kernel rather than the GEMVs reading host memory in place: the GEMV r
 many short row pieces and its scales and biases a few bytes at a time, which the link serves at well
 under its rate; this kernel reads each part as one contiguous run of wide loads, as the reduction
 that measured the link's in-place rate does. It runs inside the decode's CUDA graph (no host read):
-the routed ids and the store's table (expert -> slot, or -1 - expert where it is in host memory) are
+the routed ids and the store's table (expert -> slot, or -1 - its row of the host stacks) are
 device tensors; pair p of a miss lands in scratch row p and its row becomes -1 - p.
 
 A plain reference beside it (stage_reference) and tests/weights/test_experts.py compare them.
@@ -36,8 +36,9 @@ def stage_kernel(idx_ptr, table_ptr, rows_ptr, s0, d0, s1, d1, s2, d2, s3, d3, s
                  W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr, W4: tl.constexpr,
                  W5: tl.constexpr, BLOCK: tl.constexpr):
     """Program (pair p, chunk c): pair p's expert e = idx[p]; its row is table[e] when in a slot, else
-    -1 - p, and then chunk c of each of its parts (an [E, W] int32 view of a host stack) is copied to
-    row p of that part's scratch."""
+    -1 - p, and then chunk c of each of its parts (an [E, W] int32 view of a host stack, the expert at
+    its row -1 - table[e]: e, or its row of a compacted stack) is copied to row p of that part's
+    scratch."""
     p = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     e = tl.load(idx_ptr + p).to(tl.int64)
@@ -46,12 +47,13 @@ def stage_kernel(idx_ptr, table_ptr, rows_ptr, s0, d0, s1, d1, s2, d2, s3, d3, s
         tl.store(rows_ptr + p, tl.where(t >= 0, t, -1 - p.to(tl.int32)))
     if t < 0:
         offs = c * BLOCK + tl.arange(0, BLOCK)
-        _copy_part(s0, d0, e, p, offs, W0)
-        _copy_part(s1, d1, e, p, offs, W1)
-        _copy_part(s2, d2, e, p, offs, W2)
-        _copy_part(s3, d3, e, p, offs, W3)
-        _copy_part(s4, d4, e, p, offs, W4)
-        _copy_part(s5, d5, e, p, offs, W5)
+        r = -1 - t.to(tl.int64)
+        _copy_part(s0, d0, r, p, offs, W0)
+        _copy_part(s1, d1, r, p, offs, W1)
+        _copy_part(s2, d2, r, p, offs, W2)
+        _copy_part(s3, d3, r, p, offs, W3)
+        _copy_part(s4, d4, r, p, offs, W4)
+        _copy_part(s5, d5, r, p, offs, W5)
 
 
 def words(t: torch.Tensor) -> torch.Tensor | None:
@@ -91,5 +93,5 @@ def stage_reference(idx: torch.Tensor, table: torch.Tensor, host: list[torch.Ten
     rows = torch.where(slot >= 0, slot, -1 - torch.arange(flat.numel(), device=idx.device, dtype=slot.dtype))
     for p in torch.nonzero(slot < 0).reshape(-1).tolist():
         for h, s in zip(host, scratch):
-            s[p].copy_(h[int(flat[p])])
+            s[p].copy_(h[-1 - int(slot[p])])
     return rows.to(torch.int32)
