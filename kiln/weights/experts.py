@@ -428,6 +428,7 @@ class ExpertStore:
         self.tokens: dict[str, int] = {}                    # rows through each layer
         self.pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="kiln-experts")
         self.kept: dict[str, list[int]] = {}               # compacted layers: their hot sets, only in slots
+        self.arena: PinnedArena | None = None              # the host stacks' pinned memory (ExpertPlan.store)
         if policy == "static" and not profile:
             raise KilnError("expert policy static needs a routing profile (--expert-profile FILE)")
 
@@ -450,12 +451,12 @@ class ExpertStore:
                 self._load(layer, loads, count=False)
         return self.stacks[layer]
 
-    def compact(self, layer: str, pin: bool | None = None) -> None:
+    def compact(self, layer: str, arena: PinnedArena | None = None) -> None:
         """The static policy, homed in host memory: the layer's hot set loaded into its slots now (where
         it stays: static never evicts), then its host stacks cut to the other experts (HostHome.rows),
         so that host memory holds only what is read from it: the 397B's hot 60% on the GPU and the rest
-        in 96 GB of pinned host memory, where the whole would not fit. The cut stacks pinned with
-        `pin` (None: as they were)."""
+        in 96 GB of pinned host memory, where the whole would not fit. The cut stacks in `arena` (pinned)
+        if given, else in plain host memory."""
         home, cache = self.homes[layer], self.caches[layer]
         if self.policy != "static" or not isinstance(home, HostHome) or home.rows is not None:
             return
@@ -463,7 +464,7 @@ class ExpertStore:
             self._slots(layer)
         count = next(iter(home.stacks.values())).shape[0]
         keep = [e for e in range(count) if e not in cache.slot_of]
-        home.stacks = {n: _take(w, keep, pin) for n, w in home.stacks.items()}
+        home.stacks = {n: _take(w, keep, arena) for n, w in home.stacks.items()}
         home.rows = {e: r for r, e in enumerate(keep)}
         self.kept[layer] = list(cache.hot)
         self.tables.pop(layer, None)
@@ -873,12 +874,14 @@ class ExpertPlan:
         each layer compacted as soon as its stacks are in (ExpertStore.compact: the hot set to the
         device, the rest pinned), so host memory never holds every layer's whole stacks."""
         left, static = Counter(prefix[n] for n in names), self.policy == "static"
+        arena = PinnedArena() if pin else None
         for n in names:
             w, p = convert(ckpt.load(n)), prefix[n]
-            store.homes[p].stacks[n] = _pinned(w) if pin and not static else w   # (static: only its cut pinned)
+            store.homes[p].stacks[n] = arena.copy(w) if pin and not static else w   # (static: only its cut)
             left[p] -= 1
             if left[p] == 0 and static:
-                store.compact(p, pin)
+                store.compact(p, arena)
+        store.arena = arena
 
     def _auto_home(self, ckpt, names: list[str], dtype) -> str:
         """Host unless the experts, as they will be held, pass --host-memory; without it, unless they
@@ -939,21 +942,48 @@ def layer_prefix(name: str) -> str:
     return name[: -len(next(s for s in STACKS if name.endswith(s)))]
 
 
-def _take(w, keep: list[int], pin: bool | None = None):
-    """Experts `keep` of a host stack, in that order, in a new one (pinned with `pin`; None: if w is)."""
+class PinnedArena:
+    """Pinned host memory carved out of chunks of CHUNK bytes, each request placed in the first chunk
+    with room (4 KiB-aligned): torch's caching host allocator rounds every request up to a power of
+    two (a 1.1 GB stack takes 2 GiB), which the 397B's ~90 GB of host experts cannot afford, and
+    pinning once in large chunks is the fast way (REFERENCE.md). Never freed piecemeal: the experts
+    live as long as the load. Chunks grow from FIRST to CHUNK bytes (a small model pins little). Not
+    pinned where CUDA is absent (CPU tests)."""
+    FIRST, CHUNK = 1 << 26, 1 << 32
+
+    def __init__(self):
+        self.chunks: list[list] = []        # [uint8 tensor, bytes used]
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        room = align(max(n, 1), 4096)
+        chunk = next((c for c in self.chunks if c[1] + room <= c[0].numel()), None)
+        if chunk is None:
+            size = max(room, min(self.CHUNK, self.FIRST << len(self.chunks)))
+            chunk = [torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available()), 0]
+            self.chunks.append(chunk)
+        at = chunk[1]
+        chunk[1] += room
+        return chunk[0][at: at + n].view(dtype).view(shape)
+
+    def copy(self, w):
+        """w (a tensor or QuantizedWeight) in the arena."""
+        if isinstance(w, QuantizedWeight):
+            return w._with(self.copy(w.packed), self.copy(w.scales), self.copy(w.biases))
+        return self.empty(tuple(w.shape), w.dtype).copy_(w)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c[0].numel() for c in self.chunks)
+
+
+def _take(w, keep: list[int], arena: PinnedArena | None = None):
+    """Experts `keep` of a host stack, in that order, in a new one (in `arena` if given)."""
     if isinstance(w, QuantizedWeight):
-        return w._with(_take(w.packed, keep, pin), _take(w.scales, keep, pin), _take(w.biases, keep, pin))
-    if pin is None:
-        pin = w.is_pinned() if torch.cuda.is_available() else False
-    out = torch.empty((len(keep), *w.shape[1:]), dtype=w.dtype, pin_memory=pin)
+        return w._with(_take(w.packed, keep, arena), _take(w.scales, keep, arena), _take(w.biases, keep, arena))
+    shape = (len(keep), *w.shape[1:])
+    out = arena.empty(shape, w.dtype) if arena is not None else torch.empty(shape, dtype=w.dtype)
     return torch.index_select(w, 0, torch.tensor(keep, dtype=torch.long), out=out)
-
-
-def _pinned(w):
-    if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(w.packed.pin_memory(), w.scales.pin_memory(), w.biases.pin_memory(), w.bits,
-                               w.group_size, w.out_dtype)
-    return w.pin_memory()
 
 
 def _disk_homes(ckpt, names: list[str], prefix: dict, convert, check: bool, direct: bool) -> dict[str, DiskHome]:

@@ -625,3 +625,35 @@ def test_a_compacted_store_resets_only_to_its_own_hot_set(packed, profile, resid
     with pytest.raises(KilnError, match="keeps the static policy's hot experts on the device only") as e:
         store.reset("lfu")
     assert "\n" not in str(e.value)
+
+
+def test_the_pinned_arena_places_requests_without_rounding(monkeypatch):
+    """PinnedArena: each request 4 KiB-aligned in the first chunk with room, chunks growing from FIRST
+    to CHUNK (a request larger than that gets its own); no two requests overlap, each reads back what
+    was copied in, and the chunks hold the requests with little to spare (torch's pinned allocator
+    would round each up to a power of two)."""
+    from kiln.ops.quant.reference import quantize
+    from kiln.weights.experts import PinnedArena
+
+    monkeypatch.setattr(PinnedArena, "FIRST", 1 << 16)
+    monkeypatch.setattr(PinnedArena, "CHUNK", 1 << 18)
+    arena, g = PinnedArena(), torch.Generator().manual_seed(5)
+    made = []
+    for k in range(40):
+        n = int(torch.randint(1, 30_000, (1,), generator=g))
+        src = torch.randn(n, generator=g).to(torch.bfloat16 if k % 2 else torch.float32)
+        made.append((src, arena.copy(src)))
+    big = torch.randn(300_000, generator=g)
+    made.append((big, arena.copy(big)))                 # past CHUNK: a chunk of its own
+    q = quantize(torch.randn(4, 32, 64, generator=g).to(torch.bfloat16), 4, 64)
+    qa = arena.copy(q)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for _, t in made)
+    spans += [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in (qa.packed, qa.scales, qa.biases)]
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    bases = [c[0].data_ptr() for c in arena.chunks]       # (pinned memory is page-aligned; here, malloc's)
+    assert all(any(0 <= p - c < 1 << 22 and (p - c) % 4096 == 0 for c in bases) for p, _ in spans)
+    assert all(torch.equal(s, t) for s, t in made)
+    assert torch.equal(qa.packed, q.packed) and torch.equal(qa.scales, q.scales) and qa.bits == 4
+    used = sum(-(-(e - b) // 4096) * 4096 for b, e in spans)
+    assert arena.nbytes < used + 3 * (1 << 18)      # at most about a chunk's tail lost a chunk

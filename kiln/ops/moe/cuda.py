@@ -116,10 +116,10 @@ class MoeCuda(TunedOps, MoeReference):
     def moe_from_slots(self, x, idx, rows, weights, gate_up, down, act, gate=None, host=None, table=None,
                        staged=None):
         """Streamed experts whose every needed one sits in a slot (or, with `host`, the gate_up and down
-        stacks in mapped host memory: a negative row names expert -1 - row there): the resident decode's
+        stacks in mapped host memory: a negative row r names their row -1 - r): the resident decode's
         kernels, the weights read from slot rows[pair] (quant_moe), the combine in expert id order.
-        With `table` (expert -> slot, or -1 - expert) instead of rows: the misses copied from host
-        memory into device scratch by one kernel first (staging.stage; KILN_STAGE_MISSES=0: read in
+        With `table` (expert -> slot, or -1 - its row of the host stacks) instead of rows: the misses
+        copied from host memory into device scratch by one kernel first (staging.stage; KILN_STAGE_MISSES=0: read in
         place by the GEMVs). `staged`: stage_ahead's result for idx (the copy on a side stream, joined here).
         None where those kernels do not apply (the store then adds expert by expert)."""
         if staged is not None:
