@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -40,7 +39,7 @@ from .quantized import QuantizedWeight, quantize
 
 BLOCK = 1 << 22          # elements per independently seeded block (part of the determinism contract)
 DRAW_BATCH = 8           # blocks a quantised draw quantises at once (any count gives the same values)
-WORKERS = min(8, os.cpu_count() or 1)
+WORKERS = min(16, os.cpu_count() or 1)
 
 # -- the configurations -------------------------------------------------------------------------
 
@@ -288,17 +287,29 @@ class Synthesis:
     def rule(self, name: str) -> tuple[str, float, float]:
         return init_rule(self.config, name, self.shapes[name], self.norm_offset)
 
+    def block(self, name: str, i: int, scales: torch.Tensor | None = None) -> torch.Tensor:
+        """Block i of the tensor's flat values (f32, BLOCK of them but the last); `scales`: its
+        router_scales, which blocks() computes once."""
+        n = math.prod(self.shapes[name])
+        b = _draw(self.rule(name), min(BLOCK, n - i * BLOCK), _seed(self.seed, name, i))
+        if scales is not None:      # each value times its row's scale (rows of the last dim's width)
+            b.mul_(scales[(i * BLOCK + torch.arange(b.numel())) // self.shapes[name][-1]])
+        return b
+
+    def block_into(self, name: str, i: int, out: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        """Block i written into `out` (its first values); how many."""
+        b = self.block(name, i, scales)
+        out[:b.numel()] = b
+        return b.numel()
+
     def blocks(self, name: str) -> Iterator[torch.Tensor]:
         """The tensor's values, flat, in f32 blocks of BLOCK elements (drawn on up to WORKERS threads)."""
-        rule, n = self.rule(name), math.prod(self.shapes[name])
+        n = math.prod(self.shapes[name])
         count = max(1, -(-n // BLOCK))
         scales = router_scales(name, self.shapes[name], self.seed, self.skew)
 
         def block(i: int) -> torch.Tensor:
-            b = _draw(rule, min(BLOCK, n - i * BLOCK), _seed(self.seed, name, i))
-            if scales is not None:      # each value times its row's scale (rows of the last dim's width)
-                b.mul_(scales[(i * BLOCK + torch.arange(b.numel())) // self.shapes[name][-1]])
-            return b
+            return self.block(name, i, scales)
 
         if count == 1:
             yield block(0)
@@ -409,24 +420,45 @@ def quantized_draw(synthesis: Synthesis, name: str, fmt: tuple[int, int], dtype:
     scales, biases = torch.empty(n // group, dtype=dtype), torch.empty(n // group, dtype=dtype)
     # a GPU quantises a block in about a millisecond, a CPU core in about a hundred (a 397B has 10^5
     # blocks); the values are the same (every step IEEE f32, round half to even). DRAW_BATCH blocks go
-    # in one trip, through a pinned buffer on a GPU: per block, the trips' fixed costs dominated
+    # in one trip, through a pinned buffer on a GPU: per block, the trips' fixed costs dominated. The
+    # workers draw each block straight into one of two buffers, the next trip's while this one's
+    # quantises: the thread running the trips only copies and quantises.
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    staging = torch.empty(min(n, DRAW_BATCH * BLOCK), pin_memory=device == "cuda")
-    at, blocks = 0, synthesis.blocks(name)
-    while at < n:
-        size = 0
-        for b in itertools.islice(blocks, DRAW_BATCH):
-            staging[size:size + b.numel()] = b
-            size += b.numel()
-        if size == 0:
-            raise KilnError(f"{name}: the draw ended at {at} of {n} values")
-        q = quantize(staging[:size].to(device, non_blocking=True).to(dtype).view(-1, group), bits, group)
-        g = size // group
-        packed[at * bits // 32:(at + size) * bits // 32] = q.packed.reshape(-1)     # (these copies wait for it)
-        scales[at // group:at // group + g], biases[at // group:at // group + g] = q.scales[:, 0], q.biases[:, 0]
-        at += size
+    count, trip = max(1, -(-n // BLOCK)), DRAW_BATCH * BLOCK
+    router = router_scales(name, shape, synthesis.seed, synthesis.skew)
+    bufs = [torch.empty(min(n, trip), pin_memory=device == "cuda") for _ in range(min(2, -(-n // trip)))]
+    copied: list = [None] * len(bufs)       # a buffer's copy to the GPU: the workers refill it after
+    at = 0
+    with ThreadPoolExecutor(min(WORKERS, count)) as pool:
+        def fill(t: int, buf: torch.Tensor) -> list:
+            first = t * DRAW_BATCH
+            return [pool.submit(synthesis.block_into, name, i, buf[(i - first) * BLOCK:], router)
+                    for i in range(first, min(count, first + DRAW_BATCH))]
+
+        pending = fill(0, bufs[0])
+        for t in range(-(-count // DRAW_BATCH)):
+            k = t % len(bufs)
+            size = sum(f.result() for f in pending)
+            if at + size > n or size == 0:
+                raise KilnError(f"{name}: the draw gave {at + size} of {n} values")
+            if (t + 1) * DRAW_BATCH < count:
+                other = (t + 1) % len(bufs)
+                if copied[other] is not None:
+                    copied[other].synchronize()
+                pending = fill(t + 1, bufs[other])
+            x = bufs[k][:size].to(device, non_blocking=True)
+            if device == "cuda":
+                copied[k] = torch.cuda.Event()
+                copied[k].record()
+            q = quantize(x.to(dtype).view(-1, group), bits, group)
+            g = size // group
+            packed[at * bits // 32:(at + size) * bits // 32] = q.packed.reshape(-1)     # (these copies wait for it)
+            scales[at // group:at // group + g], biases[at // group:at // group + g] = q.scales[:, 0], q.biases[:, 0]
+            at += size
+    if at != n:
+        raise KilnError(f"{name}: the draw gave {at} of {n} values")
     if device == "cuda":
-        del q
+        del q, x
         torch.cuda.empty_cache()    # the trips' ~1 GB of temporaries: not left reserved past the load
     rows = shape[:-1]
     return QuantizedWeight(packed.view(*rows, -1), scales.view(*rows, -1), biases.view(*rows, -1), bits, group)
