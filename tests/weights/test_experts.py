@@ -89,6 +89,9 @@ def test_streamed_logits_and_tokens_are_the_resident_ones(packed, resident, prof
     assert store.home_tier == home
     check_accounting(store, policy, SLOTS)
     if home == "host":      # static's hot set lives in its slots only: the host holds the other experts
+        held = sum(x.nbytes for h in store.homes.values() for w in h.stacks.values()
+                   for x in (w.packed, w.scales, w.biases))
+        assert store.summary()["host_bytes"] == held and store.summary()["host_pinned_bytes"] == 0   # (CPU)
         for p, h in store.homes.items():
             hot = store.caches[p].hot
             assert (h.rows is not None) == (policy == "static") and (policy != "static" or len(hot) > 0)
