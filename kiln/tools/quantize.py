@@ -25,9 +25,18 @@ from ..tokenizer import Tokenizer
 from ..weights import Checkpoint, open_checkpoint
 
 # Families whose mlx-lm model names its weights as HF does (its sanitize only drops a tied lm_head
-# and rotary buffers), and whose 2-D `.weight` tensors are all Linear or Embedding modules.
-FAMILIES = ("llama", "qwen3", "gemma3_text")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+# and rotary buffers), and whose 2-D `.weight` tensors are all Linear or Embedding modules; and
+# Qwen3.5 (dense and MoE), whose sanitize kiln applies as mlx-lm does (qwen3_5_layout).
+FAMILIES = ("llama", "qwen3", "gemma3_text", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+MLX_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}    # mlx-lm knows only these names
+QWEN35 = ("qwen3_5", "qwen3_5_moe")
+# the norms HF applies as (1 + w): mlx-lm's qwen3_5 sanitize stores them as 1 + w (kiln's reader takes it off)
+OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                ".q_norm.weight", ".k_norm.weight")
+OWN_PARAMS = ("linear_attn.A_log", "linear_attn.dt_bias")
+SWITCH = ("switch_mlp.gate_proj.weight", "switch_mlp.up_proj.weight", "switch_mlp.down_proj.weight")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 ROUTERS = ("mlp.gate", "shared_expert_gate")          # MoE router gates (--router-bits)
 EMBEDDINGS = ("model.embed_tokens", "lm_head")        # --embedding-bits
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -64,11 +73,26 @@ def add_parser(sub) -> None:
 
 @dataclass
 class Planned:
-    """One source tensor and how it is written: quantised at (bits, group size), or as it is."""
+    """One tensor written (mlx-lm's name and shape) and how: quantised at (bits, group size), or as it
+    is; from checkpoint tensor `source` (default: the same name), changed on the way by `how`:
+    ("conv",) conv1d's axes [C, 1, K] -> [C, K, 1]; ("offset",) 1 added in the stored dtype;
+    ("rows", a, b) rows a:b of each expert of a fused [E, 2I, H] stack (its gate or up half)."""
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype                 # of the tensor written, or of its scales and biases
     fmt: tuple[int, int] | None
+    source: str = ""
+    how: tuple = ()
+
+    def load(self, ckpt: Checkpoint) -> torch.Tensor:
+        w = ckpt.load(self.source or self.name)
+        if self.how[:1] == ("conv",):
+            return w.movedim(2, 1)
+        if self.how[:1] == ("offset",):
+            return w + 1.0
+        if self.how[:1] == ("rows",):
+            return w[:, self.how[1]:self.how[2]]
+        return w
 
     def parts(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, safetensors dtype, shape) of what it becomes: mlx-lm's weight, scales, biases."""
@@ -85,13 +109,15 @@ class Planned:
 
 def module_format(name: str, shape: tuple[int, ...], a) -> tuple[int, int] | None:
     """(bits, group size) for a tensor mlx-lm quantises, None for one it keeps: Linear and Embedding
-    weights (2-D `.weight`) whose input dimension the group size divides, as quantize_model decides."""
-    if not name.endswith(".weight") or len(shape) != 2 or shape[-1] % a.group_size:
+    weights (2-D `.weight`) and MoE expert stacks (3-D `switch_mlp` ones) whose input dimension the
+    group size divides, as quantize_model decides."""
+    stack = len(shape) == 3 and name.endswith(SWITCH)
+    if not name.endswith(".weight") or (len(shape) != 2 and not stack) or shape[-1] % a.group_size:
         return None
     base = name[: -len(".weight")]
     if a.router_bits and base.endswith(ROUTERS):
         return a.router_bits, a.group_size
-    if a.embedding_bits and base in EMBEDDINGS:
+    if a.embedding_bits and base.removeprefix("language_model.") in EMBEDDINGS:
         return a.embedding_bits, a.group_size
     return a.bits, a.group_size
 
@@ -110,6 +136,12 @@ def open_source(src: str) -> tuple[Checkpoint, dict]:
     if config.get("model_type") not in FAMILIES:
         raise KilnError(f"kiln quantize does not support model type {config.get('model_type')!r} yet "
                         f"(supported: {', '.join(FAMILIES)})")
+    config["model_type"] = MLX_TYPES.get(config["model_type"], config["model_type"])
+    if config["model_type"] in QWEN35:      # as mlx-lm's ModelArgs renames it in the config it saves
+        for c in (config, config.get("text_config") or {}):
+            rope = c.get("rope_parameters")
+            if isinstance(rope, dict) and "rope_type" in rope and "type" not in rope:
+                rope["type"] = rope.pop("rope_type")
     if "quantization" in config or "quantization_config" in config:
         raise KilnError(f"{src} is already quantised (its config.json has a quantization entry)")
     config.pop("_name_or_path", None)
@@ -122,19 +154,43 @@ def open_source(src: str) -> tuple[Checkpoint, dict]:
 
 def plan(ckpt: Checkpoint, config: dict, a) -> list[Planned]:
     """The tensors mlx-lm's model loads, in the checkpoint's order: a tied lm_head and rotary
-    buffers left out (its sanitize drops them)."""
+    buffers left out (its sanitize drops them), Qwen3.5's as its sanitize leaves them."""
     tied = config["tie_word_embeddings"]
     cast = out_dtype(ckpt, a)
+    qwen35 = config["model_type"] in QWEN35
     out = []
     for name, shape in ckpt.shapes.items():
         if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
             continue
         dtype = _stored_dtype(ckpt, name)
-        if cast is not None and dtype.is_floating_point:
+        keep = qwen35 and name.endswith("A_log")        # (mlx-lm's cast_predicate keeps A_log's dtype)
+        if cast is not None and dtype.is_floating_point and not keep:
             dtype = cast
-        fmt = module_format(name, shape, a) if dtype.is_floating_point else None
-        out.append(Planned(name, tuple(shape), dtype, fmt))
+        for t in (qwen3_5_layout(name, tuple(shape), dtype) if qwen35 else [Planned(name, tuple(shape), dtype, None)]):
+            t.fmt = module_format(t.name, t.shape, a) if dtype.is_floating_point else None
+            out.append(t)
     return out
+
+
+def qwen3_5_layout(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[Planned]:
+    """A Qwen3.5 tensor as mlx-lm's sanitize leaves it: under `language_model.`; conv1d [C, K, 1];
+    the (1 + w) norms as 1 + w; a fused expert stack as switch_mlp's gate, up and down stacks; the
+    multi-token-prediction head and a vision tower dropped."""
+    if name.startswith(("mtp.", "model.visual", "visual.", "vision_tower")):
+        return []
+    out = "language_model." + name
+    if name.endswith("conv1d.weight") and len(shape) == 3 and shape[-1] != 1:
+        return [Planned(out, (shape[0], shape[2], shape[1]), dtype, None, name, ("conv",))]
+    if name.endswith(OFFSET_NORMS) and len(shape) == 1:
+        return [Planned(out, shape, dtype, None, name, ("offset",))]
+    if name.endswith("mlp.experts.gate_up_proj"):
+        base, (e, rows, cols) = out[: -len("experts.gate_up_proj")], shape
+        half = rows // 2
+        return [Planned(base + "switch_mlp.gate_proj.weight", (e, half, cols), dtype, None, name, ("rows", 0, half)),
+                Planned(base + "switch_mlp.up_proj.weight", (e, half, cols), dtype, None, name, ("rows", half, rows))]
+    if name.endswith("mlp.experts.down_proj"):
+        return [Planned(out[: -len("experts.down_proj")] + "switch_mlp.down_proj.weight", shape, dtype, None, name)]
+    return [Planned(out, shape, dtype, None, name)]
 
 
 def out_dtype(ckpt: Checkpoint, a) -> torch.dtype | None:
@@ -192,7 +248,7 @@ def write_shard(path: Path, tensors: list[Planned], ckpt: Checkpoint, bar) -> No
         f.write(len(raw).to_bytes(8, "little") + raw)
         for t in tensors:
             offsets = [base + header[name]["data_offsets"][0] for name, _, _ in t.parts()]
-            write_tensor(f, offsets, t, ckpt.load(t.name))
+            write_tensor(f, offsets, t, t.load(ckpt))
             bar.update(1)
 
 
@@ -249,7 +305,9 @@ def write_folder(tmp: Path, ckpt: Checkpoint, config: dict, tensors: list[Planne
             write_shard(tmp / file, group, ckpt, bar)
             weight_map.update({name: file for t in group for name, _, _ in t.parts()})
     total = sum(t.nbytes() for t in tensors)
-    index = {"metadata": {"total_size": total, "total_parameters": sum(math.prod(t.shape) for t in tensors)},
+    # mlx-lm counts the parameters of leaf modules: not those a GatedDeltaNet holds itself
+    params = sum(math.prod(t.shape) for t in tensors if not t.name.endswith(OWN_PARAMS))
+    index = {"metadata": {"total_size": total, "total_parameters": params},
              "weight_map": dict(sorted(weight_map.items()))}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
     quant = quant_config(tensors, a)

@@ -357,3 +357,78 @@ def test_a_failure_midway_leaves_nothing(tiny, tmp_path, monkeypatch, capsys):
     assert cli_main(["quantize", str(tiny), str(tmp_path / "out"), "--quiet"]) == 1
     assert "disk full" in capsys.readouterr().err and len(calls) == 4
     assert not (tmp_path / "out").exists() and no_partials(tmp_path)
+
+
+# -- Qwen3.5, dense and MoE: mlx-lm's sanitize applied as it applies it ------------------------------
+
+def qwen35_cases():
+    from tests.models.test_quantized import FAMILIES as READ_FAMILIES  # mlx-lm's "qwen3_5" configs
+
+    return {"qwen3_5-f32-4bit-embed8": (READ_FAMILIES["qwen3_5"], "f32",
+                                        ["--bits", "4", "--group-size", "64", "--embedding-bits", "8"]),
+            "qwen3_5_moe-bf16-4bit-router8": (READ_FAMILIES["qwen3_5_moe"], "bf16",
+                                              ["--bits", "4", "--group-size", "64", "--router-bits", "8"])}
+
+
+def mlx_own(src: Path, out: Path, flags: list[str]) -> Path:
+    """mlx-lm's quantisation with the model's own predicate (an MoE's routers at 8 bits, group 64) and
+    the embeddings at --embedding-bits."""
+    bits, group, embedding = flag(flags, "--bits"), flag(flags, "--group-size"), flag(flags, "--embedding-bits")
+    model, config = mlx_utils.load_model(src)
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path, module):
+        if embedding and path.removeprefix("language_model.") in quantize.EMBEDDINGS:
+            return {"group_size": group, "bits": embedding}
+        return own(path, module) if own else True
+
+    model, config = mlx_utils.quantize_model(model, config, group_size=group, bits=bits, quant_predicate=predicate)
+    out.mkdir()
+    mlx_utils.save_model(out, model)
+    mlx_utils.save_config(config, out / "config.json")
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen3_5-f32-4bit-embed8", "qwen3_5_moe-bf16-4bit-router8"])
+def qwen35(request, tmp_path_factory):
+    config, dtype, flags = qwen35_cases()[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    src = hf_folder(config, root / "hf", dtype)
+    return dict(name=request.param, src=src, flags=flags, dtype=dtype, ours=kiln_quantised(src, root / "kiln", flags),
+                theirs=mlx_own(src, root / "mlx", flags), config=config)
+
+
+def test_qwen35_is_mlx_lms_bit_for_bit(qwen35):
+    """Under language_model., conv1d as [C, K, 1], the (1 + w) norms stored as 1 + w (in the stored
+    dtype: bf16 rounds as mlx-lm's does), the fused experts split into switch_mlp's gate, up and down
+    stacks, the routers at 8 bits: every tensor, the config and the index as mlx-lm writes them."""
+    ours, theirs = tensors(qwen35["ours"]), tensors(qwen35["theirs"])
+    assert sorted(ours) == sorted(theirs)
+    for name, want in theirs.items():
+        got = ours[name]
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), name
+        assert mx.array_equal(got, want).item(), name
+    assert "language_model.model.layers.0.linear_attn.conv1d.weight" in ours
+    if "moe" in qwen35["name"]:
+        assert "language_model.model.layers.0.mlp.switch_mlp.up_proj.scales" in ours
+        assert ours["language_model.model.layers.0.mlp.gate.weight"].shape[-1] * 32 // 8 == 128   # 8 bits
+    for f in ("config.json", "model.safetensors.index.json"):
+        assert json.loads((qwen35["ours"] / f).read_text()) == json.loads((qwen35["theirs"] / f).read_text())
+
+
+def test_qwen35_greedy_tokens_match_mlx_lm_and_kiln(qwen35):
+    want = mlx_greedy(qwen35["theirs"])
+    assert mlx_greedy(qwen35["ours"]) == want
+    if qwen35["dtype"] == "f32":
+        assert kiln_greedy(qwen35["ours"]) == want
+
+
+def test_a_qwen35_text_folder_is_written_as_mlx_lms_qwen3_5(qwen35, tmp_path):
+    """kiln's own synthesized Qwen3.5 folders say qwen3_5_text (HF's text-only model), which mlx-lm
+    does not know: the output says qwen3_5 (or qwen3_5_moe) and holds the same tensors."""
+    config = dict(qwen35["config"], model_type=qwen35["config"]["model_type"] + "_text")
+    src = hf_folder(config, tmp_path / "hf", qwen35["dtype"])
+    out = kiln_quantised(src, tmp_path / "kiln", qwen35["flags"])
+    assert json.loads((out / "config.json").read_text())["model_type"] == qwen35["config"]["model_type"]
+    ours, want = tensors(out), tensors(qwen35["ours"])
+    assert sorted(ours) == sorted(want) and all(mx.array_equal(ours[n], want[n]).item() for n in want)
