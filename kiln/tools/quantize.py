@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -27,17 +28,23 @@ from ..weights import Checkpoint, open_checkpoint
 # Families whose mlx-lm model names its weights as HF does (its sanitize only drops a tied lm_head
 # and rotary buffers), and whose 2-D `.weight` tensors are all Linear or Embedding modules; and
 # Qwen3.5 (dense and MoE), whose sanitize kiln applies as mlx-lm does (qwen3_5_layout).
-FAMILIES = ("llama", "qwen3", "gemma3_text", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+FAMILIES = ("llama", "qwen3", "gemma3_text", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+            "qwen3_next", "gemma4_text")
 MLX_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}    # mlx-lm knows only these names
-QWEN35 = ("qwen3_5", "qwen3_5_moe")
 # the norms HF applies as (1 + w): mlx-lm's qwen3_5 sanitize stores them as 1 + w (kiln's reader takes it off)
 OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                 ".q_norm.weight", ".k_norm.weight")
-OWN_PARAMS = ("linear_attn.A_log", "linear_attn.dt_bias")
-SWITCH = ("switch_mlp.gate_proj.weight", "switch_mlp.up_proj.weight", "switch_mlp.down_proj.weight")
+# parameters a module with submodules holds itself: mlx-lm's index counts only leaf modules' parameters
+OWN_PARAMS = ("linear_attn.A_log", "linear_attn.dt_bias", ".layer_scalar", "router.scale", "router.per_expert_scale")
+SWITCH = tuple(f"{s}.{n}_proj.weight" for s in ("switch_mlp", "switch_glu") for n in ("gate", "up", "down"))
+_PER_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Gemma 4 tensors mlx-lm's sanitize drops (rotary buffers, activation clipping ranges)
+GEMMA4_DROPPED = ("self_attn.rotary_emb", "input_max", "input_min", "output_max", "output_min")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
-ROUTERS = ("mlp.gate", "shared_expert_gate")          # MoE router gates (--router-bits)
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                 "qwen3_next": "Qwen3NextForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
+ROUTERS = ("mlp.gate", "shared_expert_gate", "router.proj")     # MoE router gates (--router-bits)
+ROUTER_GROUP = 64       # mlx-lm's MoE models quantise their routers at group 64 whatever the model's group
 EMBEDDINGS = ("model.embed_tokens", "lm_head")        # --embedding-bits
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "tokenizer.model", "chat_template.jinja", "chat_template.json")
@@ -59,7 +66,8 @@ def add_parser(sub) -> None:
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64,
                    help="weights per scale and bias, along the input dimension (default 64)")
     p.add_argument("--router-bits", type=int, choices=BITS, default=None,
-                   help="MoE router gates (mlp.gate, shared_expert_gate) at these bits")
+                   help="MoE router gates (mlp.gate, shared_expert_gate, router.proj) at these bits, group 64 "
+                        "(as mlx-lm's own conversion)")
     p.add_argument("--embedding-bits", type=int, choices=BITS, default=None,
                    help="embed_tokens (and an untied lm_head) at these bits")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
@@ -76,7 +84,8 @@ class Planned:
     """One tensor written (mlx-lm's name and shape) and how: quantised at (bits, group size), or as it
     is; from checkpoint tensor `source` (default: the same name), changed on the way by `how`:
     ("conv",) conv1d's axes [C, 1, K] -> [C, K, 1]; ("offset",) 1 added in the stored dtype;
-    ("rows", a, b) rows a:b of each expert of a fused [E, 2I, H] stack (its gate or up half)."""
+    ("rows", a, b) rows a:b of each expert of a fused [E, 2I, H] stack (its gate or up half);
+    ("stack", names) the per-expert tensors `names` stacked (Qwen3-Next's experts)."""
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype                 # of the tensor written, or of its scales and biases
@@ -85,6 +94,8 @@ class Planned:
     how: tuple = ()
 
     def load(self, ckpt: Checkpoint) -> torch.Tensor:
+        if self.how[:1] == ("stack",):
+            return torch.stack([ckpt.load(n) for n in self.how[1]])
         w = ckpt.load(self.source or self.name)
         if self.how[:1] == ("conv",):
             return w.movedim(2, 1)
@@ -115,8 +126,8 @@ def module_format(name: str, shape: tuple[int, ...], a) -> tuple[int, int] | Non
     if not name.endswith(".weight") or (len(shape) != 2 and not stack) or shape[-1] % a.group_size:
         return None
     base = name[: -len(".weight")]
-    if a.router_bits and base.endswith(ROUTERS):
-        return a.router_bits, a.group_size
+    if a.router_bits and base.endswith(ROUTERS):     # group 64 whatever --group-size, as mlx-lm's predicate
+        return (a.router_bits, ROUTER_GROUP) if shape[-1] % ROUTER_GROUP == 0 else None
     if a.embedding_bits and base.removeprefix("language_model.") in EMBEDDINGS:
         return a.embedding_bits, a.group_size
     return a.bits, a.group_size
@@ -137,7 +148,7 @@ def open_source(src: str) -> tuple[Checkpoint, dict]:
         raise KilnError(f"kiln quantize does not support model type {config.get('model_type')!r} yet "
                         f"(supported: {', '.join(FAMILIES)})")
     config["model_type"] = MLX_TYPES.get(config["model_type"], config["model_type"])
-    if config["model_type"] in QWEN35:      # as mlx-lm's ModelArgs renames it in the config it saves
+    if config["model_type"] in ("qwen3_5", "qwen3_5_moe"):    # as mlx-lm's ModelArgs renames it in the config it saves
         for c in (config, config.get("text_config") or {}):
             rope = c.get("rope_parameters")
             if isinstance(rope, dict) and "rope_type" in rope and "type" not in rope:
@@ -155,42 +166,101 @@ def open_source(src: str) -> tuple[Checkpoint, dict]:
 def plan(ckpt: Checkpoint, config: dict, a) -> list[Planned]:
     """The tensors mlx-lm's model loads, in the checkpoint's order: a tied lm_head and rotary
     buffers left out (its sanitize drops them), Qwen3.5's as its sanitize leaves them."""
-    tied = config["tie_word_embeddings"]
+    tied, mt = config["tie_word_embeddings"], config["model_type"]
     cast = out_dtype(ckpt, a)
-    qwen35 = config["model_type"] in QWEN35
+    layout = LAYOUTS.get(mt, lambda name, shape, dtype, config, ckpt: [Planned(name, shape, dtype, None)])
     out = []
     for name, shape in ckpt.shapes.items():
         if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
             continue
         dtype = _stored_dtype(ckpt, name)
-        keep = qwen35 and name.endswith("A_log")        # (mlx-lm's cast_predicate keeps A_log's dtype)
+        keep = mt in GDN_TYPES and name.endswith("A_log")     # (mlx-lm's cast_predicate keeps A_log's dtype)
         if cast is not None and dtype.is_floating_point and not keep:
             dtype = cast
-        for t in (qwen3_5_layout(name, tuple(shape), dtype) if qwen35 else [Planned(name, tuple(shape), dtype, None)]):
+        for t in layout(name, tuple(shape), dtype, config, ckpt):
             t.fmt = module_format(t.name, t.shape, a) if dtype.is_floating_point else None
             out.append(t)
     return out
 
 
-def qwen3_5_layout(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[Planned]:
-    """A Qwen3.5 tensor as mlx-lm's sanitize leaves it: under `language_model.`; conv1d [C, K, 1];
-    the (1 + w) norms as 1 + w; a fused expert stack as switch_mlp's gate, up and down stacks; the
-    multi-token-prediction head and a vision tower dropped."""
-    if name.startswith(("mtp.", "model.visual", "visual.", "vision_tower")):
+def qwen3_5_layout(name: str, shape: tuple[int, ...], dtype: torch.dtype, config: dict, ckpt) -> list[Planned]:
+    """A Qwen3.5 tensor as mlx-lm's sanitize leaves it: under `language_model.`, then as
+    gdn_layout."""
+    if name.startswith(("model.visual", "visual.", "vision_tower")):
         return []
-    out = "language_model." + name
+    return gdn_layout(name, shape, dtype, config, ckpt, "language_model." + name)
+
+
+def gdn_layout(name: str, shape: tuple[int, ...], dtype: torch.dtype, config: dict, ckpt,
+               out: str | None = None) -> list[Planned]:
+    """A Qwen3.5 or Qwen3-Next tensor (written as `out`) as mlx-lm's sanitize leaves it: conv1d
+    [C, K, 1]; the (1 + w) norms as 1 + w; a fused expert stack as switch_mlp's gate, up and down
+    stacks, per-expert tensors stacked into them (at the first expert's place); the
+    multi-token-prediction head dropped."""
+    out = out or name
+    if name.startswith("mtp."):
+        return []
     if name.endswith("conv1d.weight") and len(shape) == 3 and shape[-1] != 1:
         return [Planned(out, (shape[0], shape[2], shape[1]), dtype, None, name, ("conv",))]
     if name.endswith(OFFSET_NORMS) and len(shape) == 1:
         return [Planned(out, shape, dtype, None, name, ("offset",))]
     if name.endswith("mlp.experts.gate_up_proj"):
-        base, (e, rows, cols) = out[: -len("experts.gate_up_proj")], shape
-        half = rows // 2
-        return [Planned(base + "switch_mlp.gate_proj.weight", (e, half, cols), dtype, None, name, ("rows", 0, half)),
-                Planned(base + "switch_mlp.up_proj.weight", (e, half, cols), dtype, None, name, ("rows", half, rows))]
+        return _split_gate_up(out[: -len("experts.gate_up_proj")] + "switch_mlp.", name, shape, dtype)
     if name.endswith("mlp.experts.down_proj"):
         return [Planned(out[: -len("experts.down_proj")] + "switch_mlp.down_proj.weight", shape, dtype, None, name)]
+    if m := _PER_EXPERT.match(name):
+        if m[2] != "0":
+            return []
+        names = [f"{m[1]}.experts.{e}.{m[3]}.weight" for e in _experts(ckpt)[m[1], m[3]]]
+        stacked = out[: -len(name) + len(m[1])] + f".switch_mlp.{m[3]}.weight"
+        return [Planned(stacked, (len(names), *shape), dtype, None, name, ("stack", names))]
     return [Planned(out, shape, dtype, None, name)]
+
+
+_EXPERT_IDS: dict[int, dict] = {}
+
+
+def _experts(ckpt) -> dict[tuple[str, str], list[int]]:
+    """Each (layer's mlp, projection)'s per-expert ids in the checkpoint, sorted (worked out once)."""
+    if id(ckpt) not in _EXPERT_IDS:
+        groups: dict[tuple[str, str], list[int]] = {}
+        for n in ckpt.shapes:
+            if m := _PER_EXPERT.match(n):
+                groups.setdefault((m[1], m[3]), []).append(int(m[2]))
+        _EXPERT_IDS.clear()         # (one checkpoint at a time)
+        _EXPERT_IDS[id(ckpt)] = {k: sorted(v) for k, v in groups.items()}
+    return _EXPERT_IDS[id(ckpt)]
+
+
+def gemma4_layout(name: str, shape: tuple[int, ...], dtype: torch.dtype, config: dict, ckpt) -> list[Planned]:
+    """A Gemma 4 tensor as mlx-lm's gemma4_text sanitize leaves it: rotary buffers and activation
+    ranges dropped, the KV-shared layers' k_proj, v_proj and k_norm dropped (they read an earlier
+    layer's K/V), a fused expert stack as switch_glu's gate, up and down stacks."""
+    if any(s in name for s in GEMMA4_DROPPED):
+        return []
+    first_shared = config["num_hidden_layers"] - (config.get("num_kv_shared_layers") or 0)
+    if any(s in name for s in (".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.k_norm")):
+        layer = re.search(r"layers\.(\d+)\.", name)
+        if layer and int(layer[1]) >= first_shared:
+            return []
+    if name.endswith(".experts.gate_up_proj"):
+        return _split_gate_up(name[: -len("gate_up_proj")] + "switch_glu.", name, shape, dtype)
+    if name.endswith(".experts.down_proj"):
+        return [Planned(name[: -len("down_proj")] + "switch_glu.down_proj.weight", shape, dtype, None, name)]
+    return [Planned(name, shape, dtype, None, name)]
+
+
+def _split_gate_up(base: str, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[Planned]:
+    """A fused [E, 2I, H] stack as `<base>gate_proj.weight` (rows :I) and `<base>up_proj.weight`."""
+    e, rows, cols = shape
+    half = rows // 2
+    return [Planned(base + "gate_proj.weight", (e, half, cols), dtype, None, name, ("rows", 0, half)),
+            Planned(base + "up_proj.weight", (e, half, cols), dtype, None, name, ("rows", half, rows))]
+
+
+LAYOUTS = {"qwen3_5": qwen3_5_layout, "qwen3_5_moe": qwen3_5_layout, "qwen3_next": gdn_layout,
+           "gemma4_text": gemma4_layout}
+GDN_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def out_dtype(ckpt: Checkpoint, a) -> torch.dtype | None:
@@ -305,7 +375,6 @@ def write_folder(tmp: Path, ckpt: Checkpoint, config: dict, tensors: list[Planne
             write_shard(tmp / file, group, ckpt, bar)
             weight_map.update({name: file for t in group for name, _, _ in t.parts()})
     total = sum(t.nbytes() for t in tensors)
-    # mlx-lm counts the parameters of leaf modules: not those a GatedDeltaNet holds itself
     params = sum(math.prod(t.shape) for t in tensors if not t.name.endswith(OWN_PARAMS))
     index = {"metadata": {"total_size": total, "total_parameters": params},
              "weight_map": dict(sorted(weight_map.items()))}

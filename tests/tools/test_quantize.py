@@ -326,13 +326,13 @@ def rewrite_config(src: Path, dst: Path, **changes) -> Path:
 
 
 @pytest.mark.parametrize("mistake, message", [
-    ("family", "does not support model type 'qwen3_next' yet"),
+    ("family", "does not support model type 'phi3' yet"),
     ("quantised", "is already quantised"),
     ("synth", "reads an HF folder or a GGUF file"),
 ])
 def test_sources_it_cannot_convert(tiny, tmp_path, capsys, mistake, message):
     if mistake == "family":
-        src = rewrite_config(tiny, tmp_path / "src", model_type="qwen3_next")
+        src = rewrite_config(tiny, tmp_path / "src", model_type="phi3")
     elif mistake == "quantised":
         src = kiln_quantised(tiny, tmp_path / "src", [])
     else:
@@ -359,15 +359,28 @@ def test_a_failure_midway_leaves_nothing(tiny, tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out").exists() and no_partials(tmp_path)
 
 
-# -- Qwen3.5, dense and MoE: mlx-lm's sanitize applied as it applies it ------------------------------
+# -- Qwen3.5 (dense and MoE), Qwen3-Next, Gemma 4: mlx-lm's sanitize applied as it applies it -------
 
-def qwen35_cases():
-    from tests.models.test_quantized import FAMILIES as READ_FAMILIES  # mlx-lm's "qwen3_5" configs
+ROUTED = ["--router-bits", "8"]
+SANITIZED = {   # name -> (family in tests/models/test_quantized.py, stored dtype, flags)
+    "qwen3_5-f32-4bit-embed8": ("qwen3_5", "f32", ["--bits", "4", "--group-size", "64", "--embedding-bits", "8"]),
+    "qwen3_5_moe-bf16-3bit-g32-router8": ("qwen3_5_moe", "bf16", ["--bits", "3", "--group-size", "32", *ROUTED]),
+    "qwen3_next-f32-4bit-router8": ("qwen3_next", "f32", ["--bits", "4", "--group-size", "64", *ROUTED]),
+    "gemma4-f32-4bit": ("gemma4", "f32", ["--bits", "4", "--group-size", "64"]),
+    "gemma4_moe-bf16-3bit-g32-router8": ("gemma4_moe", "bf16", ["--bits", "3", "--group-size", "32", *ROUTED]),
+}
 
-    return {"qwen3_5-f32-4bit-embed8": (READ_FAMILIES["qwen3_5"], "f32",
-                                        ["--bits", "4", "--group-size", "64", "--embedding-bits", "8"]),
-            "qwen3_5_moe-bf16-4bit-router8": (READ_FAMILIES["qwen3_5_moe"], "bf16",
-                                              ["--bits", "4", "--group-size", "64", "--router-bits", "8"])}
+
+def sanitized_source(family: str, out: Path, dtype: str) -> tuple[Path, dict]:
+    """An HF folder mlx-lm loads (its configs; Qwen3-Next's experts one by one, as HF stores them)."""
+    from tests.models.test_quantized import FAMILIES as READ_FAMILIES
+    from tests.models.test_quantized import per_expert
+
+    config = READ_FAMILIES[family]
+    src = hf_folder(config, out, dtype)
+    if config["model_type"] == "qwen3_next":
+        per_expert(src)
+    return src, config
 
 
 def mlx_own(src: Path, out: Path, flags: list[str]) -> Path:
@@ -389,34 +402,41 @@ def mlx_own(src: Path, out: Path, flags: list[str]) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen3_5-f32-4bit-embed8", "qwen3_5_moe-bf16-4bit-router8"])
+@pytest.fixture(scope="module", params=list(SANITIZED))
 def qwen35(request, tmp_path_factory):
-    config, dtype, flags = qwen35_cases()[request.param]
+    family, dtype, flags = SANITIZED[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    src = hf_folder(config, root / "hf", dtype)
+    src, config = sanitized_source(family, root / "hf", dtype)
     return dict(name=request.param, src=src, flags=flags, dtype=dtype, ours=kiln_quantised(src, root / "kiln", flags),
                 theirs=mlx_own(src, root / "mlx", flags), config=config)
 
 
-def test_qwen35_is_mlx_lms_bit_for_bit(qwen35):
-    """Under language_model., conv1d as [C, K, 1], the (1 + w) norms stored as 1 + w (in the stored
-    dtype: bf16 rounds as mlx-lm's does), the fused experts split into switch_mlp's gate, up and down
-    stacks, the routers at 8 bits: every tensor, the config and the index as mlx-lm writes them."""
+def test_sanitized_families_are_mlx_lms_bit_for_bit(qwen35):
+    """Qwen3.5 under language_model.; Qwen3.5 and Qwen3-Next with conv1d as [C, K, 1], the (1 + w)
+    norms stored as 1 + w (in the stored dtype: bf16 rounds as mlx-lm's does), their experts (fused,
+    or one by one) as switch_mlp's gate, up and down stacks; Gemma 4's as switch_glu stacks, its
+    KV-shared layers' K/V projections dropped; the routers at 8 bits, group 64 (mlx-lm's own choice,
+    whatever the group): every tensor, the config and the index as mlx-lm writes them."""
     ours, theirs = tensors(qwen35["ours"]), tensors(qwen35["theirs"])
     assert sorted(ours) == sorted(theirs)
     for name, want in theirs.items():
         got = ours[name]
         assert (got.dtype, got.shape) == (want.dtype, want.shape), name
         assert mx.array_equal(got, want).item(), name
-    assert "language_model.model.layers.0.linear_attn.conv1d.weight" in ours
-    if "moe" in qwen35["name"]:
-        assert "language_model.model.layers.0.mlp.switch_mlp.up_proj.scales" in ours
-        assert ours["language_model.model.layers.0.mlp.gate.weight"].shape[-1] * 32 // 8 == 128   # 8 bits
+    prefix = "language_model." if qwen35["name"].startswith("qwen3_5") else ""
+    if not qwen35["name"].startswith("gemma4"):
+        assert prefix + "model.layers.0.linear_attn.conv1d.weight" in ours
+    if "router8" in qwen35["name"]:
+        gemma = qwen35["name"].startswith("gemma4")
+        stack = "experts.switch_glu" if gemma else "mlp.switch_mlp"
+        assert f"{prefix}model.layers.0.{stack}.up_proj.scales" in ours
+        router = ours[f"{prefix}model.layers.0.{'router.proj' if gemma else 'mlp.gate'}.scales"]
+        assert router.shape[-1] == 128 // 64        # group 64 at any --group-size
     for f in ("config.json", "model.safetensors.index.json"):
         assert json.loads((qwen35["ours"] / f).read_text()) == json.loads((qwen35["theirs"] / f).read_text())
 
 
-def test_qwen35_greedy_tokens_match_mlx_lm_and_kiln(qwen35):
+def test_sanitized_families_give_mlx_lms_greedy_tokens_in_mlx_lm_and_kiln(qwen35):
     want = mlx_greedy(qwen35["theirs"])
     assert mlx_greedy(qwen35["ours"]) == want
     if qwen35["dtype"] == "f32":
@@ -426,6 +446,8 @@ def test_qwen35_greedy_tokens_match_mlx_lm_and_kiln(qwen35):
 def test_a_qwen35_text_folder_is_written_as_mlx_lms_qwen3_5(qwen35, tmp_path):
     """kiln's own synthesized Qwen3.5 folders say qwen3_5_text (HF's text-only model), which mlx-lm
     does not know: the output says qwen3_5 (or qwen3_5_moe) and holds the same tensors."""
+    if not qwen35["name"].startswith("qwen3_5"):
+        pytest.skip("Qwen3.5 only")
     config = dict(qwen35["config"], model_type=qwen35["config"]["model_type"] + "_text")
     src = hf_folder(config, tmp_path / "hf", qwen35["dtype"])
     out = kiln_quantised(src, tmp_path / "kiln", qwen35["flags"])
