@@ -39,6 +39,7 @@ from .weights.synth import parse_spec
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 EXPERT_SLOTS = 16     # expert slots a layer when streaming and not told (--expert-cache-slots)
+DENSE_ROUTERS = ("mlp.gate.weight", "shared_expert_gate.weight", "router.proj.weight")
 # A streamed model's prefill chunk halves (down to this) while its slots a layer fall short of those
 # asked (else EXPERT_SLOTS): the cuda backend's smallest tuned chunk (backends.cuda.PREFILL_CHUNK).
 STREAM_CHUNK_MIN = 512
@@ -339,6 +340,9 @@ def memory_plan(ckpt, ops, dtype, limit: int, gpu_memory: float | None, slots: i
         return None         # fits with every weight at `dtype` (a quantised one takes less): no need to size them
     held = weight_bytes(view, names, dtype)
     plan.core = sum(b for n, b in held.items() if n not in stacks)
+    if getattr(ops, "dense_routers", False):    # a quantised router or gate is kept dense too (MoeCuda._dense)
+        plan.core += sum(_numel(view.shapes[n]) * item for n in names
+                         if n.endswith(DENSE_ROUTERS) and held[n] < _numel(view.shapes[n]) * item)
     _expert_sizes(plan, view.shapes, held, stacks)
     staging = staging_bytes(cfg, view.shapes, held, stacks, min(max(batch, 1), getattr(ops, "mapped_rows", 0)))
     plan.workspace += staging

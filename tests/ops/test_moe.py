@@ -417,3 +417,36 @@ def test_cuda_ops_fuse_the_shared_gate_into_the_combine(monkeypatch):
     x = d["x"]
     ops.moe_experts_gated(x, d["idx"], d["weights"], d["gate_up"], d["down"], "silu", x[:1], x)
     assert seen == [True]
+
+
+def test_quantised_router_and_gate_run_dense_on_the_fused_kernels(monkeypatch):
+    """mlx-lm keeps Qwen's router and shared-expert gate (and Gemma 4's router) at 8 bits: at decode
+    the cuda backend runs them as their dequantised weights (made once, kept), so the router is one
+    launch and the gate goes into the routed experts' combine, as a 16-bit model's do; the values are
+    the reference's on the dequantised weights (the reference dequantises the same way)."""
+    from kiln.backends.cuda import CudaOps
+    from kiln.ops.quant import cuda as quant_cuda
+    from kiln.ops.quant.reference import quantize
+    from kiln.weights.quantized import dequantize
+
+    ops, fused, gated = CudaOps(DEVICE), [], []
+    real_router, real_quant_moe = moe_router.router_linear_topk, quant_cuda.quant_moe
+    monkeypatch.setattr(moe_router, "router_linear_topk", lambda *a, **kw: fused.append(1) or real_router(*a, **kw))
+    monkeypatch.setattr("kiln.ops.moe.cuda.quant_moe",
+                        lambda *a, **kw: gated.append(len(a) > 7 and a[7] is not None) or real_quant_moe(*a, **kw))
+    g = torch.Generator().manual_seed(11)
+    h, e, i, k, dt = 64, 8, 32, 2, torch.bfloat16
+    proj = quantize((torch.randn(e, h, generator=g) * h ** -0.5).to(dt), 8, 32)
+    gate_w = quantize((torch.randn(1, h, generator=g) * h ** -0.5).to(dt), 8, 32)
+    gate_up = quantize((torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(dt), 4, 32)
+    down = quantize((torch.randn(e, h, i, generator=g) * i ** -0.5).to(dt), 4, 32)
+    x, shared = (torch.randn(1, h, generator=g).to(dt) for _ in range(2))
+    weights, idx = ops.router_linear_topk(x, proj, k)
+    want_w, want_i = REF.router_linear_topk(x, dequantize(proj), k)
+    assert fused == [1] and torch.equal(idx, want_i)        # weights within an ulp, as the fused router's test
+    assert (weights.float() - want_w.float()).abs().max() <= 2.0 ** -7 * want_w.float().abs().max()
+    assert ops._dense(proj) is ops._dense(proj)              # made once
+    got = ops.moe_experts_gated(x, idx, weights, gate_up, down, "silu", gate_w, shared)
+    assert gated == [True]                                   # the gate inside the quantised experts' combine
+    want = REF.moe_experts_gated(x, idx, weights, gate_up, down, "silu", gate_w, shared)
+    assert (got.float() - want.float()).abs().max() <= 2.0 ** -7 * want.float().abs().max()

@@ -296,3 +296,16 @@ def test_the_engine_prefills_in_the_budgets_chunk_with_the_resident_tokens(packe
     logits, tokens = run(llm)
     want_logits, want_tokens = run(resident)
     assert torch.equal(logits, want_logits) and tokens == want_tokens
+
+
+def test_the_cuda_plan_counts_the_dense_copies_of_quantised_routers():
+    """On the cuda backend a quantised router or shared-expert gate is also kept dense (the fused
+    router and combine read it): its core is the reference's plus each such weight's 16-bit bytes."""
+    spec = "synth:tiny-qwen3.5-moe-p2:bits=4:group=32:router=8"
+    ckpt, dtype = open_checkpoint(spec), torch.bfloat16
+    cuda = memory_plan(ckpt, get_ops("cuda", torch.device("cpu")), dtype, CONTEXT, 10.0, 2)
+    ref = memory_plan(ckpt, get_ops("reference", torch.device("cpu")), dtype, CONTEXT, 10.0, 2)
+    w = kiln.load(spec, device="cpu", backend="reference", dtype="bf16").model.w
+    routers = [n for n in w if n.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))]
+    assert routers and all(hasattr(w[n], "bits") for n in routers)
+    assert cuda.core - ref.core == sum(w[n].shape[0] * w[n].shape[1] * 2 for n in routers)

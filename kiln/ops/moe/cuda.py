@@ -31,6 +31,34 @@ def dense(*ws) -> bool:
 class MoeCuda(TunedOps, MoeReference):
     slot_kernels = True       # streamed experts: moe_from_slots runs the resident decode kernels
     mapped_rows = GEMV_ROWS   # ... and up to this many rows reads host experts in place (zero-copy)
+    dense_routers = True      # a quantised router or shared-expert gate also kept dense (_dense): memory_plan
+
+    def _dense(self, w):
+        """A quantised router or shared-expert gate ([experts or 1, H]: a few MB at most) as the dense
+        weight the reference computes with (dequantize, mx.dequantize's values), made once and kept:
+        the one-launch router and the combine's gate take dense weights, and on the quantised ones Qwen's
+        gate ran as four launches a layer (a GEMV, sigmoid, product, sum) beside the fused experts."""
+        if not isinstance(w, QuantizedWeight):
+            return w
+        kept = self.__dict__.setdefault("_dense_weights", {})
+        hit = kept.get(id(w))
+        if hit is None or hit[0] is not w:      # (the weight itself is kept: its id is never reused)
+            hit = kept[id(w)] = (w, dequantize(w))
+        return hit[1]
+
+    def _gate(self, gate_w):
+        """Qwen's shared-expert gate [1, H], dense (_dense) when quantised."""
+        if isinstance(gate_w, QuantizedWeight) and len(gate_w.shape) == 2 and gate_w.shape[0] == 1:
+            return self._dense(gate_w)
+        return gate_w
+
+    def _router(self, x, proj):
+        """proj dense where the fused router would then run (decode's few rows), else as it is."""
+        if (isinstance(proj, QuantizedWeight) and x.dim() == 2 and 0 < x.shape[0] <= router.FUSED_ROWS
+                and len(proj.shape) == 2 and proj.shape[0] <= router.MAX_EXPERTS
+                and proj.shape[1] <= router.FUSED_WIDTH and self.on("moe", x)):
+            return self._dense(proj)
+        return proj
 
     def router_topk(self, logits, k, renormalize=True):
         if (self.on("moe", logits) and logits.dim() == 2 and logits.dtype in kernels.SUPPORTED
@@ -44,16 +72,19 @@ class MoeCuda(TunedOps, MoeReference):
         return super().scaled_topk(logits, expert_scale, k)
 
     def router_linear_topk(self, x, proj, k, renormalize=True):
+        proj = self._router(x, proj)
         if self.on("moe", x) and router.fused_supports(x, proj, None, k):
             return router.router_linear_topk(x, proj, k, renormalize)
         return super().router_linear_topk(x, proj, k, renormalize)
 
     def router_scaled_topk(self, x, proj, expert_scale, k):
+        proj = self._router(x, proj)
         if self.on("moe", x) and router.fused_supports(x, proj, expert_scale, k):
             return router.router_scaled_topk(x, proj, expert_scale, k)
         return super().router_scaled_topk(x, proj, expert_scale, k)
 
     def shared_gate_add(self, routed, x, gate_w, shared):
+        gate_w = self._gate(gate_w)
         if (self.on("moe", x) and dense(gate_w) and x.dim() == 2 and gate_w.shape[0] == 1
                 and x.dtype in kernels.SUPPORTED and routed.dtype == shared.dtype == gate_w.dtype == x.dtype
                 and routed.shape == shared.shape == x.shape):
@@ -64,7 +95,9 @@ class MoeCuda(TunedOps, MoeReference):
         """The routed experts' combine also adds sigmoid(x . gate_w) * shared (one launch fewer).
         Streamed experts: their store's per-expert path (not yet the fused kernels). A forked shared
         expert (kiln/ops/fork.py) is joined as late as the path allows: just before the combine that
-        reads it where the kernels run, else first."""
+        reads it where the kernels run, else first. A quantised gate (mlx-lm keeps it at 8 bits) runs
+        dense (_dense), so its combine is the fused one."""
+        gate_w = self._gate(gate_w)
         if streamed(gate_up, down):
             return gate_up.store.moe(self, x, idx, weights, gate_up, down, act, gate=(gate_w, join(shared)))
         if not dense(gate_up, down):
