@@ -379,7 +379,7 @@ def stream_chunk(plan: MemoryPlan, slots: int | None, sized: Callable[[int, bool
         plan.cache, plan.workspace = with_graphs if between else alone
         if not between and plan.slots_in(plan.budget - plan.need) >= want:
             return
-        chunk, first = chunk // 2, False
+        chunk, first = 1 << (chunk - 1).bit_length() - 1, False     # a power of two, as the tuned chunks
 
 
 def batch_pool(plan: MemoryPlan, cls, cfg, ops, dtype, limit: int, batch: int, slots: int | None) -> None:

@@ -5,6 +5,7 @@ memory stays near one tensor whatever the model's size."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -148,7 +149,7 @@ def open_source(src: str) -> tuple[Checkpoint, dict]:
         raise KilnError(f"kiln quantize does not support model type {config.get('model_type')!r} yet "
                         f"(supported: {', '.join(FAMILIES)})")
     config["model_type"] = MLX_TYPES.get(config["model_type"], config["model_type"])
-    if config["model_type"] in ("qwen3_5", "qwen3_5_moe"):    # as mlx-lm's ModelArgs renames it in the config it saves
+    if config["model_type"] in QWEN35:      # as mlx-lm's ModelArgs renames it in the config it saves
         for c in (config, config.get("text_config") or {}):
             rope = c.get("rope_parameters")
             if isinstance(rope, dict) and "rope_type" in rope and "type" not in rope:
@@ -166,39 +167,69 @@ def open_source(src: str) -> tuple[Checkpoint, dict]:
 def plan(ckpt: Checkpoint, config: dict, a) -> list[Planned]:
     """The tensors mlx-lm's model loads, in the checkpoint's order: a tied lm_head and rotary
     buffers left out (its sanitize drops them), Qwen3.5's as its sanitize leaves them."""
-    tied, mt = config["tie_word_embeddings"], config["model_type"]
+    mt = config["model_type"]
+    text = config.get("text_config") or {}
+    tied = text.get("tie_word_embeddings", config["tie_word_embeddings"])     # (mlx-lm reads the text model's)
     cast = out_dtype(ckpt, a)
-    layout = LAYOUTS.get(mt, lambda name, shape, dtype, config, ckpt: [Planned(name, shape, dtype, None)])
+    layout = LAYOUTS.get(mt, lambda name, shape, dtype, ctx: [Planned(name, shape, dtype, None)])
+    ctx = Layout(config, expert_ids(ckpt.shapes))
+    a = routed_defaults(a, config)
     out = []
     for name, shape in ckpt.shapes.items():
         if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
             continue
         dtype = _stored_dtype(ckpt, name)
-        keep = mt in GDN_TYPES and name.endswith("A_log")     # (mlx-lm's cast_predicate keeps A_log's dtype)
+        keep = mt in QWEN35 and name.endswith("A_log")     # (mlx-lm's qwen3_5 cast_predicate keeps A_log's dtype)
         if cast is not None and dtype.is_floating_point and not keep:
             dtype = cast
-        for t in layout(name, tuple(shape), dtype, config, ckpt):
+        for t in layout(name, tuple(shape), dtype, ctx):
             t.fmt = module_format(t.name, t.shape, a) if dtype.is_floating_point else None
             out.append(t)
     return out
 
 
-def qwen3_5_layout(name: str, shape: tuple[int, ...], dtype: torch.dtype, config: dict, ckpt) -> list[Planned]:
+@dataclass
+class Layout:
+    """What a family's layout reads besides the tensor: the config, and each (layer's mlp, projection)'s
+    per-expert ids in the checkpoint (Qwen3-Next stores its experts one by one)."""
+    config: dict
+    experts: dict[tuple[str, str], list[int]]
+
+
+def expert_ids(shapes: dict) -> dict[tuple[str, str], list[int]]:
+    groups: dict[tuple[str, str], list[int]] = {}
+    for n in shapes:
+        if m := _PER_EXPERT.match(n):
+            groups.setdefault((m[1], m[3]), []).append(int(m[2]))
+    return {k: sorted(v) for k, v in groups.items()}
+
+
+def routed_defaults(a, config: dict):
+    """`a` with --router-bits 8 where not given for a model with routed experts: mlx-lm's own
+    conversion of those families quantises their routers at 8 bits, group 64, whatever -q says."""
+    text = config.get("text_config") or config
+    experts = text.get("num_experts") or 0
+    if a.router_bits is not None or experts <= 0 or config["model_type"] not in ROUTED_TYPES:
+        return a
+    return argparse.Namespace(**{**vars(a), "router_bits": 8})
+
+
+def qwen3_5_layout(name: str, shape: tuple[int, ...], dtype: torch.dtype, ctx: Layout) -> list[Planned]:
     """A Qwen3.5 tensor as mlx-lm's sanitize leaves it: under `language_model.`, then as
     gdn_layout."""
     if name.startswith(("model.visual", "visual.", "vision_tower")):
         return []
-    return gdn_layout(name, shape, dtype, config, ckpt, "language_model." + name)
+    return gdn_layout(name, shape, dtype, ctx, "language_model." + name)
 
 
-def gdn_layout(name: str, shape: tuple[int, ...], dtype: torch.dtype, config: dict, ckpt,
+def gdn_layout(name: str, shape: tuple[int, ...], dtype: torch.dtype, ctx: Layout,
                out: str | None = None) -> list[Planned]:
     """A Qwen3.5 or Qwen3-Next tensor (written as `out`) as mlx-lm's sanitize leaves it: conv1d
     [C, K, 1]; the (1 + w) norms as 1 + w; a fused expert stack as switch_mlp's gate, up and down
     stacks, per-expert tensors stacked into them (at the first expert's place); the
     multi-token-prediction head dropped."""
     out = out or name
-    if name.startswith("mtp."):
+    if "mtp." in name:
         return []
     if name.endswith("conv1d.weight") and len(shape) == 3 and shape[-1] != 1:
         return [Planned(out, (shape[0], shape[2], shape[1]), dtype, None, name, ("conv",))]
@@ -211,34 +242,19 @@ def gdn_layout(name: str, shape: tuple[int, ...], dtype: torch.dtype, config: di
     if m := _PER_EXPERT.match(name):
         if m[2] != "0":
             return []
-        names = [f"{m[1]}.experts.{e}.{m[3]}.weight" for e in _experts(ckpt)[m[1], m[3]]]
+        names = [f"{m[1]}.experts.{e}.{m[3]}.weight" for e in ctx.experts[m[1], m[3]]]
         stacked = out[: -len(name) + len(m[1])] + f".switch_mlp.{m[3]}.weight"
         return [Planned(stacked, (len(names), *shape), dtype, None, name, ("stack", names))]
     return [Planned(out, shape, dtype, None, name)]
 
 
-_EXPERT_IDS: dict[int, dict] = {}
-
-
-def _experts(ckpt) -> dict[tuple[str, str], list[int]]:
-    """Each (layer's mlp, projection)'s per-expert ids in the checkpoint, sorted (worked out once)."""
-    if id(ckpt) not in _EXPERT_IDS:
-        groups: dict[tuple[str, str], list[int]] = {}
-        for n in ckpt.shapes:
-            if m := _PER_EXPERT.match(n):
-                groups.setdefault((m[1], m[3]), []).append(int(m[2]))
-        _EXPERT_IDS.clear()         # (one checkpoint at a time)
-        _EXPERT_IDS[id(ckpt)] = {k: sorted(v) for k, v in groups.items()}
-    return _EXPERT_IDS[id(ckpt)]
-
-
-def gemma4_layout(name: str, shape: tuple[int, ...], dtype: torch.dtype, config: dict, ckpt) -> list[Planned]:
+def gemma4_layout(name: str, shape: tuple[int, ...], dtype: torch.dtype, ctx: Layout) -> list[Planned]:
     """A Gemma 4 tensor as mlx-lm's gemma4_text sanitize leaves it: rotary buffers and activation
     ranges dropped, the KV-shared layers' k_proj, v_proj and k_norm dropped (they read an earlier
     layer's K/V), a fused expert stack as switch_glu's gate, up and down stacks."""
     if any(s in name for s in GEMMA4_DROPPED):
         return []
-    first_shared = config["num_hidden_layers"] - (config.get("num_kv_shared_layers") or 0)
+    first_shared = ctx.config["num_hidden_layers"] - (ctx.config.get("num_kv_shared_layers") or 0)
     if any(s in name for s in (".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.k_norm")):
         layer = re.search(r"layers\.(\d+)\.", name)
         if layer and int(layer[1]) >= first_shared:
@@ -261,6 +277,8 @@ def _split_gate_up(base: str, name: str, shape: tuple[int, ...], dtype: torch.dt
 LAYOUTS = {"qwen3_5": qwen3_5_layout, "qwen3_5_moe": qwen3_5_layout, "qwen3_next": gdn_layout,
            "gemma4_text": gemma4_layout}
 GDN_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+QWEN35 = ("qwen3_5", "qwen3_5_moe")
+ROUTED_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma4_text")     # mlx-lm predicates: routers at 8
 
 
 def out_dtype(ckpt: Checkpoint, a) -> torch.dtype | None:

@@ -401,8 +401,9 @@ class ExpertStack:
     def nbytes(self) -> int:
         """The resident stack's bytes (as its home holds it): what a decode token's share is taken of."""
         home = self.store.homes[self.layer]
-        if isinstance(home, HostHome):
-            return home.stacks[self.name].nbytes
+        if isinstance(home, HostHome):      # (a compacted home holds fewer experts: scaled to them all)
+            w = home.stacks[self.name]
+            return w.nbytes // w.shape[0] * self.shape[0]
         return home.count * sum(p["nbytes"] for p in home.records[self.name]["parts"].values())
 
 
@@ -464,6 +465,8 @@ class ExpertStore:
             self._slots(layer)
         count = next(iter(home.stacks.values())).shape[0]
         keep = [e for e in range(count) if e not in cache.slot_of]
+        if not keep:            # every expert hot: nothing is read from the host (its stacks stay whole)
+            return
         home.stacks = {n: _take(w, keep, arena) for n, w in home.stacks.items()}
         home.rows = {e: r for r, e in enumerate(keep)}
         self.kept[layer] = list(cache.hot)

@@ -461,6 +461,7 @@ def test_zero_copy_decode_reads_misses_in_place_and_gives_the_resident_outputs(h
         assert where.stacks["l.gu"].packed.shape[0] == 5
         assert torch.equal(where.read(4)["l.dn"].packed, down.packed[4])
     gu_h, dn_h = store.handle("l.", "l.gu", gate_up.shape), store.handle("l.", "l.dn", down.shape)
+    assert gu_h.nbytes == gate_up.nbytes and dn_h.nbytes == down.nbytes      # the whole stack's, as resident
     ops, hosts, real = CudaOps(torch.device("cpu")), [], kernels.qgemv_pairs
     # inference mode, as a model runs: the slots and staging are made in it, and the I/O threads
     # that write the staging are not in it (inference mode is a thread's)
@@ -660,3 +661,27 @@ def test_the_pinned_arena_places_requests_without_rounding(monkeypatch):
     assert torch.equal(qa.packed, q.packed) and torch.equal(qa.scales, q.scales) and qa.bits == 4
     used = sum(-(-(e - b) // 4096) * 4096 for b, e in spans)
     assert arena.nbytes < used + 3 * (1 << 18)      # at most about a chunk's tail lost a chunk
+
+
+def test_a_static_hot_set_of_every_expert_leaves_the_host_stacks_whole():
+    """Static with as many slots as experts and a profile naming them all: every expert lives in a
+    slot, nothing is cut from the host stacks (an empty stack would break the per-expert sizes), and
+    the experts' outputs are the resident ones."""
+    from kiln.backends.reference import ReferenceOps
+    from kiln.ops.quant.reference import quantize
+    from kiln.weights.experts import ExpertStore, HostHome
+
+    e, h, i, dt = 4, 64, 64, torch.float32
+    g = torch.Generator().manual_seed(2)
+    gate_up = quantize(torch.randn(e, 2 * i, h, generator=g).to(dt) * h ** -0.5, 4, 64)
+    down = quantize(torch.randn(e, h, i, generator=g).to(dt) * i ** -0.5, 4, 64)
+    home = HostHome({"l.gu": gate_up, "l.dn": down})
+    store = ExpertStore({"l.": home}, "cpu", "static", e, profile={"l.": {str(x): 1 for x in range(e)}})
+    store.compact("l.")
+    assert home.rows is None and home.stacks["l.gu"].packed.shape[0] == e and home.nbytes() > 0
+    gu_h, dn_h = store.handle("l.", "l.gu", gate_up.shape), store.handle("l.", "l.dn", down.shape)
+    ops = ReferenceOps(torch.device("cpu"))
+    x, idx, w = torch.randn(3, h, generator=g), torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2, generator=g)
+    got = ops.moe_experts(x, idx, w, gu_h, dn_h, "silu")
+    assert torch.equal(got, ops.moe_experts(x, idx, w, gate_up, down, "silu"))
+    assert store.stats["l."].misses == 0
