@@ -123,13 +123,19 @@ def case(request, tmp_path_factory):
 
 # -- the output is mlx-lm's --------------------------------------------------------------------------
 
-def test_every_tensor_is_mlx_lms_bit_for_bit(case):
-    ours, theirs = tensors(case["ours"]), tensors(case["theirs"])
-    assert sorted(ours) == sorted(theirs)
-    for name, want in theirs.items():
-        got = ours[name]
+def same_tensors(ours: Path, theirs: Path) -> dict:
+    """Both folders' tensors, every one equal (names, dtypes, shapes, bits); ours."""
+    got_all, want_all = tensors(ours), tensors(theirs)
+    assert sorted(got_all) == sorted(want_all)
+    for name, want in want_all.items():
+        got = got_all[name]
         assert (got.dtype, got.shape) == (want.dtype, want.shape), name
         assert mx.array_equal(got, want).item(), name
+    return got_all
+
+
+def test_every_tensor_is_mlx_lms_bit_for_bit(case):
+    ours = same_tensors(case["ours"], case["theirs"])
     quantised = {n[: -len(".scales")] for n in ours if n.endswith(".scales")}
     assert "model.layers.0.mlp.down_proj" in quantised and "model.norm" not in quantised
     assert ("model.layers.0.self_attn.o_proj" in quantised) == (case["name"] != "gemma3-8bit")  # 96 inputs
@@ -418,12 +424,7 @@ def test_sanitized_families_are_mlx_lms_bit_for_bit(qwen35):
     or one by one) as switch_mlp's gate, up and down stacks; Gemma 4's as switch_glu stacks, its
     KV-shared layers' K/V projections dropped; the routers at 8 bits, group 64 (mlx-lm's own choice,
     whatever the group): every tensor, the config and the index as mlx-lm writes them."""
-    ours, theirs = tensors(qwen35["ours"]), tensors(qwen35["theirs"])
-    assert sorted(ours) == sorted(theirs)
-    for name, want in theirs.items():
-        got = ours[name]
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), name
-        assert mx.array_equal(got, want).item(), name
+    ours = same_tensors(qwen35["ours"], qwen35["theirs"])
     prefix = "language_model." if qwen35["name"].startswith("qwen3_5") else ""
     if not qwen35["name"].startswith("gemma4"):
         assert prefix + "model.layers.0.linear_attn.conv1d.weight" in ours
