@@ -277,22 +277,22 @@ def test_a_streamed_model_halves_its_prefill_chunk_until_its_slots_fit(packed, m
 
 
 def test_the_engine_prefills_in_the_budgets_chunk_with_the_resident_tokens(packed, monkeypatch, capsys):
-    """End to end (the reference backend's 48-token chunk at this context, the floor lowered to 8): the
-    load takes the plan's chunk, says it, and a prompt longer than the chunk gives the tokens of a
-    resident load prefilling in the same chunks."""
+    """End to end (the reference backend's 48-token chunk at this context, halved to powers of two:
+    32, 16, 8, the floor lowered to 8): the load takes the plan's chunk, says it, and a prompt longer
+    than the chunk gives the tokens of a resident load prefilling in the same chunks."""
     import kiln.api
     monkeypatch.setattr(kiln.api, "STREAM_CHUNK_MIN", 8)
     roomy = load(packed, gpu_memory=10.0, expert_cache_slots=3)
     assert roomy.memory.chunk == CONTEXT and roomy.engine.prefill_chunk == 512     # (the engine caps it at 48)
     base = roomy.memory.need - roomy.memory.workspace + (256 << 20)
     per_row = (roomy.memory.workspace - (256 << 20)) // CONTEXT     # (no staging on the reference backend)
-    gb = (base + 12 * per_row + 3.5 * roomy.memory.per_slot) / GB  # 3 slots fit at a chunk of 12, not 24
+    gb = (base + 8 * per_row + 3.5 * roomy.memory.per_slot) / GB   # 3 slots fit at a chunk of 8, not 16
     llm = load(packed, gpu_memory=gb, expert_cache_slots=3, quiet=False)
-    assert llm.memory.chunk == 12 and llm.engine.prefill_chunk == 12 and llm.memory.slots == 3
-    assert "(prefill chunks of 12 tokens)" in capsys.readouterr().err
-    assert len(PROMPT) > 12
+    assert llm.memory.chunk == 8 and llm.engine.prefill_chunk == 8 and llm.memory.slots == 3
+    assert "(prefill chunks of 8 tokens)" in capsys.readouterr().err
+    assert len(PROMPT) > 8
     resident = load(packed)
-    resident.engine.prefill_chunk = 12
+    resident.engine.prefill_chunk = 8
     logits, tokens = run(llm)
     want_logits, want_tokens = run(resident)
     assert torch.equal(logits, want_logits) and tokens == want_tokens
