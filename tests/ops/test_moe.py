@@ -436,11 +436,11 @@ def test_quantised_router_and_gate_run_dense_on_the_fused_kernels(monkeypatch):
                         lambda *a, **kw: gated.append(len(a) > 7 and a[7] is not None) or real_quant_moe(*a, **kw))
     g = torch.Generator().manual_seed(11)
     h, e, i, k, dt = 64, 8, 32, 2, torch.bfloat16
-    proj = quantize((torch.randn(e, h, generator=g) * h ** -0.5).to(dt), 8, 32)
-    gate_w = quantize((torch.randn(1, h, generator=g) * h ** -0.5).to(dt), 8, 32)
-    gate_up = quantize((torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(dt), 4, 32)
-    down = quantize((torch.randn(e, h, i, generator=g) * i ** -0.5).to(dt), 4, 32)
-    x, shared = (torch.randn(1, h, generator=g).to(dt) for _ in range(2))
+    proj = quantize(shuffled_grid(e, h, g).cpu(), 8, 32).to(DEVICE)   # distinct logits (error << the 1/16 grid)
+    gate_w = quantize((torch.randn(1, h, generator=g) * h ** -0.5).to(dt), 8, 32).to(DEVICE)
+    gate_up = quantize((torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(dt), 4, 32).to(DEVICE)
+    down = quantize((torch.randn(e, h, i, generator=g) * i ** -0.5).to(dt), 4, 32).to(DEVICE)
+    x, shared = one_hot_rows(1, h, g), torch.randn(1, h, generator=g).to(device=DEVICE, dtype=dt)   # x: exact logits
     weights, idx = ops.router_linear_topk(x, proj, k)
     want_w, want_i = REF.router_linear_topk(x, dequantize(proj), k)
     assert fused == [1] and torch.equal(idx, want_i)        # weights within an ulp, as the fused router's test
