@@ -149,6 +149,8 @@ def open_source(src: str) -> tuple[Checkpoint, dict]:
         raise KilnError(f"kiln quantize does not support model type {config.get('model_type')!r} yet "
                         f"(supported: {', '.join(FAMILIES)})")
     config["model_type"] = MLX_TYPES.get(config["model_type"], config["model_type"])
+    if config["model_type"] == "gemma4_text":   # HF's default; mlx-lm's ModelArgs would take a missing one as 20
+        config.setdefault("num_kv_shared_layers", 0)
     if config["model_type"] in QWEN35:      # as mlx-lm's ModelArgs renames it in the config it saves
         for c in (config, config.get("text_config") or {}):
             rope = c.get("rope_parameters")

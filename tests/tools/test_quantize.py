@@ -456,3 +456,18 @@ def test_a_qwen35_text_folder_is_written_as_mlx_lms_qwen3_5(qwen35, tmp_path):
     assert json.loads((out / "config.json").read_text())["model_type"] == qwen35["config"]["model_type"]
     ours, want = tensors(out), tensors(qwen35["ours"])
     assert sorted(ours) == sorted(want) and all(mx.array_equal(ours[n], want[n]).item() for n in want)
+
+
+def test_a_gemma4_config_without_kv_sharing_says_none_to_mlx_lm(tmp_path):
+    """HF's Gemma 4 takes a config without num_kv_shared_layers as no shared layers (as kiln does);
+    mlx-lm would take 20. The output says 0, so mlx-lm loads it with every layer's K/V projections
+    and gives the tokens of the folder that says so itself."""
+    src, _ = sanitized_source("gemma4", tmp_path / "hf", "f32")
+    flags = SANITIZED["gemma4-f32-4bit"][2]
+    want = mlx_greedy(kiln_quantised(src, tmp_path / "with", flags))
+    config = json.loads((src / "config.json").read_text())
+    assert config.pop("num_kv_shared_layers") == 0
+    (src / "config.json").write_text(json.dumps(config))
+    out = kiln_quantised(src, tmp_path / "without", flags)
+    assert json.loads((out / "config.json").read_text())["num_kv_shared_layers"] == 0
+    assert mlx_greedy(out) == want
