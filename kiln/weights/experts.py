@@ -780,7 +780,7 @@ class ExpertStore:
                 "hits": tot.hits, "misses": tot.misses, "hit_rate": tot.hits / seen if seen else None,
                 "bytes": tot.bytes, "tokens": tokens, "bytes_per_token": tot.bytes / tokens if tokens else None,
                 "io_s": round(tot.io_s, 4), "wait_s": round(tot.wait_s, 4),
-                "host_bytes": sum(_stack_bytes(w) for h in self.homes.values() if isinstance(h, HostHome)
+                "host_bytes": sum(w.nbytes for h in self.homes.values() if isinstance(h, HostHome)
                                   for w in h.stacks.values()),
                 "host_pinned_bytes": self.arena.nbytes if self.arena is not None else 0}
 
@@ -981,12 +981,6 @@ class PinnedArena:
     @property
     def nbytes(self) -> int:
         return sum(c[0].numel() for c in self.chunks)
-
-
-def _stack_bytes(w) -> int:
-    if isinstance(w, QuantizedWeight):
-        return w.packed.nbytes + w.scales.nbytes + w.biases.nbytes
-    return w.nbytes
 
 
 def _take(w, keep: list[int], arena: PinnedArena | None = None):
