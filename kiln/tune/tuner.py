@@ -136,21 +136,25 @@ class Tuner:
             how[w] = "cached"
         todo_set, retried = set(todo), 0
         for w in [w for w in workloads if w in ship or w in todo_set]:   # in ORDER: composites read earlier choices
-            v = ship.get(w)
-            if v is not None:       # a shipped choice is gated, not timed; a wrong one is measured
-                if failed.get((w.op.name, w.shape.key, v.name)) is None and self.gated(w, v, plan):
-                    ms = ships[w.label].get("ms")
-                    plan.set(w, v, ms)
-                    entries[w.label], how[w] = {"variant": v.name, "ms": ms, "shipped": True}, "shipped"
-                    continue
-                retried += 1
-                jobs = self.compile_jobs([w], {}, {}, {})[0]
-                failed.update(self.compile_all({k: j for k, j in jobs.items() if k not in measure_jobs}, parallel=True))
-            spent = time.perf_counter() - t0 + report.compile_s
-            entry = self.measure(w, plan, failed, over_budget=spent > self.budget_s)
-            if entry is not None:
-                entries[w.label] = entry
-            how[w] = "measured" if entry is not None else "default"
+            try:
+                v = ship.get(w)
+                if v is not None:       # a shipped choice is gated, not timed; a wrong one is measured
+                    if failed.get((w.op.name, w.shape.key, v.name)) is None and self.gated(w, v, plan):
+                        ms = ships[w.label].get("ms")
+                        plan.set(w, v, ms)
+                        entries[w.label], how[w] = {"variant": v.name, "ms": ms, "shipped": True}, "shipped"
+                        continue
+                    retried += 1
+                    jobs = self.compile_jobs([w], {}, {}, {})[0]
+                    failed.update(self.compile_all({k: j for k, j in jobs.items() if k not in measure_jobs},
+                                                   parallel=True))
+                spent = time.perf_counter() - t0 + report.compile_s
+                entry = self.measure(w, plan, failed, over_budget=spent > self.budget_s)
+                if entry is not None:
+                    entries[w.label] = entry
+                how[w] = "measured" if entry is not None else "default"
+            except torch.cuda.OutOfMemoryError:
+                how[w] = self.too_large(w, plan, entries)
         report.shipped = len(ship) - retried
         for w, v in pinned.items():
             self.use_pinned(w, v, plan)
@@ -321,6 +325,21 @@ class Tuner:
         return pool, futures
 
     # -- gate and measure ------------------------------------------------------------------------
+    def too_large(self, w: Workload, plan: Plan, entries: dict) -> str:
+        """A workload whose tuning inputs do not fit beside the weights (the 397B's expert stacks drawn
+        whole in f32: 16 GiB): its default form, unmeasured and not cached (a roomier run measures it).
+        The model's own path for such shapes is then rarely this op's (it checks what fits too)."""
+        v = w.op.default(w.shape, self.dev)
+        plan.set(w, v, None)
+        entries.pop(w.label, None)
+        free = ""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            free = f" ({torch.cuda.mem_get_info(self.device)[0] / 1e9:.1f} GB free)"
+        self.log(f"[kiln] {w.label}: its tuning inputs do not fit in the GPU memory left{free}: "
+                 f"{v.name}, not measured")
+        return "default"
+
     def measure(self, w: Workload, plan: Plan, failed: dict, over_budget: bool) -> dict | None:
         op, shape, label = w.op, w.shape, w.label
         trusted = op.trusted(shape, self.dev)

@@ -153,6 +153,20 @@ def test_decode_gemvs_of_quantised_weights_are_not_tuned_in_bf16():
     assert quant_cuda.dense_decode_workloads(weights, keep + drop) == keep
 
 
+def test_few_row_moe_workloads_of_quantised_experts_are_not_tuned_in_bf16():
+    """Up to GEMV_ROWS tokens, quantised stacks run quant_moe: the moe family's bf16 kernels never do,
+    and tuning them drew the stacks whole (the 397B: 16 GiB). Prefill's chunk (dequantised whole) keeps
+    its workload, and dense or mixed stacks keep every one."""
+    from kiln.ops.moe import kernels as moe_kernels
+    from kiln.tune.tuner import Workload
+
+    work = [Workload(moe_kernels.OP, moe_kernels.MoeShape(m, 8, 2, 128, 64, "silu")) for m in (1, 4, 5, 512)]
+    stacks = {"gu": quantize(torch.randn(8, 128, 128), 4, 64), "down": quantize(torch.randn(8, 128, 64), 4, 64)}
+    assert quant_cuda.dense_decode_workloads(stacks, work) == work[2:]
+    assert quant_cuda.dense_decode_workloads({**stacks, "dense": torch.zeros(8, 128, 64)}, work) == work
+    assert quant_cuda.dense_decode_workloads({"w": quantized(64, 128, 4, 64)}, work) == work
+
+
 PROLOGUES = [{"act": "silu"}, {"act": "sigmoid"}, {"style": "llama"}, {"style": "offset", "add": True},
              {"style": "plain", "add": True}]
 

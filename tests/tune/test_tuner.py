@@ -335,6 +335,20 @@ def test_budget_spent_takes_the_default_unmeasured(tmp_path):
     assert not report.path.exists() or "gemm 100x100x40" not in json.loads(report.path.read_text())["entries"]
 
 
+def test_inputs_too_large_for_the_gpu_take_the_default_unmeasured(tmp_path, monkeypatch):
+    """The 397B's moe workload drew its stacks whole (16 GiB in f32) beside 118 GiB of weights: the
+    load died. An input set that does not fit now costs that workload its measurement, not the load."""
+    def no_room(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+
+    monkeypatch.setattr(gemm.OP, "inputs", no_room)
+    plan, report, lines = tune(tmp_path)
+    assert plan.choices["gemm 100x100x40"] == gemm.OP.default(SHAPE, device_info(DEVICE))
+    assert report.rows[0][3] == "default"
+    assert any("do not fit in the GPU memory left" in line for line in lines), lines
+    assert not report.path.exists() or "gemm 100x100x40" not in json.loads(report.path.read_text())["entries"]
+
+
 def test_plan_chooses_the_nearest_measured_rows_at_or_above():
     dev = device_info(DEVICE)
     plan = Plan(dev, DTYPE)

@@ -142,8 +142,9 @@ def quant_norm_linear(ops, x, r, norm_w, eps, style, w: QuantizedWeight):
 
 def dense_decode_workloads(weights: dict, base) -> list:
     """`base` less its one-row GEMV workloads (ops gemm, rmsnorm_gemm, act_gemm, gemm_act) whose
-    weight shape only quantised weights have: decode runs those on the quantised GEMV, so measuring
-    their bf16 kernels would be load time spent for nothing (the 9B's LM head alone: 30 variants)."""
+    weight shape only quantised weights have, and its few-row moe workloads where every expert stack
+    is quantised: decode runs those on the quantised kernels, so measuring their bf16 kernels would be
+    load time spent for nothing (the 9B's LM head alone: 30 variants; the 397B's stacks: 16 GiB)."""
     quantised, dense = set(), set()
     for w in weights.values():
         if isinstance(w, QuantizedWeight) and w.packed.dim() == 2:
@@ -156,8 +157,18 @@ def dense_decode_workloads(weights: dict, base) -> list:
         s = wl.shape
         return (2 * s.n if wl.op.name == "gemm_act" else s.n, s.k)
 
-    return [wl for wl in base if not (wl.op.name in ("gemm", "rmsnorm_gemm", "act_gemm", "gemm_act")
-                                      and wl.shape.rows == 1 and weight_shape(wl) in only_quantised)]
+    # routed experts on quantised stacks only: up to GEMV_ROWS tokens run quant_moe (or the per-expert
+    # reference), never the moe family's bf16 kernels, whose tuning would draw the stacks whole in f32
+    stacks = [w for w in weights.values() if len(getattr(w, "shape", ())) == 3]
+    quantised_experts = bool(stacks) and all(isinstance(w, QuantizedWeight) for w in stacks)
+
+    def unused(wl):
+        if wl.op.name == "moe":
+            return quantised_experts and wl.shape.rows <= GEMV_ROWS
+        return (wl.op.name in ("gemm", "rmsnorm_gemm", "act_gemm", "gemm_act")
+                and wl.shape.rows == 1 and weight_shape(wl) in only_quantised)
+
+    return [wl for wl in base if not unused(wl)]
 
 
 def quant_workloads(weights: dict, base=()) -> list[tuple]:
