@@ -6,7 +6,8 @@
 Writes one layer file shaped as MODEL's 4-bit g64 experts (the packed format's blob: gate|up and
 down, each words, scales and biases at 64-byte aligned offsets, a 4 KiB stride; random bytes), reads
 it once (warm page cache), then times, per layer of `--misses` random experts:
-- `raw`: the bound's measurement (kiln.tools.benchutil.disk_gb_s): every read of a blob by the
+- `raw`: one of the bound's two measurements (kiln.tools.benchutil.disk_gb_s, which takes the faster
+  of this and reads in pieces): every read of a blob by the
   pool at once, no copy;
 - `whole`: each miss one pread of its blob into a thread buffer, then copied into its staging slot
   (ExpertStore._staged before 2026-12-04);
