@@ -175,7 +175,9 @@ def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64) -> QuantizedW
     n_bins = float(2 ** bits - 1)
     w_max, w_min = groups.max(-1).values, groups.min(-1).values
     low_edge = w_min.abs() > w_max.abs()
-    scale = torch.clamp((w_max - w_min) / n_bins, min=EPS)
+    # a tensor divisor: torch on CUDA divides by a Python number as a product with its reciprocal,
+    # one ulp off mlx's quotient now and then (the H200's synth draw differed from the CPU's)
+    scale = torch.clamp((w_max - w_min) / torch.full_like(w_max, n_bins), min=EPS)
     scale = torch.where(low_edge, scale, -scale)
     edge = torch.where(low_edge, w_min, w_max)
     q0 = torch.round(edge / scale)
