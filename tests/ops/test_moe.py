@@ -450,3 +450,43 @@ def test_quantised_router_and_gate_run_dense_on_the_fused_kernels(monkeypatch):
     assert gated == [True]                                   # the gate inside the quantised experts' combine
     want = REF.moe_experts_gated(x, idx, weights, gate_up, down, "silu", gate_w, shared)
     assert (got.float() - want.float()).abs().max() <= 2.0 ** -7 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_quantised_stacks_too_large_for_their_copies_run_in_batches_of_experts(monkeypatch, gated):
+    """A prefill chunk on quantised stacks whose dequantised copies do not fit (the 397B's 12.9 GB a
+    layer) takes the experts in batches that do (here 3 of 8): each batch's pairs through the grouped
+    kernels, then one combine; the same values as the whole stacks dequantised at once (the per-pair
+    outputs are the same rows of the same kernels; the combine adds in expert id order either way)."""
+    from kiln.backends.cuda import CudaOps
+    from kiln.ops.quant import cuda as quant_cuda
+    from kiln.ops.quant.reference import quantize
+
+    ops = CudaOps(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    h, e, i, k, t, dt = 64, 8, 32, 2, 9, torch.bfloat16
+    gate_up = quantize((torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(dt), 4, 32).to(DEVICE)
+    down = quantize((torch.randn(e, h, i, generator=g) * i ** -0.5).to(dt), 4, 32).to(DEVICE)
+    x = torch.randn(t, h, generator=g).to(device=DEVICE, dtype=dt)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(DEVICE)
+    weights = torch.rand(t, k, generator=g).to(device=DEVICE, dtype=dt)
+    gate_w, shared = (x[:1].clone(), torch.randn(t, h, generator=g).to(device=DEVICE, dtype=dt)) if gated else (None, None)
+
+    def experts():
+        if gated:
+            return ops.moe_experts_gated(x, idx, weights, gate_up, down, "silu", gate_w, shared)
+        return ops.moe_experts(x, idx, weights, gate_up, down, "silu")
+
+    whole = experts()                                        # off the GPU there is no limit: whole stacks
+    cuts, real = [], quant_cuda.dequantised_stacks
+    room = 3 * quant_cuda.expert_bytes(gate_up, down)
+    for mod in ("kiln.ops.quant.cuda", "kiln.ops.moe.cuda"):
+        monkeypatch.setattr(f"{mod}.stack_room", lambda x: room)
+    monkeypatch.setattr("kiln.ops.moe.cuda.dequantised_stacks",
+                        lambda *a, **kw: cuts.append((kw.get("first"), kw.get("last"))) or real(*a, **kw))
+    batched = experts()
+    assert set(cuts) <= {(0, 3), (3, 6), (6, 8)} and len(cuts) >= 2, cuts     # batches, never the whole
+    assert torch.equal(batched, whole)
+    want = (REF.moe_experts_gated(x, idx, weights, gate_up, down, "silu", gate_w, shared) if gated
+            else REF.moe_experts(x, idx, weights, gate_up, down, "silu"))
+    assert (batched.float() - want.float()).abs().max() <= 2.0 ** -6 * want.float().abs().max()

@@ -13,7 +13,7 @@ from ...weights.quantized import QuantizedWeight, dequantize
 from ..dispatch import TunedOps
 from ..fork import Forked, join, peek
 from ..gemm.reference import ACTIVATIONS
-from ..quant.cuda import GEMV_ROWS, dequantised_stacks, quant_moe
+from ..quant.cuda import GEMV_ROWS, dequantised_stacks, expert_bytes, quant_moe, stack_room, stackable
 from . import kernels, router, staging
 from .reference import MoeReference
 
@@ -104,6 +104,10 @@ class MoeCuda(TunedOps, MoeReference):
             if (dense(gate_w) and gate_w.shape[0] == 1 and peek(shared).shape == x.shape
                     and (y := quant_moe(self, x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None):
                 return y
+            gated = (dense(gate_w) and gate_w.shape[0] == 1 and gate_w.dtype == x.dtype
+                     and peek(shared).shape == x.shape and peek(shared).dtype == x.dtype)
+            if gated and (y := self._in_batches(x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None:
+                return y
             gate_up, down = self._dequantised(x, gate_up, down)
         s = peek(shared)
         if (self.on("moe", x) and dense(gate_up, down, gate_w) and kernels.supports(x, gate_up, down, act)
@@ -133,6 +137,8 @@ class MoeCuda(TunedOps, MoeReference):
         if not dense(gate_up, down):
             y = quant_moe(self, x, idx, weights, gate_up, down, act)
             if y is not None:
+                return y
+            if (y := self._in_batches(x, idx, weights, gate_up, down, act)) is not None:
                 return y
             gate_up, down = self._dequantised(x, gate_up, down)
             if not dense(gate_up, down) and x.shape[0] == 1 and x.device.type == "cuda":
@@ -206,6 +212,42 @@ class MoeCuda(TunedOps, MoeReference):
         rows = staging.stage(idx, table, parts, [staging.words(t) for w in scratch for t in (w.packed, w.scales,
                                                                                              w.biases)])
         return rows.view(idx.shape), tuple(scratch)
+
+    def _in_batches(self, x, idx, weights, gate_up, down, act, gate=None):
+        """A prefill chunk's routed experts where the whole stacks' dequantised copies do not fit (the
+        397B's 12.9 GB a layer): the experts in batches whose copies do, each batch's pairs through the
+        grouped kernels into the chunk's per-pair outputs, then the one combine (experts added in id
+        order, as the whole-stack path adds them). None where the whole stacks fit or the kernels do
+        not apply (the caller's paths then run)."""
+        room = stack_room(x)
+        e = gate_up.shape[0]
+        if (room is None or not stackable(self, x, gate_up, down) or not self.on("moe", x) or x.dim() != 2
+                or not (x.dtype in kernels.SUPPORTED and act in kernels.ACTS)
+                or gate_up.dtype != x.dtype or down.dtype != x.dtype or e * expert_bytes(gate_up, down) <= room):
+            return None
+        size = max(1, room // expert_bytes(gate_up, down))
+        t, k = idx.shape
+        flat_idx, flat_w = idx.reshape(-1), weights.reshape(-1)
+        y = torch.zeros((t * k, x.shape[1]), dtype=x.dtype, device=x.device)
+        for first in range(0, e, size):
+            last = min(e, first + size)
+            pairs = ((flat_idx >= first) & (flat_idx < last)).nonzero()[:, 0]
+            if pairs.numel() == 0:
+                continue
+            gu, dn = dequantised_stacks(self, x, gate_up, down, first=first, last=last)
+            sub = kernels.MoeShape(pairs.numel(), last - first, 1, x.shape[1], down.shape[2], act)
+            v = self.choose(kernels.OP, sub)
+            if v.p.get("fin"):       # (it would combine inside: this batch's pairs are not a chunk's tokens)
+                v = kernels.OP.default(sub, self.dev)
+            xs, rw = x.index_select(0, pairs // k).contiguous(), flat_w[pairs][:, None].contiguous()
+            ids = (flat_idx[pairs] - first)[:, None].contiguous()
+            part = torch.empty((pairs.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
+            (kernels.run_gemv if v.p.get("gemv") else kernels.run_grouped)(xs, ids, rw, gu, dn, act, v.p, part)
+            y[pairs] = part
+            del gu, dn
+        out = torch.empty_like(x)
+        kernels.combine(y, idx.contiguous(), out, x.contiguous(), None if gate is None else (gate[0], join(gate[1])))
+        return out
 
     def _dequantised(self, x, gate_up, down):
         """Quantised stacks past the routed GEMVs (a prefill chunk): both dequantised whole, one launch

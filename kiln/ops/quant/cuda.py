@@ -78,22 +78,38 @@ def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWei
     return out
 
 
-def dequantised_stacks(ops, x, *stacks: QuantizedWeight) -> list | None:
-    """A prefill chunk's routed experts: each [E, N, K] stack dequantised in one launch (bit-exact to
-    dequantize), for the MoE family's grouped GEMM to read once. None where the family is off, a stack
-    does not fit the kernel, or the copies would take more than half the free GPU memory (the caller's
-    per-expert reference then dequantises one expert at a time)."""
-    if (not ops.on("quant", x) or x.shape[0] <= GEMV_ROWS          # a few tokens read a few experts
-            or not all(isinstance(w, QuantizedWeight) and w.packed.dim() == 3 for w in stacks)):
+def dequantised_stacks(ops, x, *stacks: QuantizedWeight, first: int = 0, last: int | None = None) -> list | None:
+    """A prefill chunk's routed experts: each [E, N, K] stack (or its experts first..last-1) dequantised
+    in one launch (bit-exact to dequantize), for the MoE family's grouped GEMM to read once. None where
+    the family is off, a stack does not fit the kernel, or the copies would take more than
+    stack_room (the caller then takes the experts in batches that fit: MoeCuda._in_batches)."""
+    if not stackable(ops, x, *stacks):
         return None
-    flat = [w._with(w.packed.reshape(-1, w.packed.shape[-1]), w.scales.reshape(-1, w.scales.shape[-1]),
-                    w.biases.reshape(-1, w.biases.shape[-1])) for w in stacks]
-    if not all(embed.supports(None, w) for w in flat):
+    last = stacks[0].shape[0] if last is None else last
+    room = stack_room(x)
+    if room is not None and (last - first) * expert_bytes(*stacks) > room:
         return None
-    need = sum(math.prod(w.shape) * w.dtype.itemsize for w in stacks)
-    if x.is_cuda and need > torch.cuda.mem_get_info(x.device)[0] // 2:
-        return None
-    return [embed.qembed(None, f).view(w.shape) for f, w in zip(flat, stacks)]
+    cut = lambda t: t[first:last].reshape(-1, t.shape[-1])      # noqa: E731
+    flat = [w._with(cut(w.packed), cut(w.scales), cut(w.biases)) for w in stacks]
+    return [embed.qembed(None, f).view(last - first, *w.shape[1:]) for f, w in zip(flat, stacks)]
+
+
+def stackable(ops, x, *stacks) -> bool:
+    """Quantised [E, N, K] stacks the whole-stack dequantiser takes, at more rows than the GEMVs'."""
+    return (ops.on("quant", x) and x.shape[0] > GEMV_ROWS          # a few tokens read a few experts
+            and all(isinstance(w, QuantizedWeight) and w.packed.dim() == 3 for w in stacks)
+            and all(embed.supports(None, w._with(w.packed[0], w.scales[0], w.biases[0])) for w in stacks))
+
+
+def expert_bytes(*stacks: QuantizedWeight) -> int:
+    """One expert's dequantised copies, every stack."""
+    return sum(math.prod(w.shape[1:]) * w.dtype.itemsize for w in stacks)
+
+
+def stack_room(x) -> int | None:
+    """Bytes a chunk's dequantised expert copies may take: half the free GPU memory (None off the GPU:
+    no limit)."""
+    return torch.cuda.mem_get_info(x.device)[0] // 2 if x.is_cuda else None
 
 
 def unsplit(v, shape):
