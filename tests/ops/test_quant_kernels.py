@@ -161,7 +161,8 @@ def test_few_row_moe_workloads_of_quantised_experts_are_not_tuned_in_bf16():
     from kiln.tune.tuner import Workload
 
     work = [Workload(moe_kernels.OP, moe_kernels.MoeShape(m, 8, 2, 128, 64, "silu")) for m in (1, 4, 5, 512)]
-    stacks = {"gu": quantize(torch.randn(8, 128, 128), 4, 64), "down": quantize(torch.randn(8, 128, 64), 4, 64)}
+    stacks = {"gu": quantize(torch.randn(8, 128, 128), 4, 64), "down": quantize(torch.randn(8, 128, 64), 4, 64),
+              "conv1d": torch.zeros(96, 1, 4)}       # Qwen3.5's GDN conv weights: 3-D, dense, no expert stack
     assert quant_cuda.dense_decode_workloads(stacks, work) == work[2:]
     assert quant_cuda.dense_decode_workloads({**stacks, "dense": torch.zeros(8, 128, 64)}, work) == work
     assert quant_cuda.dense_decode_workloads({"w": quantized(64, 128, 4, 64)}, work) == work

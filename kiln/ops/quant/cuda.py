@@ -173,14 +173,18 @@ def dense_decode_workloads(weights: dict, base) -> list:
         s = wl.shape
         return (2 * s.n if wl.op.name == "gemm_act" else s.n, s.k)
 
-    # routed experts on quantised stacks only: up to GEMV_ROWS tokens run quant_moe (or the per-expert
+    # routed experts on quantised stacks: up to GEMV_ROWS tokens run quant_moe (or the per-expert
     # reference), never the moe family's bf16 kernels, whose tuning would draw the stacks whole in f32
-    stacks = [w for w in weights.values() if len(getattr(w, "shape", ())) == 3]
-    quantised_experts = bool(stacks) and all(isinstance(w, QuantizedWeight) for w in stacks)
+    q3 = {tuple(w.shape) for w in weights.values() if isinstance(w, QuantizedWeight) and w.packed.dim() == 3}
+    d3 = {tuple(w.shape) for w in weights.values() if isinstance(w, torch.Tensor) and w.dim() == 3}  # conv1d too
+
+    def quantised_experts(s) -> bool:
+        stacks = {(s.e, 2 * s.i, s.h), (s.e, s.h, s.i)}
+        return stacks <= q3 and not stacks & d3
 
     def unused(wl):
         if wl.op.name == "moe":
-            return quantised_experts and wl.shape.rows <= GEMV_ROWS
+            return wl.shape.rows <= GEMV_ROWS and quantised_experts(wl.shape)
         return (wl.op.name in ("gemm", "rmsnorm_gemm", "act_gemm", "gemm_act")
                 and wl.shape.rows == 1 and weight_shape(wl) in only_quantised)
 
