@@ -470,7 +470,8 @@ def test_quantised_stacks_too_large_for_their_copies_run_in_batches_of_experts(m
     x = torch.randn(t, h, generator=g).to(device=DEVICE, dtype=dt)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(DEVICE)
     weights = torch.rand(t, k, generator=g).to(device=DEVICE, dtype=dt)
-    gate_w, shared = (x[:1].clone(), torch.randn(t, h, generator=g).to(device=DEVICE, dtype=dt)) if gated else (None, None)
+    shared = torch.randn(t, h, generator=g).to(device=DEVICE, dtype=dt) if gated else None
+    gate_w = x[:1].clone() if gated else None
 
     def experts():
         if gated:
