@@ -456,8 +456,8 @@ def test_quantised_router_and_gate_run_dense_on_the_fused_kernels(monkeypatch):
 def test_quantised_stacks_too_large_for_their_copies_run_in_batches_of_experts(monkeypatch, gated):
     """A prefill chunk on quantised stacks whose dequantised copies do not fit (the 397B's 12.9 GB a
     layer) takes the experts in batches that do (here 3 of 8): each batch's pairs through the grouped
-    kernels, then one combine; the same values as the whole stacks dequantised at once (the per-pair
-    outputs are the same rows of the same kernels; the combine adds in expert id order either way)."""
+    kernels, then one combine (experts added in id order either way): the whole stacks' values, within
+    the tile forms' rounding."""
     from kiln.backends.cuda import CudaOps
     from kiln.ops.quant import cuda as quant_cuda
     from kiln.ops.quant.reference import quantize
@@ -487,7 +487,8 @@ def test_quantised_stacks_too_large_for_their_copies_run_in_batches_of_experts(m
                         lambda *a, **kw: cuts.append((kw.get("first"), kw.get("last"))) or real(*a, **kw))
     batched = experts()
     assert set(cuts) <= {(0, 3), (3, 6), (6, 8)} and len(cuts) >= 2, cuts     # batches, never the whole
-    assert torch.equal(batched, whole)
+    # a batch's few pairs may take another tile form than the chunk's (another order of the K sums)
+    assert_close(batched, whole, k + gated, exact_fraction=0.9)
     want = (REF.moe_experts_gated(x, idx, weights, gate_up, down, "silu", gate_w, shared) if gated
             else REF.moe_experts(x, idx, weights, gate_up, down, "silu"))
-    assert (batched.float() - want.float()).abs().max() <= 2.0 ** -6 * want.float().abs().max()
+    assert (batched.float() - want.float()).abs().max() <= 2.0 ** -7 * want.float().abs().max()
