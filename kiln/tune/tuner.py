@@ -328,7 +328,7 @@ class Tuner:
     def too_large(self, w: Workload, plan: Plan, entries: dict) -> str:
         """A workload whose tuning inputs do not fit beside the weights (the 397B's expert stacks drawn
         whole in f32: 16 GiB): its default form, unmeasured and not cached (a roomier run measures it).
-        The model's own path for such shapes is then rarely this op's (it checks what fits too)."""
+        The model's own path checks what fits as well, and for such shapes rarely runs this op."""
         v = w.op.default(w.shape, self.dev)
         plan.set(w, v, None)
         entries.pop(w.label, None)
