@@ -702,8 +702,13 @@ class ExpertStore:
         self.trace.append((layer, needed))
         self.tokens[layer] = self.tokens.get(layer, 0) + x.shape[0]
         stacks = self._slots(layer)
+        gu, dn = stacks[gate_up.name], stacks[down.name]
         batches = self.caches[layer].batches(needed)
         out = torch.zeros_like(x)
+        # a prefill chunk on a backend with the grouped kernels: each batch's pairs into per-pair outputs,
+        # added once every batch is in (ops.slot_pairs, ops.moe_combine); else expert by expert below
+        pairs = (x.new_zeros((idx.numel(), x.shape[1])) if getattr(ops, "pairs_apply", None)
+                 and ops.pairs_apply(x, gu, dn, act) else None)
         for batch in batches:
             where, loads = self.caches[layer].plan(batch)
             self.stats[layer].hits += len(batch) - len(loads)
@@ -714,10 +719,14 @@ class ExpertStore:
                 table = torch.zeros(gate_up.shape[0], dtype=idx.dtype)
                 for e, s in where.items():
                     table[e] = s
-                y = ops.moe_from_slots(x, idx, table.to(idx.device)[idx], weights, stacks[gate_up.name],
-                                       stacks[down.name], act, gate)
+                y = ops.moe_from_slots(x, idx, table.to(idx.device)[idx], weights, gu, dn, act, gate)
                 if y is not None:
                     return y
+            if pairs is not None:
+                if started is not None:
+                    self._finish(layer, loads, started)
+                ops.slot_pairs(x, idx, weights, {e: where[e] for e in batch}, gu, dn, act, pairs)
+                continue
             missing = {e for e, _ in loads}
             ys = {}
             for e in [e for e in batch if e not in missing] + [None] + sorted(missing):
@@ -726,11 +735,12 @@ class ExpertStore:
                         self._finish(layer, loads, started)
                     continue
                 tok, slot = torch.where(idx == e)
-                ys[e] = (tok, ops.expert_out(x, tok, slot, weights, stacks[gate_up.name][where[e]],
-                                             stacks[down.name][where[e]], act))
+                ys[e] = (tok, ops.expert_out(x, tok, slot, weights, gu[where[e]], dn[where[e]], act))
             for e in batch:         # added in id order, as resident
                 tok, y = ys[e]
                 out.index_add_(0, tok, y.to(out.dtype))
+        if pairs is not None:
+            return ops.moe_combine(pairs, idx, x, gate)
         return out if gate is None else ops.shared_gate_add(out, x, *gate)
 
     def reset(self, policy: str | None = None, profile: dict | None = None, zero_copy: bool | None = None) -> None:

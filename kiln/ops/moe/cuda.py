@@ -13,7 +13,8 @@ from ...weights.quantized import QuantizedWeight, dequantize
 from ..dispatch import TunedOps
 from ..fork import Forked, join, peek
 from ..gemm.reference import ACTIVATIONS
-from ..quant.cuda import GEMV_ROWS, dequantised_stacks, expert_bytes, quant_moe, stack_room, stackable
+from ..quant import embed
+from ..quant.cuda import GEMV_ROWS, dequantised_stacks, expert_bytes, gathered_stacks, quant_moe, stack_room, stackable
 from . import kernels, router, staging
 from .reference import MoeReference
 
@@ -226,28 +227,66 @@ class MoeCuda(TunedOps, MoeReference):
                 or gate_up.dtype != x.dtype or down.dtype != x.dtype or e * expert_bytes(gate_up, down) <= room):
             return None
         size = max(1, room // expert_bytes(gate_up, down))
-        t, k = idx.shape
-        flat_idx, flat_w = idx.reshape(-1), weights.reshape(-1)
-        y = torch.zeros((t * k, x.shape[1]), dtype=x.dtype, device=x.device)
+        flat_idx = idx.reshape(-1)
+        y = torch.zeros((idx.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
         for first in range(0, e, size):
             last = min(e, first + size)
             pairs = ((flat_idx >= first) & (flat_idx < last)).nonzero()[:, 0]
-            if pairs.numel() == 0:
-                continue
-            gu, dn = dequantised_stacks(self, x, gate_up, down, first=first, last=last)
-            sub = kernels.MoeShape(pairs.numel(), last - first, 1, x.shape[1], down.shape[2], act)
-            v = self.choose(kernels.OP, sub)
-            if v.p.get("fin"):       # (it would combine inside: this batch's pairs are not a chunk's tokens)
-                v = kernels.OP.default(sub, self.dev)
-            xs, rw = x.index_select(0, pairs // k).contiguous(), flat_w[pairs][:, None].contiguous()
-            ids = (flat_idx[pairs] - first)[:, None].contiguous()
-            part = torch.empty((pairs.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
-            (kernels.run_gemv if v.p.get("gemv") else kernels.run_grouped)(xs, ids, rw, gu, dn, act, v.p, part)
-            y[pairs] = part
-            del gu, dn
+            if pairs.numel():
+                gu, dn = dequantised_stacks(self, x, gate_up, down, first=first, last=last)
+                self._pairs(x, idx, weights, pairs, flat_idx[pairs] - first, gu, dn, act, y)
+        return self.moe_combine(y, idx, x, gate)
+
+    def _pairs(self, x, idx, weights, pairs, rows, gate_up, down, act, y) -> None:
+        """The (token, slot) pairs `pairs` (flat positions in idx), each on expert `rows` of the 16-bit
+        [B, 2I, H] and [B, H, I] stacks, through the grouped kernels (or the GEMVs) into y[pairs]: each
+        pair its own row (one token, one expert), weighted by its routing weight."""
+        sub = kernels.MoeShape(pairs.numel(), gate_up.shape[0], 1, x.shape[1], down.shape[2], act)
+        v = self.choose(kernels.OP, sub)
+        if v.p.get("fin"):       # (it would combine inside: these pairs are not a chunk's tokens)
+            v = kernels.OP.default(sub, self.dev)
+        xs = x.index_select(0, pairs // idx.shape[1]).contiguous()
+        rw = weights.reshape(-1)[pairs][:, None].contiguous()
+        part = torch.empty((pairs.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
+        run = kernels.run_gemv if v.p.get("gemv") else kernels.run_grouped
+        run(xs, rows[:, None].contiguous(), rw, gate_up, down, act, v.p, part)
+        y[pairs] = part
+
+    def moe_combine(self, y, idx, x, gate=None):
+        """The per-pair outputs y [T*k, H] added per token in expert id order (plus Qwen's gated shared
+        expert, gate = (gate_w, shared)), as moe_experts adds them."""
         out = torch.empty_like(x)
-        kernels.combine(y, idx.contiguous(), out, x.contiguous(), None if gate is None else (gate[0], join(gate[1])))
-        return out
+        gate_w = None if gate is None else self._gate(gate[0])
+        fused = gate is not None and dense(gate_w) and gate_w.shape[0] == 1 and gate_w.dtype == x.dtype
+        kernels.combine(y, idx.contiguous(), out, x.contiguous(), (gate_w, join(gate[1])) if fused else None)
+        return out if gate is None or fused else self.shared_gate_add(out, x, gate_w, join(gate[1]))
+
+    def pairs_apply(self, x, gate_up, down, act) -> bool:
+        """slot_pairs runs here: a prefill chunk (more rows than the GEMVs take), the MoE family on, x's
+        dtype and act in its kernels, the slot stacks 16-bit in x's dtype or quantised ones the
+        dequantiser takes."""
+        def fits(w):
+            if isinstance(w, QuantizedWeight):
+                return (self.on("quant", x) and w.packed.dim() == 3 and w.dtype == x.dtype
+                        and embed.supports(None, w._with(w.packed[0], w.scales[0], w.biases[0])))
+            return isinstance(w, torch.Tensor) and w.dim() == 3 and w.dtype == x.dtype
+        return (x.dim() == 2 and x.shape[0] > GEMV_ROWS and self.on("moe", x) and x.dtype in kernels.SUPPORTED
+                and act in kernels.ACTS and fits(gate_up) and fits(down))
+
+    def slot_pairs(self, x, idx, weights, where: dict, gate_up, down, act, y) -> None:
+        """Streamed experts at prefill (ExpertStore._copied): the pairs of idx whose expert is in `where`
+        (expert id -> its slot in the slot stacks gate_up, down), their experts gathered from the slots
+        and dequantised in one launch a stack, through the grouped kernels into y [T*k, H]; moe_combine
+        adds them once every batch is in."""
+        experts = sorted(where)
+        ids = torch.tensor(experts, dtype=idx.dtype, device=idx.device)
+        flat_idx = idx.reshape(-1)
+        pairs = torch.isin(flat_idx, ids).nonzero()[:, 0]
+        if pairs.numel() == 0:
+            return
+        slots = torch.tensor([where[e] for e in experts], dtype=torch.int64, device=x.device)
+        gu, dn = gathered_stacks((gate_up, down), slots)
+        self._pairs(x, idx, weights, pairs, torch.searchsorted(ids, flat_idx[pairs]), gu, dn, act, y)
 
     def _dequantised(self, x, gate_up, down):
         """Quantised stacks past the routed GEMVs (a prefill chunk): both dequantised whole, one launch

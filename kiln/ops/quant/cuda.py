@@ -94,6 +94,21 @@ def dequantised_stacks(ops, x, *stacks: QuantizedWeight, first: int = 0, last: i
     return [embed.qembed(None, f).view(last - first, *w.shape[1:]) for f, w in zip(flat, stacks)]
 
 
+def gathered_stacks(stacks, slots: torch.Tensor) -> list:
+    """The experts at `slots` of each [S, N, K] stack, dequantised (quantised ones: their rows gathered
+    and dequantised in one launch, bit-exact to dequantize) into [len(slots), N, K]."""
+    out = []
+    for w in stacks:
+        if isinstance(w, torch.Tensor):
+            out.append(w.index_select(0, slots))
+            continue
+        n = w.packed.shape[1]
+        rows = (slots[:, None] * n + torch.arange(n, device=slots.device)).reshape(-1)
+        table = w._with(*(t.reshape(-1, t.shape[-1]) for t in (w.packed, w.scales, w.biases)))
+        out.append(embed.qembed(rows, table).view(slots.numel(), n, w.shape[2]))
+    return out
+
+
 def stackable(ops, x, *stacks) -> bool:
     """Quantised [E, N, K] stacks the whole-stack dequantiser takes, at more rows than the GEMVs'."""
     return (ops.on("quant", x) and x.shape[0] > GEMV_ROWS          # a few tokens read a few experts
