@@ -324,6 +324,7 @@ def test_a_streamed_prefill_on_the_cuda_backend_runs_each_batch_through_the_grou
     kernels) within the tile forms' rounding, plain and gated; no expert computed alone."""
     pytest.importorskip("triton")
     from kiln.backends.cuda import CudaOps
+    from kiln.ops.quant import cuda as quant_cuda
     from kiln.ops.quant.reference import quantize
     from kiln.weights.experts import ExpertStore, HostHome
 
@@ -334,12 +335,19 @@ def test_a_streamed_prefill_on_the_cuda_backend_runs_each_batch_through_the_grou
     profile = {"l.": {"3": 9, "1": 5, "6": 2}} if policy == "static" else None
     store = ExpertStore({"l.": HostHome({"l.gu": gate_up, "l.dn": down})}, "cpu", policy, 3, profile=profile)
     gu_h, dn_h = store.handle("l.", "l.gu", gate_up.shape), store.handle("l.", "l.dn", down.shape)
-    ops, batches, alone = CudaOps(torch.device("cpu")), [], []
-    real = ops.slot_pairs
+    ops, batches, alone, parts = CudaOps(torch.device("cpu")), [], [], []
+    real, real_gather = ops.slot_pairs, quant_cuda.gathered_stacks
     with pytest.MonkeyPatch.context() as mp, torch.inference_mode():
         mp.setattr(ops, "slot_pairs",
                    lambda x, idx, w, where, *a: batches.append(sorted(where)) or real(x, idx, w, where, *a))
         mp.setattr(ops, "expert_out", lambda *a: alone.append(1))
+        if policy == "static":      # a batch's copies in parts of 2 experts (room for no more)
+            room = 2 * quant_cuda.expert_bytes(gate_up, down)
+            mp.setattr("kiln.ops.moe.cuda.stack_room", lambda x: room)
+            mp.setattr(quant_cuda, "stack_room", lambda x: room)
+            mp.setattr(quant_cuda, "gathered_stacks",
+                       lambda stacks, slots: parts.append(slots.numel()) or real_gather(stacks, slots))
+            mp.setattr("kiln.ops.moe.cuda.gathered_stacks", quant_cuda.gathered_stacks)
         for gated in (False, True):
             x = torch.randn(t, h, generator=g).to(dt)
             idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
@@ -356,6 +364,7 @@ def test_a_streamed_prefill_on_the_cuda_backend_runs_each_batch_through_the_grou
     slots = store._slots("l.")["l.gu"].packed.shape[0]      # static: its hot slots and scratch
     assert sorted(sum(batches, [])) == sorted(needed[0] + needed[1]) and len(batches) >= 2
     assert all(len(b) <= slots for b in batches) and not alone
+    assert policy != "static" or (parts and max(parts) <= 2)
 
 
 def test_the_bench_reports_the_expert_store(packed, tmp_path):

@@ -278,15 +278,17 @@ class MoeCuda(TunedOps, MoeReference):
         (expert id -> its slot in the slot stacks gate_up, down), their experts gathered from the slots
         and dequantised in one launch a stack, through the grouped kernels into y [T*k, H]; moe_combine
         adds them once every batch is in."""
-        experts = sorted(where)
-        ids = torch.tensor(experts, dtype=idx.dtype, device=idx.device)
-        flat_idx = idx.reshape(-1)
-        pairs = torch.isin(flat_idx, ids).nonzero()[:, 0]
-        if pairs.numel() == 0:
-            return
-        slots = torch.tensor([where[e] for e in experts], dtype=torch.int64, device=x.device)
-        gu, dn = gathered_stacks((gate_up, down), slots)
-        self._pairs(x, idx, weights, pairs, torch.searchsorted(ids, flat_idx[pairs]), gu, dn, act, y)
+        experts, flat_idx = sorted(where), idx.reshape(-1)
+        room = stack_room(x)        # the copies in parts that fit (static's hot set: hundreds of experts)
+        size = len(experts) if room is None else max(1, room // expert_bytes(gate_up, down))
+        for part in (experts[j:j + size] for j in range(0, len(experts), size)):
+            ids = torch.tensor(part, dtype=idx.dtype, device=idx.device)
+            pairs = torch.isin(flat_idx, ids).nonzero()[:, 0]
+            if pairs.numel() == 0:
+                continue
+            slots = torch.tensor([where[e] for e in part], dtype=torch.int64, device=x.device)
+            gu, dn = gathered_stacks((gate_up, down), slots)
+            self._pairs(x, idx, weights, pairs, torch.searchsorted(ids, flat_idx[pairs]), gu, dn, act, y)
 
     def _dequantised(self, x, gate_up, down):
         """Quantised stacks past the routed GEMVs (a prefill chunk): both dequantised whole, one launch
