@@ -492,3 +492,22 @@ def test_quantised_stacks_too_large_for_their_copies_run_in_batches_of_experts(m
     want = (REF.moe_experts_gated(x, idx, weights, gate_up, down, "silu", gate_w, shared) if gated
             else REF.moe_experts(x, idx, weights, gate_up, down, "silu"))
     assert (batched.float() - want.float()).abs().max() <= 2.0 ** -7 * want.float().abs().max()
+
+
+def test_the_reference_slot_pairs_and_combine_are_its_moe_experts():
+    """The reference's slot_pairs (each pair's weighted output into a per-pair buffer, experts read
+    from their slots) and moe_combine (added per token in expert id order): its moe_experts, bit for
+    bit (the same products, added in the same order), plain and gated."""
+    d = inputs(9, 2, 48, 40, "silu", torch.bfloat16, seed=4)
+    x, idx, w = d["x"], d["idx"], d["weights"]
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(0)).tolist()   # slot s holds expert order[s]
+    gu, dn = d["gate_up"][order], d["down"][order]
+    where = {e: s for s, e in enumerate(order)}
+    y = x.new_zeros((idx.numel(), x.shape[1]))
+    for batch in ([e for e in range(8) if e % 2], [e for e in range(8) if not e % 2]):
+        REF.slot_pairs(x, idx, w, {e: where[e] for e in batch}, gu, dn, "silu", y)
+    assert not REF.pairs_apply(x, gu, dn, "silu")
+    assert torch.equal(REF.moe_combine(y, idx, x), reference(d))
+    gate = (x[:1].clone(), torch.randn_like(x))
+    assert torch.equal(REF.moe_combine(y, idx, x, gate),
+                       REF.moe_experts_gated(x, idx, w, d["gate_up"], d["down"], "silu", *gate))

@@ -54,6 +54,30 @@ class MoeReference:
         gate, up = self.linear(x[tok], gate_up_e).chunk(2, dim=-1)
         return self.linear(ACTIVATIONS[act](gate) * up, down_e) * weights[tok, slot, None]
 
+    def pairs_apply(self, x, gate_up, down, act: str) -> bool:
+        """Whether a streamed prefill's batches go through slot_pairs and moe_combine (a backend with
+        grouped kernels); here not: the store computes and adds expert by expert (expert_out)."""
+        return False
+
+    def slot_pairs(self, x, idx, weights, where: dict, gate_up, down, act: str, y) -> None:
+        """Each (token, slot) pair of idx whose expert is in `where` (expert id -> its slot of the slot
+        stacks): its weighted output into y [T*k, H] (pair order), for moe_combine to add."""
+        k = idx.shape[1]
+        for e in sorted(where):
+            tok, slot = torch.where(idx == e)
+            if tok.numel():
+                y[tok * k + slot] = self.expert_out(x, tok, slot, weights, gate_up[where[e]], down[where[e]],
+                                                    act).to(y.dtype)
+
+    def moe_combine(self, y, idx, x, gate=None) -> torch.Tensor:
+        """The per-pair outputs y [T*k, H] added per token in expert id order, as moe_experts adds them
+        (plus Qwen's gated shared expert, gate = (gate_w, shared))."""
+        out, k = torch.zeros_like(x), idx.shape[1]
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, y[tok * k + slot].to(out.dtype))
+        return out if gate is None else self.shared_gate_add(out, x, gate[0], join(gate[1]))
+
     def shared_gate_add(self, routed, x, gate_w, shared) -> torch.Tensor:
         """Qwen's shared expert, scaled by a sigmoid gate [1, H] and added to the routed experts."""
         return routed + self.linear(x, gate_w).sigmoid() * shared
