@@ -14,7 +14,7 @@ from ..dispatch import TunedOps
 from ..fork import Forked, join, peek
 from ..gemm.reference import ACTIVATIONS
 from ..quant import embed
-from ..quant.cuda import GEMV_ROWS, dequantised_stacks, expert_bytes, gathered_stacks, quant_moe, stack_room, stackable
+from ..quant.cuda import GEMV_ROWS, dequantised_stacks, expert_bytes, gathered_stacks, quant_moe, stack_room
 from . import kernels, router, staging
 from .reference import MoeReference
 
@@ -105,9 +105,7 @@ class MoeCuda(TunedOps, MoeReference):
             if (dense(gate_w) and gate_w.shape[0] == 1 and peek(shared).shape == x.shape
                     and (y := quant_moe(self, x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None):
                 return y
-            gated = (dense(gate_w) and gate_w.shape[0] == 1 and gate_w.dtype == x.dtype
-                     and peek(shared).shape == x.shape and peek(shared).dtype == x.dtype)
-            if gated and (y := self._in_batches(x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None:
+            if (y := self._in_batches(x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None:
                 return y
             gate_up, down = self._dequantised(x, gate_up, down)
         s = peek(shared)
@@ -220,11 +218,10 @@ class MoeCuda(TunedOps, MoeReference):
         grouped kernels into the chunk's per-pair outputs, then the one combine (experts added in id
         order, as the whole-stack path adds them). None where the whole stacks fit or the kernels do
         not apply (the caller's paths then run)."""
-        room = stack_room(x)
-        e = gate_up.shape[0]
-        if (room is None or not stackable(self, x, gate_up, down) or not self.on("moe", x) or x.dim() != 2
-                or not (x.dtype in kernels.SUPPORTED and act in kernels.ACTS)
-                or gate_up.dtype != x.dtype or down.dtype != x.dtype or e * expert_bytes(gate_up, down) <= room):
+        if not (isinstance(gate_up, QuantizedWeight) and self.pairs_apply(x, gate_up, down, act)):
+            return None
+        room, e = stack_room(x), gate_up.shape[0]
+        if room is None or e * expert_bytes(gate_up, down) <= room:
             return None
         size = max(1, room // expert_bytes(gate_up, down))
         flat_idx = idx.reshape(-1)
@@ -256,10 +253,11 @@ class MoeCuda(TunedOps, MoeReference):
         """The per-pair outputs y [T*k, H] added per token in expert id order (plus Qwen's gated shared
         expert, gate = (gate_w, shared)), as moe_experts adds them."""
         out = torch.empty_like(x)
-        gate_w = None if gate is None else self._gate(gate[0])
-        fused = gate is not None and dense(gate_w) and gate_w.shape[0] == 1 and gate_w.dtype == x.dtype
-        kernels.combine(y, idx.contiguous(), out, x.contiguous(), (gate_w, join(gate[1])) if fused else None)
-        return out if gate is None or fused else self.shared_gate_add(out, x, gate_w, join(gate[1]))
+        gate_w, shared = (None, None) if gate is None else (self._gate(gate[0]), join(gate[1]))
+        fused = (gate is not None and dense(gate_w) and gate_w.shape[0] == 1 and gate_w.dtype == x.dtype
+                 and shared.shape == x.shape and shared.dtype == x.dtype)
+        kernels.combine(y, idx.contiguous(), out, x.contiguous(), (gate_w, shared) if fused else None)
+        return out if gate is None or fused else self.shared_gate_add(out, x, gate_w, shared)
 
     def pairs_apply(self, x, gate_up, down, act) -> bool:
         """slot_pairs runs here: a prefill chunk (more rows than the GEMVs take), the MoE family on, x's
