@@ -39,6 +39,7 @@ from .quantized import QuantizedWeight, quantize
 
 BLOCK = 1 << 22          # elements per independently seeded block (part of the determinism contract)
 DRAW_BATCH = 8           # blocks a quantised draw quantises at once (any count gives the same values)
+TRIPS_AHEAD = 2          # trips drawn while one quantises: DRAW_BATCH * TRIPS_AHEAD blocks keep WORKERS busy
 WORKERS = min(16, os.cpu_count() or 1)
 
 # -- the configurations -------------------------------------------------------------------------
@@ -261,17 +262,25 @@ def _seed(seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def _draw(rule: tuple[str, float, float], n: int, seed: int) -> torch.Tensor:
-    """n values in f32. Uniforms are k * 2^-24 (exact), then one affine map: the same bits on any CPU."""
+def _draw(rule: tuple[str, float, float], n: int, seed: int, out: np.ndarray | None = None) -> torch.Tensor:
+    """n values in f32 (into `out`'s first n when given). Uniforms are k * 2^-24 (exact), then one
+    affine map, each step one f32 rounding: the same bits on any CPU."""
     kind, a, b = rule
-    u = np.random.Generator(np.random.SFC64(seed)).random(n, dtype=np.float32)
+    u = np.empty(n, dtype=np.float32) if out is None else out[:n]
+    np.random.Generator(np.random.SFC64(seed)).random(dtype=np.float32, out=u)
     if kind == "uniform":
-        return torch.from_numpy(u).mul_(b - a).add_(a)
+        # numpy in place: single-threaded, so WORKERS threads drawing at once do not each fan out
+        # over torch's intra-op pool (which oversubscribed the cores); f32 * f32(s) as torch's mul_
+        np.multiply(u, np.float32(b - a), out=u)
+        np.add(u, np.float32(a), out=u)
+        return torch.from_numpy(u)
     u64 = u.astype(np.float64)
     if kind == "log":
-        return torch.from_numpy(np.log(a + (b - a) * u64).astype(np.float32))
-    dt = np.exp(math.log(a) + (math.log(b) - math.log(a)) * u64)
-    return torch.from_numpy((dt + np.log(-np.expm1(-dt))).astype(np.float32))
+        u[:] = np.log(a + (b - a) * u64)
+    else:
+        dt = np.exp(math.log(a) + (math.log(b) - math.log(a)) * u64)
+        u[:] = dt + np.log(-np.expm1(-dt))
+    return torch.from_numpy(u)
 
 
 @dataclass(frozen=True)
@@ -287,20 +296,21 @@ class Synthesis:
     def rule(self, name: str) -> tuple[str, float, float]:
         return init_rule(self.config, name, self.shapes[name], self.norm_offset)
 
-    def block(self, name: str, i: int, scales: torch.Tensor | None = None) -> torch.Tensor:
-        """Block i of the tensor's flat values (f32, BLOCK of them but the last); `scales`: its
-        router_scales, which blocks() computes once."""
+    def block(self, name: str, i: int, scales: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """Block i of the tensor's flat values (f32, BLOCK of them but the last), drawn into `out`'s
+        first values when given (a contiguous f32 CPU tensor); `scales`: its router_scales, which
+        blocks() computes once."""
         n = math.prod(self.shapes[name])
-        b = _draw(self.rule(name), min(BLOCK, n - i * BLOCK), _seed(self.seed, name, i))
+        b = _draw(self.rule(name), min(BLOCK, n - i * BLOCK), _seed(self.seed, name, i),
+                  None if out is None else out.numpy())
         if scales is not None:      # each value times its row's scale (rows of the last dim's width)
             b.mul_(scales[(i * BLOCK + torch.arange(b.numel())) // self.shapes[name][-1]])
         return b
 
     def block_into(self, name: str, i: int, out: torch.Tensor, scales: torch.Tensor | None = None) -> int:
-        """Block i written into `out` (its first values); how many."""
-        b = self.block(name, i, scales)
-        out[:b.numel()] = b
-        return b.numel()
+        """Block i drawn straight into `out` (its first values); how many."""
+        return self.block(name, i, scales, out).numel()
 
     def blocks(self, name: str) -> Iterator[torch.Tensor]:
         """The tensor's values, flat, in f32 blocks of BLOCK elements (drawn on up to WORKERS threads)."""
@@ -421,31 +431,31 @@ def quantized_draw(synthesis: Synthesis, name: str, fmt: tuple[int, int], dtype:
     # a GPU quantises a block in about a millisecond, a CPU core in about a hundred (a 397B has 10^5
     # blocks); the values are the same (every step IEEE f32, round half to even). DRAW_BATCH blocks go
     # in one trip, through a pinned buffer on a GPU: per block, the trips' fixed costs dominated. The
-    # workers draw each block straight into one of two buffers, the next trip's while this one's
-    # quantises: the thread running the trips only copies and quantises.
+    # workers draw each block straight into a buffer, TRIPS_AHEAD trips ahead of the one quantising
+    # (so up to WORKERS blocks draw at once): the thread running the trips only copies and quantises.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     count, trip = max(1, -(-n // BLOCK)), DRAW_BATCH * BLOCK
+    trips = -(-count // DRAW_BATCH)
     router = router_scales(name, shape, synthesis.seed, synthesis.skew)
-    bufs = [torch.empty(min(n, trip), pin_memory=device == "cuda") for _ in range(min(2, -(-n // trip)))]
+    bufs = [torch.empty(min(n, trip), pin_memory=device == "cuda") for _ in range(min(TRIPS_AHEAD + 1, trips))]
     copied: list = [None] * len(bufs)       # a buffer's copy to the GPU: the workers refill it after
     at = 0
     with ThreadPoolExecutor(min(WORKERS, count)) as pool:
-        def fill(t: int, buf: torch.Tensor) -> list:
-            first = t * DRAW_BATCH
-            return [pool.submit(synthesis.block_into, name, i, buf[(i - first) * BLOCK:], router)
+        def fill(t: int) -> list:
+            first, k = t * DRAW_BATCH, t % len(bufs)
+            if copied[k] is not None:
+                copied[k].synchronize()
+            return [pool.submit(synthesis.block_into, name, i, bufs[k][(i - first) * BLOCK:], router)
                     for i in range(first, min(count, first + DRAW_BATCH))]
 
-        pending = fill(0, bufs[0])
-        for t in range(-(-count // DRAW_BATCH)):
+        pending = deque(fill(t) for t in range(min(len(bufs) - 1, trips) or 1))
+        for t in range(trips):
             k = t % len(bufs)
-            size = sum(f.result() for f in pending)
+            size = sum(f.result() for f in pending.popleft())
             if at + size > n or size == 0:
                 raise KilnError(f"{name}: the draw gave {at + size} of {n} values")
-            if (t + 1) * DRAW_BATCH < count:
-                other = (t + 1) % len(bufs)
-                if copied[other] is not None:
-                    copied[other].synchronize()
-                pending = fill(t + 1, bufs[other])
+            if t + len(pending) + 1 < trips:
+                pending.append(fill(t + len(pending) + 1))
             x = bufs[k][:size].to(device, non_blocking=True)
             if device == "cuda":
                 copied[k] = torch.cuda.Event()

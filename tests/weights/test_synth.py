@@ -365,15 +365,16 @@ def test_list_names_every_configuration():
 
 def test_a_quantised_draw_is_mx_quantize_of_the_rounded_draw(monkeypatch):
     """Quantised a few blocks at a time as drawn (several trips, a partial last block and a partial last
-    trip), the words, scales and biases are quantize() of the whole tensor rounded to bf16: no 16-bit
-    copy needed for the same result."""
+    trip; trips of one block reuse each buffer), the words, scales and biases are quantize() of the
+    whole tensor rounded to bf16: no 16-bit copy needed for the same result."""
     from kiln.ops.quant.reference import quantize
 
     monkeypatch.setattr(synth, "BLOCK", 64 * 40)
-    monkeypatch.setattr(synth, "DRAW_BATCH", 3)      # 7.5 blocks: trips of 3, 3 and 1.5
     name = "model.layers.0.mlp.up_proj.weight"
     drawn = synth.Synthesis(synth.CONFIGS["tiny-llama"], {name: (150, 128)}, False, 3)
-    for bits, group in ((4, 64), (3, 32), (2, 128)):
+    # 7.5 blocks: trips of 3, 3 and 1.5; of 1 (8 trips through TRIPS_AHEAD + 1 buffers)
+    for (bits, group), batch in (((4, 64), 3), ((3, 32), 3), ((2, 128), 3), ((4, 64), 1)):
+        monkeypatch.setattr(synth, "DRAW_BATCH", batch)
         got = synth.quantized_draw(drawn, name, (bits, group), torch.bfloat16)
         want = quantize(drawn.tensor(name, torch.bfloat16), bits, group)
         assert got.shape == want.shape and torch.equal(got.packed, want.packed)
