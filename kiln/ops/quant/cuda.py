@@ -7,6 +7,7 @@ kernel. Embedding lookups and a few tokens' routed experts run on the packed wor
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -123,8 +124,12 @@ def expert_bytes(*stacks: QuantizedWeight) -> int:
 
 def stack_room(x) -> int | None:
     """Bytes a chunk's dequantised expert copies may take: half the free GPU memory (None off the GPU:
-    no limit)."""
-    return torch.cuda.mem_get_info(x.device)[0] // 2 if x.is_cuda else None
+    no limit), at most KILN_STACK_ROOM_GB where set (benchmarks: the batched path on a small model)."""
+    cap = os.environ.get("KILN_STACK_ROOM_GB")
+    room = torch.cuda.mem_get_info(x.device)[0] // 2 if x.is_cuda else None
+    if cap:
+        room = min(int(float(cap) * 1e9), room) if room is not None else int(float(cap) * 1e9)
+    return room
 
 
 def unsplit(v, shape):
