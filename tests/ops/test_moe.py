@@ -486,7 +486,8 @@ def test_quantised_stacks_too_large_for_their_copies_run_in_batches_of_experts(m
     monkeypatch.setattr("kiln.ops.moe.cuda.dequantised_stacks",
                         lambda *a, **kw: cuts.append((kw.get("first"), kw.get("last"))) or real(*a, **kw))
     batched = experts()
-    assert set(cuts) <= {(0, 3), (3, 6), (6, 8)} and len(cuts) >= 2, cuts     # batches, never the whole
+    # room for 3 copies: batches of 2 (a power of two: the kernels' expert count is a constant), never the whole
+    assert set(cuts) <= {(0, 2), (2, 4), (4, 6), (6, 8)} and len(cuts) >= 2, cuts
     # a batch's few pairs may take another tile form than the chunk's (another order of the K sums)
     assert_close(batched, whole, k + gated, exact_fraction=0.9)
     want = (REF.moe_experts_gated(x, idx, weights, gate_up, down, "silu", gate_w, shared) if gated
