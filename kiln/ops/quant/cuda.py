@@ -123,10 +123,16 @@ def expert_bytes(*stacks: QuantizedWeight) -> int:
 
 
 def stack_room(x) -> int | None:
-    """Bytes a chunk's dequantised expert copies may take: half the free GPU memory (None off the GPU:
-    no limit), at most KILN_STACK_ROOM_GB where set (benchmarks: the batched path on a small model)."""
+    """Bytes a chunk's dequantised expert copies may take: half the free GPU memory, torch's cached
+    blocks counted as free (None off the GPU: no limit), at most KILN_STACK_ROOM_GB where set
+    (benchmarks: the batched path on a small model). Without the cached blocks, the room shrank once
+    the first batch's copies sat in torch's cache, so the next batch asked for other sizes and the
+    allocator went back to the driver (a cudaFree syncs) every batch."""
     cap = os.environ.get("KILN_STACK_ROOM_GB")
-    room = torch.cuda.mem_get_info(x.device)[0] // 2 if x.is_cuda else None
+    room = None
+    if x.is_cuda:
+        cached = torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device)
+        room = (torch.cuda.mem_get_info(x.device)[0] + cached) // 2
     if cap:
         room = min(int(float(cap) * 1e9), room) if room is not None else int(float(cap) * 1e9)
     return room
