@@ -512,3 +512,29 @@ def test_the_reference_slot_pairs_and_combine_are_its_moe_experts():
     gate = (x[:1].clone(), torch.randn_like(x))
     assert torch.equal(REF.moe_combine(y, idx, x, gate),
                        REF.moe_experts_gated(x, idx, w, d["gate_up"], d["down"], "silu", *gate))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_stack_room_counts_torchs_cached_blocks_as_free(monkeypatch):
+    """A batch's copies freed into torch's cache leave the next batch the same room (else each batch
+    asked for other sizes and the allocator went back to the driver), and KILN_STACK_ROOM_GB caps it."""
+    from kiln.ops.quant.cuda import stack_room
+
+    x = torch.empty(4, device="cuda")
+    torch.cuda.empty_cache()
+    before = stack_room(x)
+    block = torch.empty(min(before, 4 << 30), dtype=torch.uint8, device="cuda")
+    del block                                   # freed into torch's cache, not to the driver
+    assert abs(stack_room(x) - before) < 64 << 20
+    monkeypatch.setenv("KILN_STACK_ROOM_GB", "1.5")
+    assert stack_room(x) == min(before, 1_500_000_000)
+
+
+def test_the_stack_room_is_unlimited_off_the_gpu_unless_capped(monkeypatch):
+    from kiln.ops.quant.cuda import stack_room
+
+    x = torch.empty(4)
+    assert stack_room(x) is None
+    monkeypatch.setenv("KILN_STACK_ROOM_GB", "0.25")
+    assert stack_room(x) == 250_000_000
