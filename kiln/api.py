@@ -556,6 +556,9 @@ def load(model: str | Path | None = None, device: str | None = "auto", dtype: st
         limit = min(limit, max_context)
     flags = (expert_cache_slots, expert_policy, host_memory, expert_profile) != (None,) * 4
     free = None if flags or direct_io or expert_home != "auto" or gpu_memory is not None else free_memory(dev)
+    if gpu_memory is not None and (room := free_memory(dev)) is not None and gpu_memory * GB > room:
+        raise KilnError(f"--gpu-memory {gpu_memory:g} GB: the GPU has {room / GB:.1f} GB free "
+                        f"(other processes and the CUDA context hold the rest); ask for at most that")
     memory = memory_plan(ckpt, ops, dt, limit, gpu_memory, expert_cache_slots, expert_policy, free, max_batch)
     if memory is not None and not quiet:
         print(memory.line(), file=sys.stderr)

@@ -309,3 +309,16 @@ def test_the_cuda_plan_counts_the_dense_copies_of_quantised_routers():
     routers = [n for n in w if n.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))]
     assert routers and all(hasattr(w[n], "bits") for n in routers)
     assert cuda.core - ref.core == sum(w[n].shape[0] * w[n].shape[1] * 2 for n in routers)
+
+
+def test_a_budget_past_the_gpus_free_memory_is_a_one_line_error(monkeypatch, capsys):
+    """--gpu-memory above what the device has free fails at once, not as an out-of-memory error after
+    minutes of weights (the free memory is faked: the check runs wherever a device reports it)."""
+    monkeypatch.setattr("kiln.api.free_memory", lambda dev: int(2.5 * GB))
+    with pytest.raises(KilnError, match=r"--gpu-memory 3 GB: the GPU has 2\.5 GB free") as e:
+        kiln.load("synth:tiny-llama", device="cpu", backend="reference", dtype="f32", max_context=CONTEXT,
+                  gpu_memory=3)
+    assert "\n" not in str(e.value)
+    llm = kiln.load("synth:tiny-llama", device="cpu", backend="reference", dtype="f32", max_context=CONTEXT,
+                    gpu_memory=2)
+    assert llm.memory is not None
