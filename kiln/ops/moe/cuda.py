@@ -14,7 +14,7 @@ from ..dispatch import TunedOps
 from ..fork import Forked, join, peek
 from ..gemm.reference import ACTIVATIONS
 from ..quant import embed
-from ..quant.cuda import GEMV_ROWS, dequantised_stacks, expert_bytes, gathered_stacks, quant_moe, stack_room
+from ..quant.cuda import GEMV_ROWS, dequantised_stacks, expert_bytes, experts_in, gathered_stacks, quant_moe, stack_room
 from . import kernels, router, staging
 from .reference import MoeReference
 
@@ -223,9 +223,7 @@ class MoeCuda(TunedOps, MoeReference):
         room, e = stack_room(x), gate_up.shape[0]
         if room is None or e * expert_bytes(gate_up, down) <= room:
             return None
-        # a power of two: the grouped kernels take the expert count as a constant, so batch sizes that
-        # followed the free memory would compile anew; equal batches of 2^n also split 512 evenly
-        size = 1 << (max(1, room // expert_bytes(gate_up, down)).bit_length() - 1)
+        size = experts_in(room, gate_up, down)
         flat_idx = idx.reshape(-1)
         y = torch.zeros((idx.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
         for first in range(0, e, size):
@@ -280,7 +278,7 @@ class MoeCuda(TunedOps, MoeReference):
         adds them once every batch is in."""
         experts, flat_idx = sorted(where), idx.reshape(-1)
         room = stack_room(x)        # the copies in parts that fit (static's hot set: hundreds of experts)
-        size = len(experts) if room is None else 1 << (max(1, room // expert_bytes(gate_up, down)).bit_length() - 1)
+        size = len(experts) if room is None else experts_in(room, gate_up, down)
         for part in (experts[j:j + size] for j in range(0, len(experts), size)):
             ids = torch.tensor(part, dtype=idx.dtype, device=idx.device)
             pairs = torch.isin(flat_idx, ids).nonzero()[:, 0]

@@ -138,6 +138,13 @@ def stack_room(x) -> int | None:
     return room
 
 
+def experts_in(room: int, *stacks: QuantizedWeight) -> int:
+    """How many experts' dequantised copies a batch takes in `room` bytes: a power of two (at least
+    one), since the grouped kernels take the expert count as a constant (batch sizes that followed
+    the free memory would compile anew) and 2^n splits 256 or 512 experts evenly."""
+    return 1 << (max(1, room // expert_bytes(*stacks)).bit_length() - 1)
+
+
 def unsplit(v, shape):
     """An fma form without split-K for `shape`: v itself, or bn 16 with the step nearest 128 words
     that fits; None where none does."""
