@@ -538,3 +538,33 @@ def test_the_stack_room_is_unlimited_off_the_gpu_unless_capped(monkeypatch):
     assert stack_room(x) is None
     monkeypatch.setenv("KILN_STACK_ROOM_GB", "0.25")
     assert stack_room(x) == 250_000_000
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batched_experts_refuse_a_graph_capture_with_a_reason(monkeypatch):
+    """Experts dequantised in batches sync the host (which pairs each batch holds): inside a CUDA graph
+    capture they raise a KilnError saying so, before any illegal call, so the prefill graphs fall back
+    to eager with that reason (not a CUDA error)."""
+    from kiln.backends.cuda import CudaOps
+    from kiln.errors import KilnError
+    from kiln.ops.quant import cuda as quant_cuda
+    from kiln.ops.quant.reference import quantize
+
+    ops = CudaOps(torch.device("cuda"))
+    g = torch.Generator().manual_seed(1)
+    h, e, i, k, t, dt = 64, 8, 32, 2, 9, torch.bfloat16
+    gate_up = quantize((torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(dt), 4, 32).to("cuda")
+    down = quantize((torch.randn(e, h, i, generator=g) * i ** -0.5).to(dt), 4, 32).to("cuda")
+    x = torch.randn(t, h, generator=g).to(device="cuda", dtype=dt)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).cuda()
+    weights = torch.rand(t, k, generator=g).to(device="cuda", dtype=dt)
+    room = 3 * quant_cuda.expert_bytes(gate_up, down)
+    for mod in ("kiln.ops.quant.cuda", "kiln.ops.moe.cuda"):
+        monkeypatch.setattr(f"{mod}.stack_room", lambda x: room)
+    ops.moe_experts(x, idx, weights, gate_up, down, "silu")       # eager: the batches run
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(KilnError, match="batches wait for the host"):
+        with torch.cuda.graph(graph):
+            ops.moe_experts(x, idx, weights, gate_up, down, "silu")
+    torch.cuda.synchronize()

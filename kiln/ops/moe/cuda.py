@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from ...errors import KilnError
 from ...weights.experts import ExpertStack
 from ...weights.quantized import QuantizedWeight, dequantize
 from ..dispatch import TunedOps
@@ -223,6 +224,9 @@ class MoeCuda(TunedOps, MoeReference):
         room, e = stack_room(x), gate_up.shape[0]
         if room is None or e * expert_bytes(gate_up, down) <= room:
             return None
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():    # (a prefill graph: say why, before a sync)
+            raise KilnError("the routed experts' dequantised copies do not fit whole: their batches wait for "
+                            "the host, which a CUDA graph cannot")
         size = experts_in(room, gate_up, down)
         flat_idx = idx.reshape(-1)
         y = torch.zeros((idx.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
