@@ -39,7 +39,7 @@ from .quantized import QuantizedWeight, quantize
 
 BLOCK = 1 << 22          # elements per independently seeded block (part of the determinism contract)
 DRAW_BATCH = 8           # blocks a quantised draw quantises at once (any count gives the same values)
-CACHE_PIECE = 1 << 15    # values a worker draws and maps while they sit in its core's cache
+CACHE_PIECE = 1 << 16    # values (256 KB) a worker draws and maps in its L2: 64 pieces a block, few GIL trips
 TRIPS_AHEAD = 2          # trips drawn while one quantises: DRAW_BATCH * TRIPS_AHEAD blocks keep WORKERS busy
 WORKERS = min(16, os.cpu_count() or 1)
 
