@@ -111,6 +111,7 @@ class Tuner:
         self.log = log or ((lambda line: None) if quiet else (lambda line: print(line, file=sys.stderr, flush=True)))
         self.cache = cache if cache is not None else TuneCache(warn=self.log)
         self._pool, self._early = None, {}       # precompile's worker pool and its jobs
+        self._pool_lock = threading.Lock()       # its shutdowns, one at a time (concurrent ones race in CPython)
         self.never: dict[str, set[str]] = {}     # variants this GPU class does not measure (_split sets it)
 
     # -- the whole flow ------------------------------------------------------------------------
@@ -204,7 +205,7 @@ class Tuner:
         # the workers exit once every job is done: each holds a CUDA context (0.5-2.7 GB measured on
         # the H200) that a load filling the GPU (the 397B's, weights drawn for minutes) needs back
         pool, futures = self._pool, list(self._early)
-        threading.Thread(target=lambda: (wait(futures), pool.shutdown(wait=True)), daemon=True).start()
+        threading.Thread(target=lambda: (wait(futures), self._shutdown(pool, wait=True)), daemon=True).start()
         return len(work)
 
     def _collect_early(self) -> tuple[set, dict[tuple, str]]:
@@ -222,14 +223,21 @@ class Tuner:
             self.log(f"[kiln] warning: early compile failed ({type(e).__name__}: {e}); compiling again")
             return set(), {}
         finally:
-            self._pool.shutdown(wait=True)
+            self._shutdown(self._pool, wait=True)
         return set(early.values()), failed
 
     def cancel(self) -> None:
         """Drop precompile's jobs: queued ones cancelled, running ones finish in their workers."""
         if self._early:
             self._early = {}
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._shutdown(self._pool, wait=False, cancel_futures=True)
+
+    def _shutdown(self, pool: ProcessPoolExecutor, **how) -> None:
+        """pool.shutdown(**how) under a lock: precompile's thread and tune() or cancel() may both shut it
+        down, and two concurrent shutdowns of a ProcessPoolExecutor race on its fields (one sets
+        them to None while the other uses them)."""
+        with self._pool_lock:
+            pool.shutdown(**how)
 
     def _workers(self, jobs: int) -> int:
         """Worker processes for `jobs` compile jobs: none off the GPU or for fewer than 8."""
