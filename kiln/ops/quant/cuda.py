@@ -128,14 +128,11 @@ def stack_room(x) -> int | None:
     (benchmarks: the batched path on a small model). Without the cached blocks, the room shrank once
     the first batch's copies sat in torch's cache, so the next batch asked for other sizes and the
     allocator went back to the driver (a cudaFree syncs) every batch."""
-    cap = os.environ.get("KILN_STACK_ROOM_GB")
-    room = None
+    rooms = [int(float(cap) * 1e9)] if (cap := os.environ.get("KILN_STACK_ROOM_GB")) else []
     if x.is_cuda:
         cached = torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device)
-        room = (torch.cuda.mem_get_info(x.device)[0] + cached) // 2
-    if cap:
-        room = min(int(float(cap) * 1e9), room) if room is not None else int(float(cap) * 1e9)
-    return room
+        rooms.append((torch.cuda.mem_get_info(x.device)[0] + cached) // 2)
+    return min(rooms, default=None)
 
 
 def experts_in(room: int, *stacks: QuantizedWeight) -> int:
