@@ -33,7 +33,8 @@ def main() -> int:
         synth.quantized_draw(drawn, name, (args.bits, 64), torch.bfloat16)
         runs.append(time.perf_counter() - t)
     n = math.prod(shape)
-    result = {"shape": shape, "bits": args.bits, "workers": synth.WORKERS, "draw_batch": synth.DRAW_BATCH,
+    where = "philox kernel on the GPU" if torch.cuda.is_available() else f"{synth.WORKERS} CPU threads"
+    result = {"shape": shape, "bits": args.bits, "drawn_by": where, "draw_batch": synth.DRAW_BATCH,
               "trips_ahead": synth.TRIPS_AHEAD, "seconds": runs, "g_values_s": [n / s / 1e9 for s in runs],
               "date": now_iso(), "command": " ".join(sys.argv),
               **environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))}

@@ -258,23 +258,35 @@ def _around(mean: float, std: float) -> tuple[str, float, float]:
     return "uniform", mean - half, mean + half
 
 
-def _seed(seed: int, name: str, block: int) -> int:
-    digest = hashlib.blake2b(f"{seed}\0{name}\0{block}".encode(), digest_size=8).digest()
+def _seed(seed: int, name: str, block: int, size: int = 8) -> int:
+    digest = hashlib.blake2b(f"{seed}\0{name}\0{block}".encode(), digest_size=size).digest()
     return int.from_bytes(digest, "little")
 
 
-def _draw(rule: tuple[str, float, float], n: int, seed: int, out: np.ndarray | None = None) -> torch.Tensor:
-    """n values in f32 (into `out`'s first n when given). Uniforms are k * 2^-24 (exact), then one
-    affine map, each step one f32 rounding: the same bits on any CPU."""
+def _key(seed: int, name: str, block: int) -> int:
+    """The 128-bit Philox key of a tensor's block."""
+    return _seed(seed, name, block, 16)
+
+
+def _affine(rule: tuple[str, float, float]) -> tuple[np.float32, np.float32]:
+    """A uniform rule's (scale, shift) in f32: v = u * scale + shift, u in [0, 1)."""
+    _, a, b = rule
+    return np.float32(b - a), np.float32(a)
+
+
+def _draw(rule: tuple[str, float, float], n: int, key: int, out: np.ndarray | None = None) -> torch.Tensor:
+    """n values in f32 (into `out`'s first n when given): numpy's Philox stream under `key`, whose
+    uniforms are k * 2^-24 (exact), then one affine map, each step one f32 rounding: the same bits on
+    any CPU, and on a GPU (kiln/weights/philox.py draws the same stream there)."""
     kind, a, b = rule
     u = np.empty(n, dtype=np.float32) if out is None else out[:n]
-    gen = np.random.Generator(np.random.SFC64(seed))
+    gen = np.random.Generator(np.random.Philox(key=key))
     if kind == "uniform":
         # numpy in place: single-threaded, so WORKERS threads drawing at once do not each fan out
         # over torch's intra-op pool (which oversubscribed the cores); f32 * f32(s) as torch's mul_.
         # In pieces that stay in cache: one pass over memory, not three (the stream runs on across
         # calls, so the values are one call's)
-        scale, shift = np.float32(b - a), np.float32(a)
+        scale, shift = _affine(rule)
         for i in range(0, n, CACHE_PIECE):
             v = u[i:i + CACHE_PIECE]
             gen.random(dtype=np.float32, out=v)
@@ -310,7 +322,7 @@ class Synthesis:
         first values when given (a contiguous f32 CPU tensor); `scales`: its router_scales, which
         blocks() computes once."""
         n = math.prod(self.shapes[name])
-        b = _draw(self.rule(name), min(BLOCK, n - i * BLOCK), _seed(self.seed, name, i),
+        b = _draw(self.rule(name), min(BLOCK, n - i * BLOCK), _key(self.seed, name, i),
                   None if out is None else out.numpy())
         if scales is not None:      # each value times its row's scale (rows of the last dim's width)
             b.mul_(scales[(i * BLOCK + torch.arange(b.numel())) // self.shapes[name][-1]])
@@ -430,56 +442,72 @@ def quantized_draw(synthesis: Synthesis, name: str, fmt: tuple[int, int], dtype:
     """The tensor drawn as `synthesis.tensor` draws it (rounded to dtype) and quantised block by block
     as it lands: a group never straddles a row (the width is a multiple of it) and its bits fill whole
     words, so groups quantised in flat order are the rows' own (mx.quantize's values, never a full
-    16-bit copy)."""
+    16-bit copy). Where a GPU is present the values are drawn and quantised there (_kernel_trips)."""
     bits, group = fmt
     shape = synthesis.shapes[name]
     n = math.prod(shape)
     packed = torch.empty(n * bits // 32, dtype=torch.int32)
     scales, biases = torch.empty(n // group, dtype=dtype), torch.empty(n // group, dtype=dtype)
-    # a GPU quantises a block in about a millisecond, a CPU core in about a hundred (a 397B has 10^5
-    # blocks); the values are the same (every step IEEE f32, round half to even). DRAW_BATCH blocks go
-    # in one trip, through a pinned buffer on a GPU: per block, the trips' fixed costs dominated. The
-    # workers draw each block straight into a buffer, TRIPS_AHEAD trips ahead of the one quantising
-    # (so up to WORKERS blocks draw at once): the thread running the trips only copies and quantises.
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    router = router_scales(name, shape, synthesis.seed, synthesis.skew)
+    gpu = torch.cuda.is_available() and synthesis.rule(name)[0] == "uniform"
+    at = 0
+    for x in _kernel_trips(synthesis, name, router, "cuda") if gpu else _cpu_trips(synthesis, name, router):
+        size = x.numel()
+        if at + size > n or size == 0:
+            raise KilnError(f"{name}: the draw gave {at + size} of {n} values")
+        q = quantize(x.to(dtype).view(-1, group), bits, group)
+        g = size // group
+        packed[at * bits // 32:(at + size) * bits // 32] = q.packed.reshape(-1)     # (these copies wait for it)
+        scales[at // group:at // group + g], biases[at // group:at // group + g] = q.scales[:, 0], q.biases[:, 0]
+        at += size
+    if at != n:
+        raise KilnError(f"{name}: the draw gave {at} of {n} values")
+    if gpu:
+        del q, x
+        torch.cuda.empty_cache()    # the trips' ~1 GB of temporaries: not left reserved past the load
+    rows = shape[:-1]
+    return QuantizedWeight(packed.view(*rows, -1), scales.view(*rows, -1), biases.view(*rows, -1), bits, group)
+
+
+def _kernel_trips(synthesis: Synthesis, name: str, router: torch.Tensor | None, device) -> Iterator[torch.Tensor]:
+    """A uniform tensor's f32 values on `device` (a GPU; the CPU under Triton's interpreter in tests),
+    DRAW_BATCH blocks a trip, drawn there by the Philox kernel (the CPU draw's bits): no host thread
+    draws, and nothing crosses PCIe but the quantised result."""
+    from . import philox
+
+    n = math.prod(synthesis.shapes[name])
+    scale, shift = _affine(synthesis.rule(name))
+    count, width = max(1, -(-n // BLOCK)), synthesis.shapes[name][-1]
+    router = None if router is None else router.to(device)
+    for first in range(0, count, DRAW_BATCH):
+        blocks = range(first, min(count, first + DRAW_BATCH))
+        x = torch.empty(min(n, (first + len(blocks)) * BLOCK) - first * BLOCK, device=device)
+        philox.uniform([_key(synthesis.seed, name, i) for i in blocks], x, BLOCK, scale, shift)
+        if router is not None:      # as Synthesis.block scales each value by its row's scale
+            x.mul_(router[(first * BLOCK + torch.arange(x.numel(), device=device)) // width])
+        yield x
+
+
+def _cpu_trips(synthesis: Synthesis, name: str, router: torch.Tensor | None) -> Iterator[torch.Tensor]:
+    """The tensor's f32 values, DRAW_BATCH blocks a trip, drawn by WORKERS threads straight into one
+    of TRIPS_AHEAD + 1 buffers, TRIPS_AHEAD trips ahead of the one being quantised (so up to WORKERS
+    blocks draw at once). A trip is quantised before its buffer is drawn into again."""
+    n = math.prod(synthesis.shapes[name])
     count, trip = max(1, -(-n // BLOCK)), DRAW_BATCH * BLOCK
     trips = -(-count // DRAW_BATCH)
-    router = router_scales(name, shape, synthesis.seed, synthesis.skew)
-    bufs = [torch.empty(min(n, trip), pin_memory=device == "cuda") for _ in range(min(TRIPS_AHEAD + 1, trips))]
-    copied: list = [None] * len(bufs)       # a buffer's copy to the GPU: the workers refill it after
-    at = 0
+    bufs = [torch.empty(min(n, trip)) for _ in range(min(TRIPS_AHEAD + 1, trips))]
     with ThreadPoolExecutor(min(WORKERS, count)) as pool:
         def fill(t: int) -> list:
             first, k = t * DRAW_BATCH, t % len(bufs)
-            if copied[k] is not None:
-                copied[k].synchronize()
             return [pool.submit(synthesis.block_into, name, i, bufs[k][(i - first) * BLOCK:], router)
                     for i in range(first, min(count, first + DRAW_BATCH))]
 
         pending = deque(fill(t) for t in range(min(len(bufs) - 1, trips) or 1))
         for t in range(trips):
-            k = t % len(bufs)
             size = sum(f.result() for f in pending.popleft())
-            if at + size > n or size == 0:
-                raise KilnError(f"{name}: the draw gave {at + size} of {n} values")
             if t + len(pending) + 1 < trips:
                 pending.append(fill(t + len(pending) + 1))
-            x = bufs[k][:size].to(device, non_blocking=True)
-            if device == "cuda":
-                copied[k] = torch.cuda.Event()
-                copied[k].record()
-            q = quantize(x.to(dtype).view(-1, group), bits, group)
-            g = size // group
-            packed[at * bits // 32:(at + size) * bits // 32] = q.packed.reshape(-1)     # (these copies wait for it)
-            scales[at // group:at // group + g], biases[at // group:at // group + g] = q.scales[:, 0], q.biases[:, 0]
-            at += size
-    if at != n:
-        raise KilnError(f"{name}: the draw gave {at} of {n} values")
-    if device == "cuda":
-        del q, x
-        torch.cuda.empty_cache()    # the trips' ~1 GB of temporaries: not left reserved past the load
-    rows = shape[:-1]
-    return QuantizedWeight(packed.view(*rows, -1), scales.view(*rows, -1), biases.view(*rows, -1), bits, group)
+            yield bufs[t % len(bufs)][:size]
 
 
 def open_synth(spec: str, dtype: torch.dtype = torch.bfloat16) -> Checkpoint:

@@ -260,7 +260,8 @@ def test_streaming_flags_on_the_cli(packed, capsys):
 
 def test_a_skewed_synth_router_concentrates_routing_and_raises_the_hit_rate():
     """skew=2 against the plain draw, same seed and sampling: the most used expert of a layer takes a
-    larger share and 3 lfu slots of 8 hit more often (measured 0.38 -> 0.53; 0.19 -> 0.30 share)."""
+    larger share (the mean over the 4 layers: one layer's 480 picks of 8 experts are noisy) and 3 lfu
+    slots of 8 hit more often (measured 0.40 -> 0.53; shares 0.17 -> 0.26, one layer's 0.16-0.31)."""
     rate, top = {}, {}
     for skew in (0, 2):
         llm = kiln.load(f"synth:tiny-qwen3.5-moe-p2:seed=3:skew={skew}", device="cpu", backend="reference",
@@ -268,8 +269,10 @@ def test_a_skewed_synth_router_concentrates_routing_and_raises_the_hit_rate():
         for seed in (1, 2):     # two sampled sequences: the rates are statistics of the routing, not one path's
             llm.generate([5, 17, 200, 33, 91, 4, 250, 12], max_new_tokens=120, temperature=1.0, seed=seed)
         store = llm.model.expert_store
-        uses = Counter(e for layer, needed in store.trace for e in needed if layer.startswith("model.layers.1."))
-        rate[skew], top[skew] = store.summary()["hit_rate"], max(uses.values()) / sum(uses.values())
+        layers = {layer for layer, _ in store.trace}
+        uses = [Counter(e for at, needed in store.trace if at == layer for e in needed) for layer in layers]
+        rate[skew] = store.summary()["hit_rate"]
+        top[skew] = sum(max(u.values()) / sum(u.values()) for u in uses) / len(uses)
     assert rate[2] > rate[0] + 0.08 and top[2] > top[0] + 0.05, (rate, top)
 
 

@@ -60,10 +60,12 @@ def raw(path, name: str) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(f.raw(name), dtype=np.float32).reshape(info.shape).copy())
 
 
-def within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
-    up = torch.nextafter(want, torch.full_like(want, np.inf))
-    down = torch.nextafter(want, torch.full_like(want, -np.inf))
-    return bool(((got == want) | (got == up) | (got == down)).all())
+def within_exp_log(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """got = log(-(-exp(want))) with the exp in f32 (the converter's): an f32 exp is within one ulp, a
+    relative 2^-23, so the log is within 2^-23 absolute, plus the final rounding to f32 (one ulp of
+    want). Near A_log = 0 (A near 1) that is several ulps of A_log (measured: 4 at 0.0203)."""
+    ulp = torch.nextafter(want.abs(), torch.full_like(want, np.inf)) - want.abs()
+    return bool(((got - want).abs() <= 2.0 ** -23 + ulp).all())
 
 
 # HF tensor -> the GGUF tensor it was converted to, and what the converter did to it (checked below
@@ -89,8 +91,8 @@ def test_the_reader_gives_the_hf_sources_tensors_and_config(sources, fixture):
     assert set(gguf.shapes) == set(hf.shapes) and gguf.shapes == hf.shapes
     for name in hf.shapes:
         want, got = hf.load(name).float(), gguf.load(name)
-        # -exp then log cannot give back every float: the reader's log (in f64) lands within one ulp
-        assert (within_one_ulp(got, want) if name.endswith("A_log") else torch.equal(got, want)), name
+        # -exp then log cannot give back every float: the reader's log (in f64) lands within exp's error
+        assert (within_exp_log(got, want) if name.endswith("A_log") else torch.equal(got, want)), name
     want_cfg, got_cfg = model_config(hf.config)[1], model_config(gguf.config)[1]
     assert got_cfg.rms_norm_eps == float(np.float32(want_cfg.rms_norm_eps))     # GGUF stores it as f32
     assert dataclasses.replace(got_cfg, rms_norm_eps=want_cfg.rms_norm_eps, rope_parameters=None) == \
@@ -103,7 +105,7 @@ def test_each_transformation_was_made_and_is_undone(sources):
         want, kept = hf.load(name).float(), raw(FIXTURES / MOE, stored)
         assert kept.shape != want.shape or not torch.equal(kept, want), f"{name} is stored as it is ({what})"
         got = gguf.load(name)
-        assert (within_one_ulp(got, want) if name.endswith("A_log") else torch.equal(got, want)), name
+        assert (within_exp_log(got, want) if name.endswith("A_log") else torch.equal(got, want)), name
     a_log = hf.load("model.layers.0.linear_attn.A_log").float()      # the same values, heads in another order
     assert torch.equal(raw(FIXTURES / MOE, "blk.0.ssm_a").sort().values, (-torch.exp(a_log)).sort().values)
     gate_up = hf.load("model.layers.1.mlp.experts.gate_up_proj").float()
