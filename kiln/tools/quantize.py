@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .. import hub
 from ..cli.flags import positive_float
 from ..errors import KilnError
 from ..ops.quant.reference import BITS, GROUP_SIZES, quantize
@@ -61,7 +62,7 @@ SHARD_MB = 5 << 10             # mlx-lm's shard size (5 GiB)
 
 def add_parser(sub) -> None:
     p = sub.add_parser("quantize", help="convert an HF folder or GGUF file into an mlx-lm quantised folder")
-    p.add_argument("src", help="HF folder (config.json + *.safetensors) or .gguf file")
+    p.add_argument("src", help="HF folder (config.json + *.safetensors), .gguf file or bundled model name")
     p.add_argument("out", help="output folder (must not exist, or be empty)")
     p.add_argument("--bits", type=int, choices=BITS, default=4, help="bits per weight (default 4)")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64,
@@ -138,6 +139,8 @@ def open_source(src: str) -> tuple[Checkpoint, dict]:
     """The checkpoint and the config.json to write for it (without `quantization` yet)."""
     if str(src).startswith("synth:"):
         raise KilnError("kiln quantize reads an HF folder or a GGUF file (write a synth: model with kiln synth first)")
+    if str(src) in hub.BUNDLED and not Path(src).exists():     # a bundled model's name, as kiln run takes it
+        src = hub.ensure(str(src))
     ckpt = open_checkpoint(src)
     if ckpt.format == "hf":
         config = json.loads((ckpt.path / "config.json").read_text())

@@ -322,6 +322,14 @@ def test_an_empty_out_folder_is_filled(tiny, tmp_path):
     assert no_partials(tmp_path)
 
 
+def test_a_bundled_models_name_is_a_source(tmp_path):
+    """`kiln quantize smollm2-135m OUT` as `kiln run smollm2-135m` takes the name: its GGUF file."""
+    r = kiln_cli("smollm2-135m", tmp_path / "out", "--bits", "8")
+    assert r.returncode == 0, r.stderr
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization"]["bits"] == 8 and config["model_type"] == "llama"
+
+
 def rewrite_config(src: Path, dst: Path, **changes) -> Path:
     dst.mkdir()
     for f in src.iterdir():

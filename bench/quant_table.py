@@ -1,0 +1,98 @@
+"""docs/quant.md's table of quantisation error: each model quantised by `kiln quantize` at every bits x
+group size, then `kiln compare QUANTISED --reference SOURCE` on the model's prompts (teacher-forced
+top-1 agreement with the source's greedy tokens, mean KL(source || quantised) per token in nats).
+
+    PYTHONPATH=. python3 bench/quant_table.py OUT.json [--models smollm2-135m,gemma3-270m]
+        [--bits 2,3,4,5,6,8] [--groups 32,64,128] [--tokens 32]
+
+A model is a bundled name (its GGUF file is the source, dequantised at load: the quantised model is
+that file's weights requantised) or an HF folder (a random 64-token prompt unless PROMPTS names it).
+Each pair runs as a new user would run it: the two CLI commands, in turn. The table (markdown) goes
+to stdout, progress to stderr; the JSON holds every compare's summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kiln.fsutil import write_atomic
+from kiln.tools.benchutil import environment, now_iso
+
+# the prompts tests/models/test_real.py checks against transformers (one code, one not English)
+PROMPTS = {
+    "smollm2-135m": ["The capital of France is",
+                     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+                     "La recette traditionnelle de la ratatouille comprend"],
+    "gemma3-270m": ["The history of the Roman Empire begins", "import numpy as np\n\ndef softmax(x):\n",
+                    "Die Hauptstadt von Deutschland ist"],
+}
+RANDOM = ["--random-prompt", "64"]
+
+
+def kiln(*args: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"kiln {' '.join(args)} failed:\n{r.stderr[-2000:]}")
+
+
+def measure(model: str, bits: int, group: int, tokens: int, work: Path) -> dict:
+    out, report = work / f"q{bits}g{group}", work / f"c{bits}g{group}.json"
+    kiln("quantize", model, str(out), "--bits", str(bits), "--group-size", str(group))
+    prompts = [a for p in PROMPTS[model] for a in ("--prompt", p)] if model in PROMPTS else RANDOM
+    kiln("compare", str(out), "--reference", model, "--tokens", str(tokens), "--quiet", "--json", str(report),
+         *prompts)
+    runs = json.loads(report.read_text())["prompts"]
+    agree = sum(r["teacher_forced"]["agree"] for r in runs)
+    total = sum(len(r["reference_tokens"]) for r in runs)
+    return {"model": model, "bits": bits, "group": group, "agree": agree, "tokens": total,
+            "agreement": agree / total, "mean_kl": sum(r["mean_kl"] for r in runs) / len(runs),
+            "identical": [r["identical"] for r in runs],
+            "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+
+
+def table(rows: list[dict], groups: list[int]) -> str:
+    lines = ["| model | bits | " + " | ".join(f"g{g}: agree, KL" for g in groups) + " |",
+             "|---|---|" + "---|" * len(groups)]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for bits in sorted({r["bits"] for r in rows if r["model"] == model}):
+            cells = {r["group"]: r for r in rows if r["model"] == model and r["bits"] == bits}
+            lines.append(f"| {model} | {bits} | " + " | ".join(
+                f"{100 * cells[g]['agreement']:.1f}%, {cells[g]['mean_kl']:.4f}" if g in cells else "" for g in groups)
+                + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--models", default="smollm2-135m,gemma3-270m")
+    ap.add_argument("--bits", default="2,3,4,5,6,8")
+    ap.add_argument("--groups", default="32,64,128")
+    ap.add_argument("--tokens", type=int, default=32)
+    a = ap.parse_args()
+    bits, groups = [int(b) for b in a.bits.split(",")], [int(g) for g in a.groups.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in a.models.split(","):
+            for b in bits:
+                for g in groups:
+                    rows.append(measure(model, b, g, a.tokens, Path(tmp)))
+                    r = rows[-1]
+                    print(f"{model} {b}-bit g{g}: agreement {r['agreement']:.3f}, mean KL {r['mean_kl']:.4f}",
+                          file=sys.stderr, flush=True)
+    result = {"date": now_iso(), "command": " ".join(sys.argv), "tokens": a.tokens, "rows": rows,
+              **environment(torch.device("cpu"))}
+    write_atomic(a.out, lambda f: f.write(json.dumps(result, indent=1).encode()))
+    print(table(rows, groups))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
