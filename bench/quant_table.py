@@ -6,7 +6,10 @@ top-1 agreement with the source's greedy tokens, mean KL(source || quantised) pe
         [--bits 2,3,4,5,6,8] [--groups 32,64,128] [--tokens 32]
 
 A model is a bundled name (its GGUF file is the source, dequantised at load: the quantised model is
-that file's weights requantised) or an HF folder (a random 64-token prompt unless PROMPTS names it).
+that file's weights requantised), an HF folder, or a synth: spec (the quantised model is the spec
+drawn with bits=B:group=G, which equals kiln quantize of the drawn model: tests/weights/test_synth.py;
+random weights, so judge with care: docs/synth.md). A model PROMPTS does not name gets a random
+64-token prompt.
 Each pair runs as a new user would run it: the two CLI commands, in turn. The table (markdown) goes
 to stdout, progress to stderr; the JSON holds every compare's summary.
 """
@@ -43,10 +46,15 @@ def kiln(*args: str) -> None:
 
 
 def measure(model: str, bits: int, group: int, tokens: int, work: Path) -> dict:
-    out, report = work / f"q{bits}g{group}", work / f"c{bits}g{group}.json"
-    kiln("quantize", model, str(out), "--bits", str(bits), "--group-size", str(group))
+    work.mkdir()
+    out, report = work / "quantised", work / "compare.json"
+    if model.startswith("synth:"):
+        quantised = f"{model}:bits={bits}:group={group}"
+    else:
+        kiln("quantize", model, str(out), "--bits", str(bits), "--group-size", str(group))
+        quantised = str(out)
     prompts = [a for p in PROMPTS[model] for a in ("--prompt", p)] if model in PROMPTS else RANDOM
-    kiln("compare", str(out), "--reference", model, "--tokens", str(tokens), "--quiet", "--json", str(report),
+    kiln("compare", quantised, "--reference", model, "--tokens", str(tokens), "--quiet", "--json", str(report),
          *prompts)
     runs = json.loads(report.read_text())["prompts"]
     agree = sum(r["teacher_forced"]["agree"] for r in runs)
@@ -54,7 +62,7 @@ def measure(model: str, bits: int, group: int, tokens: int, work: Path) -> dict:
     return {"model": model, "bits": bits, "group": group, "agree": agree, "tokens": total,
             "agreement": agree / total, "mean_kl": sum(r["mean_kl"] for r in runs) / len(runs),
             "identical": [r["identical"] for r in runs],
-            "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+            "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")) or None}
 
 
 def table(rows: list[dict], groups: list[int]) -> str:
@@ -83,7 +91,7 @@ def main() -> int:
         for model in a.models.split(","):
             for b in bits:
                 for g in groups:
-                    rows.append(measure(model, b, g, a.tokens, Path(tmp)))
+                    rows.append(measure(model, b, g, a.tokens, Path(tmp, str(len(rows)))))
                     r = rows[-1]
                     print(f"{model} {b}-bit g{g}: agreement {r['agreement']:.3f}, mean KL {r['mean_kl']:.4f}",
                           file=sys.stderr, flush=True)

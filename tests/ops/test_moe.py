@@ -4,6 +4,8 @@ and on the GPU at the real Qwen3.5-35B-A3B and Gemma 4 26B-A4B shapes, graph-cap
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -479,15 +481,24 @@ def test_quantised_stacks_too_large_for_their_copies_run_in_batches_of_experts(m
         return ops.moe_experts(x, idx, weights, gate_up, down, "silu")
 
     whole = experts()                                        # off the GPU there is no limit: whole stacks
-    cuts, real = [], quant_cuda.dequantised_stacks
+    cuts, alive, real = [], [], quant_cuda.dequantised_stacks
     room = 3 * quant_cuda.expert_bytes(gate_up, down)
     for mod in ("kiln.ops.quant.cuda", "kiln.ops.moe.cuda"):
         monkeypatch.setattr(f"{mod}.stack_room", lambda x: room)
-    monkeypatch.setattr("kiln.ops.moe.cuda.dequantised_stacks",
-                        lambda *a, **kw: cuts.append((kw.get("first"), kw.get("last"))) or real(*a, **kw))
+
+    def dequantised(*a, **kw):
+        alive.append(sum(r() is not None for r in refs))     # earlier batches' copies still held
+        cuts.append((kw.get("first"), kw.get("last")))
+        stacks = real(*a, **kw)
+        refs.extend(weakref.ref(t) for t in stacks)
+        return stacks
+
+    refs = []
+    monkeypatch.setattr("kiln.ops.moe.cuda.dequantised_stacks", dequantised)
     batched = experts()
     # room for 3 copies: batches of 2 (a power of two: the kernels' expert count is a constant), never the whole
     assert set(cuts) <= {(0, 2), (2, 4), (4, 6), (6, 8)} and len(cuts) >= 2, cuts
+    assert alive == [0] * len(cuts)      # one batch's copies at a time: the room is not taken twice
     # a batch's few pairs may take another tile form than the chunk's (another order of the K sums)
     assert_close(batched, whole, k + gated, exact_fraction=0.9)
     want = (REF.moe_experts_gated(x, idx, weights, gate_up, down, "silu", gate_w, shared) if gated

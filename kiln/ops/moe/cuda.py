@@ -236,6 +236,7 @@ class MoeCuda(TunedOps, MoeReference):
             if pairs.numel():
                 gu, dn = dequantised_stacks(self, x, gate_up, down, first=first, last=last)
                 self._pairs(x, idx, weights, pairs, flat_idx[pairs] - first, gu, dn, act, y)
+                del gu, dn      # before the next batch's copies exist: one batch's at a time, not two
         return self.moe_combine(y, idx, x, gate)
 
     def _pairs(self, x, idx, weights, pairs, rows, gate_up, down, act, y) -> None:
@@ -291,6 +292,7 @@ class MoeCuda(TunedOps, MoeReference):
             slots = torch.tensor([where[e] for e in part], dtype=torch.int64, device=x.device)
             gu, dn = gathered_stacks((gate_up, down), slots)
             self._pairs(x, idx, weights, pairs, torch.searchsorted(ids, flat_idx[pairs]), gu, dn, act, y)
+            del gu, dn      # (as _in_batches: one part's copies at a time)
 
     def _dequantised(self, x, gate_up, down):
         """Quantised stacks past the routed GEMVs (a prefill chunk): both dequantised whole, one launch
