@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.common import EXACT_ROUNDING, cdiv
-
 M0, M1 = tl.constexpr(0xD2E7470EE14C6C93), tl.constexpr(0xCA5A826395121157)   # Random123's Philox4x64
 W0, W1 = tl.constexpr(0x9E3779B97F4A7C15), tl.constexpr(0xBB67AE8584CAA73B)   # multipliers, key increments
 LOW = tl.constexpr(0xFFFFFFFF)
@@ -79,10 +77,12 @@ def uniform(keys: list[int], out: torch.Tensor, block: int, scale: float, shift:
     if n > len(keys) * block or n <= (len(keys) - 1) * block:
         raise ValueError(f"{n} values do not fill {len(keys)} blocks of {block}")
     k = torch.from_numpy(key_words(keys)).to(out.device)
-    grid = (len(keys), cdiv(min(block, n), 8 * TILE))
+    grid = (len(keys), -(-min(block, n) // (8 * TILE)))
     f32 = lambda v: float(np.float32(v))      # noqa: E731  (the kernel's f32 scalars, exactly)
+    # no fused multiply-add: v * scale and + shift round apart, as NumPy's two steps (kiln.ops'
+    # EXACT_ROUNDING; weights sits below ops)
     philox_kernel[grid](k, out, n, BLOCK=block, scale=f32(scale), shift=f32(shift), TILE=TILE, num_warps=4,
-                        **EXACT_ROUNDING)
+                        enable_fp_fusion=False)
     return out
 
 
