@@ -5,6 +5,9 @@ top-1 agreement with the source's greedy tokens, mean KL(source || quantised) pe
     PYTHONPATH=. python3 bench/quant_table.py OUT.json [--models smollm2-135m,gemma3-270m]
         [--bits 2,3,4,5,6,8] [--groups 32,64,128] [--tokens 32]
 
+`--fill`: OUT.json exists (an earlier run's, without the summaries): only kiln quantize runs again,
+deterministic, to add each row's summary and bits per weight; then the table.
+
 A model is a bundled name (its GGUF file is the source, dequantised at load: the quantised model is
 that file's weights requantised), an HF folder, or a synth: spec (the quantised model is the spec
 drawn with bits=B:group=G, which equals kiln quantize of the drawn model: tests/weights/test_synth.py;
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,19 +43,31 @@ PROMPTS = {
 RANDOM = ["--random-prompt", "64"]
 
 
-def kiln(*args: str) -> None:
+def kiln(*args: str) -> str:
+    """A kiln command's stderr (its summary lines), or exit with them where it failed."""
     r = subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"kiln {' '.join(args)} failed:\n{r.stderr[-2000:]}")
+    return r.stderr
+
+
+def quantised_summary(stderr: str) -> tuple[str | None, float | None]:
+    """kiln quantize's summary line and its bits per weight: a width that is not a multiple of the
+    group keeps its module 16-bit (SmolLM2's 576 at group 128), so the bits say what was quantised."""
+    line = next((s for s in stderr.splitlines() if s.startswith("kiln: quantised modules")), None)
+    bpw = re.search(r"\(([\d.]+) bits per weight\)", line or "")
+    return line, float(bpw.group(1)) if bpw else None
 
 
 def measure(model: str, bits: int, group: int, tokens: int, work: Path) -> dict:
     work.mkdir()
     out, report = work / "quantised", work / "compare.json"
+    summary, bpw = None, None
     if model.startswith("synth:"):
         quantised = f"{model}:bits={bits}:group={group}"
     else:
-        kiln("quantize", model, str(out), "--bits", str(bits), "--group-size", str(group))
+        summary, bpw = quantised_summary(kiln("quantize", model, str(out), "--bits", str(bits),
+                                              "--group-size", str(group)))
         quantised = str(out)
     prompts = [a for p in PROMPTS[model] for a in ("--prompt", p)] if model in PROMPTS else RANDOM
     kiln("compare", quantised, "--reference", model, "--tokens", str(tokens), "--quiet", "--json", str(report),
@@ -62,19 +78,39 @@ def measure(model: str, bits: int, group: int, tokens: int, work: Path) -> dict:
     return {"model": model, "bits": bits, "group": group, "agree": agree, "tokens": total,
             "agreement": agree / total, "mean_kl": sum(r["mean_kl"] for r in runs) / len(runs),
             "identical": [r["identical"] for r in runs],
-            "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")) or None}
+            "bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")) or None,
+            "bits_per_weight": bpw, "quantize": summary}
+
+
+def cell(r: dict) -> str:
+    """agreement, KL and (what was quantised: modules and the folder's MiB)"""
+    what = re.search(r"modules: (\d+) at .*-> ([\d.]+ MiB)", r.get("quantize") or "")
+    return f"{100 * r['agreement']:.1f}%, {r['mean_kl']:.4f}" + (f" ({what[1]}, {what[2]})" if what else "")
 
 
 def table(rows: list[dict], groups: list[int]) -> str:
-    lines = ["| model | bits | " + " | ".join(f"g{g}: agree, KL" for g in groups) + " |",
+    lines = ["| model | bits | " + " | ".join(f"g{g}: agreement, KL (modules, size)" for g in groups) + " |",
              "|---|---|" + "---|" * len(groups)]
     for model in dict.fromkeys(r["model"] for r in rows):
         for bits in sorted({r["bits"] for r in rows if r["model"] == model}):
             cells = {r["group"]: r for r in rows if r["model"] == model and r["bits"] == bits}
-            lines.append(f"| {model} | {bits} | " + " | ".join(
-                f"{100 * cells[g]['agreement']:.1f}%, {cells[g]['mean_kl']:.4f}" if g in cells else "" for g in groups)
-                + " |")
+            lines.append(f"| {model} | {bits} | " + " | ".join(cell(cells[g]) if g in cells else "" for g in groups)
+                         + " |")
     return "\n".join(lines)
+
+
+def fill(path: str, groups: list[int]) -> int:
+    result = json.loads(Path(path).read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, r in enumerate(result["rows"]):
+            if not r["model"].startswith("synth:"):
+                out = Path(tmp, str(i))
+                r["quantize"], r["bits_per_weight"] = quantised_summary(kiln(
+                    "quantize", r["model"], str(out), "--bits", str(r["bits"]), "--group-size", str(r["group"])))
+    result["filled"] = f"{now_iso()}: {' '.join(sys.argv)}"
+    write_atomic(path, lambda f: f.write(json.dumps(result, indent=1).encode()))
+    print(table(result["rows"], groups))
+    return 0
 
 
 def main() -> int:
@@ -84,8 +120,11 @@ def main() -> int:
     ap.add_argument("--bits", default="2,3,4,5,6,8")
     ap.add_argument("--groups", default="32,64,128")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--fill", action="store_true")
     a = ap.parse_args()
     bits, groups = [int(b) for b in a.bits.split(",")], [int(g) for g in a.groups.split(",")]
+    if a.fill:
+        return fill(a.out, groups)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in a.models.split(","):
