@@ -5,8 +5,10 @@ top-1 agreement with the source's greedy tokens, mean KL(source || quantised) pe
     PYTHONPATH=. python3 bench/quant_table.py OUT.json [--models smollm2-135m,gemma3-270m]
         [--bits 2,3,4,5,6,8] [--groups 32,64,128] [--tokens 32]
 
-`--fill`: OUT.json exists (an earlier run's, without the summaries): only kiln quantize runs again,
-deterministic, to add each row's summary and bits per weight; then the table.
+Rows go into OUT.json as they are measured; a row already there (same --tokens) is not measured
+again, so a long table can be stopped and taken up later. `--fill`: OUT.json exists (an earlier
+run's, without the summaries): only kiln quantize runs again, deterministic, to add each row's
+summary and bits per weight; then the table.
 
 A model is a bundled name (its GGUF file is the source, dequantised at load: the quantised model is
 that file's weights requantised), an HF folder, or a synth: spec (the quantised model is the spec
@@ -125,18 +127,24 @@ def main() -> int:
     bits, groups = [int(b) for b in a.bits.split(",")], [int(g) for g in a.groups.split(",")]
     if a.fill:
         return fill(a.out, groups)
-    rows = []
+    # written after every row, and rows already in OUT (same tokens) are kept: a long table can stop
+    # and go on
+    old = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
+    rows = old.get("rows", []) if old.get("tokens") == a.tokens else []
+    done = {(r["model"], r["bits"], r["group"]) for r in rows}
+    result = {"date": now_iso(), "command": " ".join(sys.argv), "tokens": a.tokens, "rows": rows,
+              **environment(torch.device("cpu"))}
     with tempfile.TemporaryDirectory() as tmp:
         for model in a.models.split(","):
             for b in bits:
                 for g in groups:
+                    if (model, b, g) in done:
+                        continue
                     rows.append(measure(model, b, g, a.tokens, Path(tmp, str(len(rows)))))
                     r = rows[-1]
                     print(f"{model} {b}-bit g{g}: agreement {r['agreement']:.3f}, mean KL {r['mean_kl']:.4f}",
                           file=sys.stderr, flush=True)
-    result = {"date": now_iso(), "command": " ".join(sys.argv), "tokens": a.tokens, "rows": rows,
-              **environment(torch.device("cpu"))}
-    write_atomic(a.out, lambda f: f.write(json.dumps(result, indent=1).encode()))
+                    write_atomic(a.out, lambda f: f.write(json.dumps(result, indent=1).encode()))
     print(table(rows, groups))
     return 0
 
