@@ -457,9 +457,10 @@ def test_quantised_router_and_gate_run_dense_on_the_fused_kernels(monkeypatch):
 @pytest.mark.parametrize("gated", [False, True])
 def test_quantised_stacks_too_large_for_their_copies_run_in_batches_of_experts(monkeypatch, gated):
     """A prefill chunk on quantised stacks whose dequantised copies do not fit (the 397B's 12.9 GB a
-    layer) takes the experts in batches that do (here 3 of 8): each batch's pairs through the grouped
-    kernels, then one combine (experts added in id order either way): the whole stacks' values, within
-    the tile forms' rounding."""
+    layer) and that the packed kernels do not take (3-bit down: its values cross words;
+    tests/ops/test_quant_grouped.py has the packed path) takes the experts in batches that do (here 3
+    of 8): each batch's pairs through the grouped kernels, then one combine (experts added in id order
+    either way): the whole stacks' values, within the tile forms' rounding."""
     from kiln.backends.cuda import CudaOps
     from kiln.ops.quant import cuda as quant_cuda
     from kiln.ops.quant.reference import quantize
@@ -468,7 +469,7 @@ def test_quantised_stacks_too_large_for_their_copies_run_in_batches_of_experts(m
     g = torch.Generator().manual_seed(5)
     h, e, i, k, t, dt = 64, 8, 32, 2, 9, torch.bfloat16
     gate_up = quantize((torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(dt), 4, 32).to(DEVICE)
-    down = quantize((torch.randn(e, h, i, generator=g) * i ** -0.5).to(dt), 4, 32).to(DEVICE)
+    down = quantize((torch.randn(e, h, i, generator=g) * i ** -0.5).to(dt), 3, 32).to(DEVICE)
     x = torch.randn(t, h, generator=g).to(device=DEVICE, dtype=dt)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(DEVICE)
     weights = torch.rand(t, k, generator=g).to(device=DEVICE, dtype=dt)

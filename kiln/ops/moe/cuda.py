@@ -15,9 +15,12 @@ from ..dispatch import TunedOps
 from ..fork import Forked, join, peek
 from ..gemm.reference import ACTIVATIONS
 from ..quant import embed
+from ..quant import grouped as qgrouped
 from ..quant.cuda import GEMV_ROWS, dequantised_stacks, expert_bytes, experts_in, gathered_stacks, quant_moe, stack_room
 from . import kernels, router, staging
 from .reference import MoeReference
+
+FEW_ROWS = 16     # pairs an expert (on average) up to which a prefill chunk reads quantised experts packed
 
 
 def streamed(*ws) -> bool:
@@ -106,6 +109,8 @@ class MoeCuda(TunedOps, MoeReference):
             if (dense(gate_w) and gate_w.shape[0] == 1 and peek(shared).shape == x.shape
                     and (y := quant_moe(self, x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None):
                 return y
+            if (y := self._packed(x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None:
+                return y
             if (y := self._in_batches(x, idx, weights, gate_up, down, act, (gate_w, shared))) is not None:
                 return y
             gate_up, down = self._dequantised(x, gate_up, down)
@@ -137,6 +142,8 @@ class MoeCuda(TunedOps, MoeReference):
         if not dense(gate_up, down):
             y = quant_moe(self, x, idx, weights, gate_up, down, act)
             if y is not None:
+                return y
+            if (y := self._packed(x, idx, weights, gate_up, down, act)) is not None:
                 return y
             if (y := self._in_batches(x, idx, weights, gate_up, down, act)) is not None:
                 return y
@@ -212,6 +219,21 @@ class MoeCuda(TunedOps, MoeReference):
         rows = staging.stage(idx, table, parts, [staging.words(t) for w in scratch for t in (w.packed, w.scales,
                                                                                              w.biases)])
         return rows.view(idx.shape), tuple(scratch)
+
+    def _packed(self, x, idx, weights, gate_up, down, act, gate=None):
+        """A prefill chunk's quantised experts read packed (quant/grouped.py: the grouped kernels with
+        each tile dequantised as loaded), then the one combine: where the chunk gives its experts few
+        rows each (at most 16 on average: the copies' write and read of every expert then cost more
+        than dequantising each tile once or twice; a rule from the bytes, bench/NOTES.md 2026-12-05),
+        or where the stacks' dequantised copies do not fit whole (the 397B). None elsewhere, or where
+        the kernels do not take the stacks (the copies' paths then run)."""
+        if not isinstance(gate_up, QuantizedWeight):
+            return None
+        e = gate_up.shape[0]
+        if idx.numel() > FEW_ROWS * e and ((room := stack_room(x)) is None or e * expert_bytes(gate_up, down) <= room):
+            return None
+        y = qgrouped.experts(self, x, idx, weights, gate_up, down, act)
+        return None if y is None else self.moe_combine(y, idx, x, gate)
 
     def _in_batches(self, x, idx, weights, gate_up, down, act, gate=None):
         """A prefill chunk's routed experts where the whole stacks' dequantised copies do not fit (the
