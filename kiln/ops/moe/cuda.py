@@ -263,15 +263,21 @@ class MoeCuda(TunedOps, MoeReference):
 
     def _pairs(self, x, idx, weights, pairs, rows, gate_up, down, act, y) -> None:
         """The (token, slot) pairs `pairs` (flat positions in idx), each on expert `rows` of the 16-bit
-        [B, 2I, H] and [B, H, I] stacks, through the grouped kernels (or the GEMVs) into y[pairs]: each
-        pair its own row (one token, one expert), weighted by its routing weight."""
+        [B, 2I, H] and [B, H, I] stacks (or quantised ones the packed kernels take), through the grouped
+        kernels (or the GEMVs) into y[pairs]: each pair its own row (one token, one expert), weighted by
+        its routing weight."""
+        xs = x.index_select(0, pairs // idx.shape[1]).contiguous()
+        rw = weights.reshape(-1)[pairs][:, None].contiguous()
+        part = torch.empty((pairs.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
+        if isinstance(gate_up, QuantizedWeight):
+            v = qgrouped.form(self, xs, rows[:, None], gate_up, down, act, least=0)
+            qgrouped.run(xs, rows[:, None].contiguous(), rw.reshape(-1), gate_up, down, act, v.p, part)
+            y[pairs] = part
+            return
         sub = kernels.MoeShape(pairs.numel(), gate_up.shape[0], 1, x.shape[1], down.shape[2], act)
         v = self.choose(kernels.OP, sub)
         if v.p.get("fin"):       # (it would combine inside: these pairs are not a chunk's tokens)
             v = kernels.OP.default(sub, self.dev)
-        xs = x.index_select(0, pairs // idx.shape[1]).contiguous()
-        rw = weights.reshape(-1)[pairs][:, None].contiguous()
-        part = torch.empty((pairs.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
         run = kernels.run_gemv if v.p.get("gemv") else kernels.run_grouped
         run(xs, rows[:, None].contiguous(), rw, gate_up, down, act, v.p, part)
         y[pairs] = part
@@ -304,6 +310,14 @@ class MoeCuda(TunedOps, MoeReference):
         and dequantised in one launch a stack, through the grouped kernels into y [T*k, H]; moe_combine
         adds them once every batch is in."""
         experts, flat_idx = sorted(where), idx.reshape(-1)
+        if qgrouped.form(self, x, idx, gate_up, down, act) is not None:     # read packed: no copies
+            ids = torch.tensor(experts, dtype=idx.dtype, device=idx.device)
+            pairs = torch.isin(flat_idx, ids).nonzero()[:, 0]
+            if pairs.numel():
+                slots = torch.tensor([where[e] for e in experts], dtype=idx.dtype, device=idx.device)
+                self._pairs(x, idx, weights, pairs, slots[torch.searchsorted(ids, flat_idx[pairs])], gate_up, down,
+                            act, y)
+            return
         room = stack_room(x)        # the copies in parts that fit (static's hot set: hundreds of experts)
         size = len(experts) if room is None else experts_in(room, gate_up, down)
         for part in (experts[j:j + size] for j in range(0, len(experts), size)):

@@ -11,6 +11,8 @@ bit (tests/ops/test_quant_grouped.py). Bits whose values cross words (3, 5, 6) t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -139,15 +141,24 @@ def experts(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWeigh
     """The per-pair outputs [T*k, H] of a prefill chunk (rows past the GEMVs'), for the caller's
     combine; None where the families are off or the stacks do not fit the kernels. The tile form is
     the MoE family's choice for the chunk's 16-bit shape (its grouped default where that is a GEMV)."""
-    from .cuda import GEMV_ROWS
-    if not (ops.on("quant", x) and ops.on("moe", x) and x.shape[0] > GEMV_ROWS and supports(x, gate_up, down, act)):
+    v = form(ops, x, idx, gate_up, down, act)
+    if v is None:
         return None
-    shape = mk.MoeShape(x.shape[0], gate_up.shape[0], idx.shape[1], x.shape[1], down.shape[2], act)
-    v = ops.choose(mk.OP, shape)
-    if v.p.get("gemv") or v.p.get("fin") or v.run is not None:
-        v = mk.OP.default(shape, ops.dev)
-        if v.p.get("gemv") or v.run is not None:
-            return None
     y = torch.empty((idx.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
     run(x.contiguous(), idx.contiguous(), weights.reshape(-1).contiguous(), gate_up, down, act, v.p, y)
     return y
+
+
+def form(ops, x, idx, gate_up, down, act: str, least: int | None = None):
+    """The grouped tile form for a chunk's pairs on these stacks: the MoE family's choice for the 16-bit
+    shape, else its grouped default; None where the families are off, the chunk has no more rows than
+    `least` (default: the GEMVs' few) or the kernels do not take the stacks."""
+    from .cuda import GEMV_ROWS
+    least = GEMV_ROWS if least is None else least
+    if not (ops.on("quant", x) and ops.on("moe", x) and x.shape[0] > least and supports(x, gate_up, down, act)):
+        return None
+    shape = mk.MoeShape(x.shape[0], gate_up.shape[0], idx.shape[1], x.shape[1], down.shape[2], act)
+    v = ops.choose(mk.OP, shape)
+    if v.p.get("gemv") or v.p.get("fin") or v.run is not None:      # the default past the GEMVs' rows
+        v = mk.OP.default(dataclasses.replace(shape, rows=max(shape.rows, GEMV_ROWS + 1)), ops.dev)
+    return None if v.p.get("gemv") or v.run is not None else v
