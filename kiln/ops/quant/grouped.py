@@ -7,7 +7,8 @@ has free beside the weights, so it went in batches), against the packed bytes he
 them). Each tile's values are those the copy would hold (embed.qembed's arithmetic: scale * q rounded
 to the scales' dtype, plus the bias rounded, then the compute dtype), and the tile sizes are the
 grouped kernels', so the products and sums are the same: the output equals the copy's path bit for
-bit (tests/ops/test_quant_grouped.py). Bits whose values cross words (3, 5, 6) take the copies."""
+bit (tests/ops/test_quant_grouped.py). Bits whose values cross words (3, 5, 6) take the copies.
+Each word, scale and bias is loaded once a tile and spread over its values in registers.
 
 from __future__ import annotations
 
@@ -24,19 +25,30 @@ from ..moe import kernels as mk
 
 
 @triton.jit
-def dequant_tile(q_ptr, s_ptr, b_ptr, rows, cols, inside, K: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                 DT: tl.constexpr, RNE: tl.constexpr):
-    """[len(cols), len(rows)] values w[row, col] of the packed [*, K] weight (rows: int64 [1, BN],
-    cols [BK, 1]), zero where not `inside`, rounded as embed.qembed rounds, in dtype DT."""
-    WORDS: tl.constexpr = K * BITS // 32
-    bit = cols * BITS
-    word = tl.load(q_ptr + rows * WORDS + bit // 32, mask=inside, other=0).to(tl.uint32, bitcast=True)
-    q = (word >> (bit % 32).to(tl.uint32)) & ((1 << BITS) - 1)
-    gi = rows * (K // G) + cols // G
+def dequant_tile(q_ptr, s_ptr, b_ptr, rows, k0, K: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                 BK: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, RNE: tl.constexpr):
+    """[BK, BN] values w[row, k0 + j] of the packed [*, K] weight (rows: int64 [1, BN]), zero past K,
+    rounded as embed.qembed rounds, in dtype DT. Each word and each group's scale and bias is loaded
+    once and spread over its values (a tile of BK columns holds BK / (32 / BITS) words)."""
+    PER: tl.constexpr = 32 // BITS
+    GROUPS: tl.constexpr = K // G
+    w = k0 // PER + tl.arange(0, BK // PER)
+    words = tl.load(q_ptr + rows * (K // PER) + w[:, None], mask=(w < K // PER)[:, None], other=0)
+    shifts = (tl.arange(0, PER) * BITS).to(tl.uint32)
+    q = (words.to(tl.uint32, bitcast=True)[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+    q = tl.reshape(q, [BK, BN]).to(tl.float32)          # value j of word w: column w * PER + j
+    if BK >= G:
+        gi = k0 // G + tl.arange(0, BK // G)
+        at = rows * GROUPS + gi[:, None]
+        scale = tl.load(s_ptr + at, mask=(gi < GROUPS)[:, None], other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + at, mask=(gi < GROUPS)[:, None], other=0.0).to(tl.float32)
+        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [BK // G, G, BN]), [BK, BN])
+        bias = tl.reshape(tl.broadcast_to(bias[:, None, :], [BK // G, G, BN]), [BK, BN])
+    else:       # the tile inside one group (BK divides G, G divides K: never past K)
+        scale = tl.load(s_ptr + rows * GROUPS + k0 // G).to(tl.float32)
+        bias = tl.load(b_ptr + rows * GROUPS + k0 // G).to(tl.float32)
     sdt = s_ptr.dtype.element_ty
-    scale = tl.load(s_ptr + gi, mask=inside, other=0.0).to(tl.float32)
-    bias = tl.load(b_ptr + gi, mask=inside, other=0.0).to(tl.float32)
-    prod = round_to(scale * q.to(tl.float32), sdt, RNE).to(tl.float32)
+    prod = round_to(scale * q, sdt, RNE).to(tl.float32)
     return round_to(round_to(prod + bias, sdt, RNE).to(tl.float32), DT, RNE)
 
 
@@ -60,14 +72,12 @@ def qgrouped_gate_up_kernel(x_ptr, q_ptr, s_ptr, b_ptr, order_ptr, blocks_ptr, h
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, H, BK):
-        cols = (k + rk)[:, None]
-        inside = cols < H
         if H % BK == 0:
             a = tl.load(xs)
         else:
             a = tl.load(xs, mask=(k + rk < H)[None, :], other=0.0)
-        bg = dequant_tile(q_ptr, s_ptr, b_ptr, gate, cols, inside, H, BITS, G, DT, RNE)
-        bu = dequant_tile(q_ptr, s_ptr, b_ptr, gate + I, cols, inside, H, BITS, G, DT, RNE)
+        bg = dequant_tile(q_ptr, s_ptr, b_ptr, gate, k, H, BITS, G, BK, BN, DT, RNE)
+        bu = dequant_tile(q_ptr, s_ptr, b_ptr, gate + I, k, H, BITS, G, BK, BN, DT, RNE)
         acc_g = gemm.mma(acc_g, a, bg, UPCAST, IEEE)
         acc_u = gemm.mma(acc_u, a, bu, UPCAST, IEEE)
         xs += BK
@@ -93,13 +103,11 @@ def qgrouped_down_kernel(h_ptr, q_ptr, s_ptr, b_ptr, order_ptr, blocks_ptr, rw_p
     DT: tl.constexpr = h_ptr.dtype.element_ty
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, I, BK):
-        cols = (k + rk)[:, None]
-        inside = cols < I
         if I % BK == 0:
             a = tl.load(hs)
         else:
             a = tl.load(hs, mask=(k + rk < I)[None, :], other=0.0)
-        b = dequant_tile(q_ptr, s_ptr, b_ptr, rows, cols, inside, I, BITS, G, DT, RNE)
+        b = dequant_tile(q_ptr, s_ptr, b_ptr, rows, k, I, BITS, G, BK, BN, DT, RNE)
         acc = gemm.mma(acc, a, b, UPCAST, IEEE)
         hs += BK
     inside = rm < row_end
