@@ -8,7 +8,7 @@ them). Each tile's values are those the copy would hold (embed.qembed's arithmet
 to the scales' dtype, plus the bias rounded, then the compute dtype), and the tile sizes are the
 grouped kernels', so the products and sums are the same: the output equals the copy's path bit for
 bit (tests/ops/test_quant_grouped.py). Bits whose values cross words (3, 5, 6) take the copies.
-Each word, scale and bias is loaded once a tile and spread over its values in registers.
+Each word, scale and bias is loaded once a tile and spread over its values in registers."""
 
 from __future__ import annotations
 
