@@ -1,8 +1,10 @@
 """A prefill chunk's routed experts on quantised stacks, two ways, at several chunk lengths: packed (the
 grouped kernels dequantising each tile as they load it, kiln/ops/quant/grouped.py) against the copies
 (both stacks dequantised whole, one launch each, then the grouped kernels on the 16-bit copies), each
-with the MoE family's default grouped form for the chunk. The outputs must be equal bit for bit; the
-times set MoeCuda's FEW_ROWS rule (packed up to that many pairs an expert on average).
+with the MoE family's default grouped form for the chunk. The outputs should be equal, up to the two
+GEMMs' rounding where the compiler sums the two kernels' tiles in other orders (at most 2 ulp of a
+pair's largest value, else exit 1); the times set MoeCuda's FEW_ROWS rule (packed up to that many
+pairs an expert on average).
 
     PYTHONPATH=. python3 bench/qmoe_prefill.py OUT.json [--model qwen3.5-35b-a3b] [--bits 4] [--group 64]
         [--tokens 64,512,1000,4096]
@@ -81,9 +83,13 @@ def main() -> int:
         packed()
         copies()
         equal = bool(torch.equal(y_packed, y_copies))
+        diff = (y_packed.float() - y_copies.float()).abs().amax(dim=1)
+        row_max = y_copies.float().abs().amax(dim=1).clamp_min(1e-6)
+        ulps = float((diff / (2.0 ** (torch.floor(torch.log2(row_max)) + 1) * 2 ** -8)).max())
         ms_packed = timing.time_ms([packed], device)
         ms_copies = timing.time_ms([copies], device)
         row = {"tokens": t, "pairs_an_expert": t * top / e, "form": v.name, "equal": equal,
+               "max_ulps_of_row_max": ulps, "bit_equal_fraction": float((y_packed == y_copies).float().mean()),
                "packed_ms": ms_packed, "copies_ms": ms_copies,
                "packed_bound_ms": packed_bytes / 4.27e12 * 1e3,
                "copies_bound_ms": (packed_bytes + 2 * copy_bytes) / 4.27e12 * 1e3}
@@ -94,7 +100,7 @@ def main() -> int:
               "act": act, "bits": args.bits, "group": args.group, "rows": rows, "date": now_iso(),
               "command": " ".join(sys.argv), **environment(device)}
     write_atomic(args.out, lambda f: f.write(json.dumps(result, indent=1).encode()))
-    return 0 if all(r["equal"] for r in rows) else 1
+    return 0 if all(r["max_ulps_of_row_max"] <= 2 for r in rows) else 1
 
 
 if __name__ == "__main__":
