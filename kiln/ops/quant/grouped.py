@@ -7,7 +7,8 @@ has free beside the weights, so it went in batches), against the packed bytes he
 them). Each tile's values are those the copy would hold (embed.qembed's arithmetic: scale * q rounded
 to the scales' dtype, plus the bias rounded, then the compute dtype), and the tile sizes are the
 grouped kernels', so the products and sums are the same: the output equals the copy's path bit for
-bit (tests/ops/test_quant_grouped.py). Bits whose values cross words (3, 5, 6) take the copies.
+bit under the interpreter (tests/ops/test_quant_grouped.py); compiled, the two kernels may sum their
+tiles in other orders, a GEMM's rounding apart. Bits whose values cross words (3, 5, 6) take the copies.
 Each word, scale and bias is loaded once a tile and spread over its values in registers."""
 
 from __future__ import annotations
