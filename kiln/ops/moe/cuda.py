@@ -224,7 +224,7 @@ class MoeCuda(TunedOps, MoeReference):
         """A prefill chunk's quantised experts read packed (quant/grouped.py: the grouped kernels with
         each tile dequantised as loaded), then the one combine: where the chunk gives its experts few
         rows each (at most 16 on average: the copies' write and read of every expert then cost more
-        than dequantising each tile once or twice; a rule from the bytes, bench/NOTES.md 2026-12-05),
+        than dequantising each tile once or twice: a rule from the bytes, to be set by bench/qmoe_prefill.py),
         or where the stacks' dequantised copies do not fit whole (the 397B). None elsewhere, or where
         the kernels do not take the stacks (the copies' paths then run)."""
         if not isinstance(gate_up, QuantizedWeight):
