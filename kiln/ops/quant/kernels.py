@@ -24,6 +24,7 @@ import triton.language as tl
 from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, variant
 from ...weights.quantized import QuantizedWeight
+from .. import nvrtc
 from ..common import COMMON, SUPPORTED, cdiv, pdl, pdl_wait, rne_flag, round_to
 from ..gemm.activation import ACTS, act_f32, act_mul
 from ..gemm.gemm import arrival_counters, gemv_splitk_finish, last_arrival, norm_args, norm_rstd
@@ -32,6 +33,7 @@ from ..moe.kernels import weighted
 from ..norm import kernels as norm_kernels
 from ..norm.kernels import style_scaled
 from ..norm.reference import NormReference
+from . import dp4a
 from .mma import NC as MMA_GROUPS
 from .mma import chunk_sums, qgemv_mma_kernel, unpack_asm, unpack_plain, weight_tile
 from .reference import dequantize, quantize
@@ -384,6 +386,15 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
     if p.get("trusted"):
         y.copy_(F.linear(prologue_reference(x, act, norm), dequantize(w)))
         return y
+    if p.get("dp4a"):
+        assert act is None and norm is None, f"{v.name} takes no prologue"
+        if not dp4a.aligned(x, w.packed):     # a view off 16-byte alignment: the untuned form instead
+            s = QGemvShape(m, n, k, w.bits, w.group_size)
+            return qgemv(x, w, OP.default(s, device_info(x.device)), y)
+        counts = arrival_counters(x.device, cdiv(n, p["bn"])) if p["sk"] > 1 else None
+        built = dp4a.run(x, w.packed, w.scales, w.biases, w.bits, w.group_size, y, p["bn"], p["w"], p["r"], p["sk"],
+                         counts, warm=warm)
+        return built if warm else y
     if p.get("mma"):
         assert act is None and norm is None, f"{v.name} takes no prologue"
         assert w.bits in MMA_BITS.get(x.dtype, ()), f"{v.name}: no {w.bits}-bit values in {x.dtype} products"
@@ -505,6 +516,25 @@ def mma_variant(bn: int, sub: int, w: int, sk: int, st: int = 3) -> Variant:
 MMA_BITS = {torch.bfloat16: (2, 4), torch.float16: (2, 4, 8)}     # q fits under 1.0's exponent
 
 
+def dp4a_variant(bn: int, w: int, r: int, sk: int) -> Variant:
+    """dp4a.py's CUDA C form: BN rows a block of W warps, R rows a pass, SK splits of K."""
+    return variant(f"dp4a_bn{bn}_w{w}_r{r}_sk{sk}", dp4a=True, bn=bn, w=w, r=r, sk=sk)
+
+
+def dp4a_forms(s: QGemvShape, forms: list[tuple]) -> list[Variant]:
+    """dp4a_variant of each form that fits (bits 4 and 8, one row's prologue-free GEMV), its warps
+    cut to the split's slabs."""
+    out = []
+    for bn, w, r, sk in forms:
+        chunks = s.k * s.bits // 128
+        if s.bits not in dp4a.BITS or s.prologue or chunks % sk:
+            continue
+        w = max(1, min(w, cdiv(chunks // sk, 32)))
+        if dp4a.shape_fits(s.n, s.k, s.bits, s.group, bn, w, r, sk):
+            out.append(dp4a_variant(bn, w, r, sk))
+    return list(dict.fromkeys(out))
+
+
 def mma_split(s: QGemvShape, sub: int) -> int:
     """The split of the groups into whole products of `sub` nearest 4 ways (2 to 8; 0: none)."""
     groups = s.k // s.group
@@ -542,6 +572,8 @@ GPU_MMA = [(bn, sub, w, sk, st) for bn, sub, w, st in ((64, 4, 4, 2), (64, 2, 4,
 CPU_MMA = [(32, 4, 4, 2, 2)]      # the interpreter's tunes: one form (tests/ops take the paths one by one)
 TEST_MMA = [(16, 2, 4, 1, 2), (32, 4, 4, 2, 2)]     # whole and split, a tail chunk with dead products
 MMA_SMEM = 160 * 1024
+# (bn, warps, rows a pass, splits) of the DP4A form (dp4a.py): not yet measured on a GPU
+GPU_DP4A = [(bn, 4, r, sk) for bn in (16, 32, 64) for r in (4, 8) for sk in (1, 2, 4)]
 # (gather, grouped, acc): words, grouped, acc, gather
 FORMS = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
 
@@ -585,7 +617,7 @@ def fits(s: QGemvShape, p: dict) -> bool:
 
 class QGemvOp(Op):
     name = "qgemv"
-    sources = (__file__, COMMON)
+    sources = (__file__, COMMON, dp4a.__file__, nvrtc.__file__)
     shape_type = QGemvShape
     only: tuple = ()     # benches: only variants whose names start so (a tuple: the op is pickled to workers)
 
@@ -614,7 +646,9 @@ class QGemvOp(Op):
         kinds = FORMS if dev.capability is None else [] if fma else [f for f in FORMS if f[0] or f[2]]
         old = [qgemv_variant(*f, *form) for f in forms for form in kinds]
         mma = [v for v in mma_forms(s, CPU_MMA if dev.capability is None else GPU_MMA) if v.name.startswith(only)]
-        return [TRUSTED] + [v for v in old if fits(s, v.p) and v.name.startswith(only)] + fma + mma
+        cuda_c = dev.capability is not None and not interpreting() and nvrtc.available(dev.device)
+        dp = [v for v in dp4a_forms(s, GPU_DP4A) if v.name.startswith(only)] if cuda_c else []
+        return [TRUSTED] + [v for v in old if fits(s, v.p) and v.name.startswith(only)] + fma + mma + dp
 
     def trusted(self, s, dev) -> Variant:
         return TRUSTED
@@ -624,7 +658,8 @@ class QGemvOp(Op):
         else the widest gather form."""
         if s.prologue:
             return UNFUSED
-        forms = [v for v in self.catalogue(s, dev) if v is not TRUSTED and not v.p.get("mma")]     # any dtype
+        forms = [v for v in self.catalogue(s, dev) if v is not TRUSTED and not v.p.get("mma")
+                 and not v.p.get("dp4a")]     # any dtype, any machine
         fma = [v for v in forms if v.p.get("fma") and not v.p["pf"] and not v.p["x3"]]
         if fma:
             return min(fma, key=lambda v: (v.p["sk"], abs(v.p["bw"] - 128), abs(v.p["bn"] - 16)))
@@ -668,7 +703,8 @@ class QGemvOp(Op):
         if s.style:
             r = torch.empty_like(x) if s.add else None
             norm = {"w": torch.empty(s.k, dtype=dtype, device=device), "eps": 1e-6, "style": s.style, "r": r, "s": r}
-        return [qgemv(x, w, v, act=s.act, norm=norm, warm=True)]
+        built = qgemv(x, w, v, act=s.act, norm=norm, warm=True)
+        return [] if v.p.get("dp4a") else [built]     # a CUDA C kernel: compiled and loaded, no Triton launcher
 
     def kernel_sources(self, v: Variant) -> list:
         if v.p.get("trusted"):

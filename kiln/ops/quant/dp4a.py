@@ -1,0 +1,277 @@
+"""A one-row quantised GEMV in CUDA C (NVRTC): integer dot products (DP4A) on the packed values.
+
+Why: the Triton forms stream a 4-bit weight at 45-55% of HBM bandwidth on the 9B's shapes
+(bench/NOTES.md, 2026-12-02); in f32 each value costs a shift, a mask and an FMA, about 100 issue
+slots for every 16 bytes of words, close to what the SMs can issue at 4.27 TB/s. Here four values
+cost one DP4A: a 16-byte load's eight nibble words (w & 0x0F0F0F0F and (w >> 4) & 0x0F0F0F0F) meet
+x as bytes.
+
+x is made integer once a lane: each lane owns a chunk of VPL consecutive inputs (one 16-byte load
+of every row) and writes them as v = round(x * 2^(14 - e)), e the exponent of the chunk's largest
+|x|, in two byte digits (v = 256 hi + lo, hi signed, lo unsigned). bf16 and f16 inputs whose
+exponent is within 7 (bf16) or 4 (f16) of the chunk's largest are exact; smaller ones are within
+2^-16 of that largest, far inside the reference's own rounding of every weight to bf16. Per row and
+chunk: dot = 256 dp4a(q, hi) + dp4a(q, lo), exact in int32; the chunk adds
+scale * unit * dot + bias * sum(x) in f32 (sum(x) exact in f32 order), as the FMA form does.
+
+Layout: a warp covers a slab of 32 chunks of every row of its block, its lanes' digits held in
+registers; a block's warps take the slabs of its K split in turn and add into shared memory; R rows a
+pass (R 16-byte loads in flight a lane), their lane partials reduced across the warp by halving
+exchanges (R - 1 + log2(32 / R) shuffles for R rows). Split-K over grid.y finishes serially (the
+last block to arrive adds the splits in order), as gemv_splitk_finish does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import nvrtc
+from ..common import cdiv
+
+SOURCE = r"""
+// -D: N, K, G, BITS (4 or 8), BN (rows a block), WARPS, R (rows a pass), SPLIT, F16 (x is f16, else bf16)
+#define VPL (128 / BITS)                 // values a lane's 16-byte load holds: its chunk
+#define CH (K / VPL)                     // chunks a row
+#define CPS (CH / SPLIT)                 // chunks a split
+#define SLABS ((CPS + 31) / 32)          // slabs a split (32 chunks, a warp's lanes)
+#define NW (VPL / 4)                     // digit words a chunk (4 bytes each)
+#define GROUPS (K / G)
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ float to_f32(u16 h) {
+#if F16
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+#else
+    return __uint_as_float(((u32)h) << 16);
+#endif
+}
+
+__device__ __forceinline__ u16 from_f32(float f) {
+    u16 h;
+#if F16
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+    return h;
+}
+
+__device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {     // a unsigned bytes, b signed bytes
+    int d; asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
+}
+
+__device__ __forceinline__ u32 dp4a_uu(u32 a, u32 b, u32 c) {
+    u32 d; asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
+}
+
+__device__ __forceinline__ uint4 load_stream(const uint4 *p) {  // read once: keep it out of L1
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// The byte of value i of a chunk in the digit words: 4-bit values pair with the nibble words
+// (word j's low nibbles are values 8j, 8j+2, 8j+4, 8j+6; its high ones 8j+1, ...), 8-bit ones in order.
+__device__ __forceinline__ int slot_of(int i) {
+#if BITS == 4
+    return (i / 8) * 8 + (i % 2) * 4 + (i % 8) / 2;
+#else
+    return i;
+#endif
+}
+
+// Lane's chunk of row m's x as digits (hi signed, lo unsigned), its unit and its sum.
+__device__ __forceinline__ void digits(const u16 *x, int chunk, u32 *hi, u32 *lo, float &unit, float &xs) {
+    float v[VPL];
+    const uint4 *src = (const uint4 *)(x + chunk * VPL);
+#pragma unroll
+    for (int t = 0; t < VPL / 8; t++) {
+        uint4 u = src[t];
+        u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            v[t * 8 + 2 * j] = to_f32((u16)(w[j] & 0xFFFF));
+            v[t * 8 + 2 * j + 1] = to_f32((u16)(w[j] >> 16));
+        }
+    }
+    float amax = 0.f;
+    xs = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPL; i++) { amax = fmaxf(amax, fabsf(v[i])); xs += v[i]; }
+    int e = (int)((__float_as_uint(amax) >> 23) & 0xFF);         // biased exponent (0: zero or subnormal)
+    int sh = 141 - e;                                              // 14 - (e - 127)
+    float f1 = sh > 100 ? 0x1p100f : 1.f;
+    int sh2 = sh > 100 ? sh - 100 : sh;
+    float f2 = __uint_as_float((u32)(sh2 + 127) << 23);
+    unit = (sh > 100 ? 0x1p-100f : 1.f) * __uint_as_float((u32)(127 - sh2) << 23);
+#pragma unroll
+    for (int j = 0; j < NW; j++) { hi[j] = 0u; lo[j] = 0u; }
+#pragma unroll
+    for (int i = 0; i < VPL; i++) {
+        int q = __float2int_rn(v[i] * f1 * f2);                    // |q| <= 32640 for bf16 and f16 x
+        int s = slot_of(i);
+        hi[s / 4] |= ((u32)(q >> 8) & 0xFFu) << (8 * (s % 4));
+        lo[s / 4] |= ((u32)q & 0xFFu) << (8 * (s % 4));
+    }
+}
+
+// R rows from row r of this block's chunk: words, scales, biases (rows past N read row N-1, never stored).
+__device__ __forceinline__ void load_rows(const uint4 *q, const u16 *s, const u16 *b, int r, int chunk, int grp,
+                                          uint4 *w, float *sc, float *bi) {
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        const long long n = min(r + i, N - 1);
+        w[i] = load_stream(q + n * (K * BITS / 128) + chunk);
+        sc[i] = to_f32(s[n * GROUPS + grp]);
+        bi[i] = to_f32(b[n * GROUPS + grp]);
+    }
+}
+
+// Sum a[0..R) across the warp: row i's total lands in lanes (i * 32 / R) .. ; returns the lane's row's.
+__device__ __forceinline__ float reduce_rows(float *a, int lane) {
+#pragma unroll
+    for (int h = R / 2, off = 16; h >= 1; h /= 2, off /= 2) {
+        bool up = (lane & off) != 0;
+#pragma unroll
+        for (int j = 0; j < h; j++) {
+            float send = up ? a[j] : a[j + h];
+            float keep = up ? a[j + h] : a[j];
+            a[j] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+        }
+    }
+#pragma unroll
+    for (int off = 16 / R; off >= 1; off /= 2) a[0] += __shfl_xor_sync(0xffffffffu, a[0], off);
+    return a[0];
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y, float *ws, int *counts, int M) {
+    __shared__ float acc[WARPS][BN];
+    __shared__ int last;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int n0 = blockIdx.x * BN, split = blockIdx.y;
+    for (int m = 0; m < M; m++) {
+        for (int i = threadIdx.x; i < WARPS * BN; i += WARPS * 32) (&acc[0][0])[i] = 0.f;
+        __syncthreads();
+        for (int slab = warp; slab < SLABS; slab += WARPS) {
+            const int local = slab * 32 + lane;
+            const bool live = local < CPS;
+            const int chunk = split * CPS + (live ? local : 0);
+            u32 hi[NW], lo[NW];
+            float unit, xs;
+            digits(x + (long long)m * K, chunk, hi, lo, unit, xs);
+            const int grp = chunk * VPL / G;
+            uint4 w[R];
+            float sc[R], bi[R];
+            load_rows(q, s, b, n0, chunk, grp, w, sc, bi);
+#pragma unroll 1
+            for (int r0 = 0; r0 < BN; r0 += R) {
+                uint4 cw[R];
+                float csc[R], cbi[R];
+#pragma unroll
+                for (int i = 0; i < R; i++) { cw[i] = w[i]; csc[i] = sc[i]; cbi[i] = bi[i]; }
+                if (r0 + R < BN) load_rows(q, s, b, n0 + r0 + R, chunk, grp, w, sc, bi);   // next pass: in flight
+                float part[R];
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    u32 wd[4] = {cw[i].x, cw[i].y, cw[i].z, cw[i].w};
+                    int dh = 0;
+                    u32 dl = 0u;
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+#if BITS == 4
+                        u32 a0 = wd[j] & 0x0F0F0F0Fu, a1 = (wd[j] >> 4) & 0x0F0F0F0Fu;
+                        dh = dp4a_us(a0, hi[2 * j], dh);
+                        dh = dp4a_us(a1, hi[2 * j + 1], dh);
+                        dl = dp4a_uu(a0, lo[2 * j], dl);
+                        dl = dp4a_uu(a1, lo[2 * j + 1], dl);
+#else
+                        dh = dp4a_us(wd[j], hi[j], dh);
+                        dl = dp4a_uu(wd[j], lo[j], dl);
+#endif
+                    }
+                    const float dot = (float)(dh * 256 + (int)dl);
+                    part[i] = live ? fmaf(csc[i], unit * dot, cbi[i] * xs) : 0.f;
+                }
+                const float total = reduce_rows(part, lane);
+                if ((lane & (32 / R - 1)) == 0) acc[warp][r0 + lane / (32 / R)] += total;
+            }
+        }
+        __syncthreads();
+        for (int t = threadIdx.x; t < BN; t += WARPS * 32) {
+            const int n = n0 + t;
+            float sum = 0.f;
+#pragma unroll
+            for (int v = 0; v < WARPS; v++) sum += acc[v][t];
+            if (n < N) {
+                if (SPLIT == 1) y[(long long)m * N + n] = from_f32(sum);
+                else ws[((long long)split * M + m) * N + n] = sum;
+            }
+        }
+        __syncthreads();
+    }
+    if (SPLIT > 1) {       // the last block of this row block to arrive adds the splits in order
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) last = atomicAdd(&counts[blockIdx.x], 1) == SPLIT - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        for (int m = 0; m < M; m++)
+            for (int t = threadIdx.x; t < BN; t += WARPS * 32) {
+                const int n = n0 + t;
+                if (n >= N) continue;
+                float sum = 0.f;
+                for (int sp = 0; sp < SPLIT; sp++) sum += __ldcg(ws + ((long long)sp * M + m) * N + n);
+                y[(long long)m * N + n] = from_f32(sum);
+            }
+        if (threadIdx.x == 0) counts[blockIdx.x] = 0;
+    }
+}
+"""
+
+NAME = "kiln_qgemv_dp4a"
+BITS = (4, 8)
+_KERNELS: dict[tuple, nvrtc.Kernel] = {}
+
+
+def shape_fits(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: int, split: int) -> bool:
+    """A lane's chunk (one 16-byte load) inside one group; whole chunks a split; at least one slab a
+    warp; R rows a pass dividing the block's rows."""
+    vpl = 128 // bits if bits in BITS else 0
+    if not vpl or k % vpl or group % vpl or k % group:
+        return False
+    chunks = k // vpl
+    slabs = cdiv(chunks // split, 32) if chunks % split == 0 else 0
+    return slabs >= warps and bn % r == 0 and r in (1, 2, 4, 8, 16, 32) and bn <= max(16, 1 << (n - 1).bit_length())
+
+
+def kernel(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: int, split: int, f16: bool) -> nvrtc.Kernel:
+    key = (n, k, bits, group, bn, warps, r, split, f16)
+    if key not in _KERNELS:
+        _KERNELS[key] = nvrtc.Kernel(SOURCE, NAME, {"N": n, "K": k, "G": group, "BITS": bits, "BN": bn,
+                                                    "WARPS": warps, "R": r, "SPLIT": split, "F16": f16})
+    return _KERNELS[key]
+
+
+def aligned(*ts: torch.Tensor) -> bool:
+    """The kernel's 16-byte loads need 16-byte aligned rows of words and of x."""
+    return all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in ts)
+
+
+def run(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
+        y: torch.Tensor, bn: int, warps: int, r: int, split: int, counts=None, warm: bool = False):
+    """y [M, N] = x [M, K] @ dequantize(w)^T with this form; `warm`: compile (and load) only."""
+    m, k = x.shape
+    n = packed.shape[0]
+    kern = kernel(n, k, bits, group, bn, warps, r, split, x.dtype == torch.float16)
+    if warm:
+        return kern.function(x.device)
+    blocks = cdiv(n, bn)
+    ws = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    counts = y if split == 1 else counts
+    kern((blocks, split), warps * 32, [x, packed, scales, biases, y, ws, counts, m])
+    return y

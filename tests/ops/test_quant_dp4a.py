@@ -1,0 +1,97 @@
+"""The CUDA C DP4A GEMV (kiln/ops/quant/dp4a.py) against its arithmetic written in torch: x made
+integer per lane chunk exactly as the kernel makes it, then an f64 product; the kernel must equal it
+within f32 sums and the output's rounding. On ragged rows, a K whose last slab is partial, every
+split, both row passes, bits 4 and 8, groups 32 to 128, bf16 and f16, one and two rows. Where NVRTC
+loads but no GPU is here, every catalogue form still has to compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kiln.ops import nvrtc  # noqa: E402
+from kiln.ops.quant import dp4a  # noqa: E402
+from kiln.ops.quant import kernels as qk  # noqa: E402
+from kiln.weights.quantized import quantize, unpack  # noqa: E402
+
+SHAPES = [(200, 4096, 4, 64), (4096, 3584, 4, 32), (333, 2048, 8, 128), (1000, 3072, 4, 128), (64, 1024, 8, 32)]
+
+
+def emulated(x: torch.Tensor, w, bits: int, group: int) -> torch.Tensor:
+    """y [M, N] in f64 with x rounded as the kernel rounds it: per chunk of 128 / bits inputs,
+    round(x * 2^sh) * 2^-sh with 2^14 <= max|x| * 2^sh < 2^15 (f32 exponent arithmetic)."""
+    vpl = 128 // bits
+    xf = x.float().reshape(x.shape[0], -1, vpl)
+    amax = xf.abs().amax(-1, keepdim=True)
+    e = (amax.view(torch.int32) >> 23) & 0xFF
+    sh = (141 - e).double()
+    xh = torch.round(xf.double() * torch.exp2(sh)) * torch.exp2(-sh)
+    xs = xf.sum(-1).double()                                 # [M, chunks]: the exact sums, as the bias takes them
+    q = unpack(w.packed, bits).double().reshape(w.shape[0], -1, vpl)          # [N, chunks, vpl]
+    per = group // vpl
+    s = w.scales.double().repeat_interleave(per, dim=1)                       # [N, chunks]
+    b = w.biases.double().repeat_interleave(per, dim=1)
+    dots = torch.einsum("ncv,mcv->mnc", q, xh)
+    return (s[None] * dots + b[None] * xs[:, None, :]).sum(-1)
+
+
+def bound(x: torch.Tensor, w, bits: int) -> torch.Tensor:
+    """Sum of |terms| a row, the scale of f32 summation error: |s q x| + |b x| over K."""
+    deq = (unpack(w.packed, bits).float().reshape(w.shape[0], -1, w.group_size) * w.scales.float()[..., None]).reshape(
+        w.shape[0], -1)
+    bias = w.biases.float().repeat_interleave(w.group_size, dim=1)
+    return x.float().abs() @ (deq.abs() + bias.abs()).T
+
+
+def forms(n, k, bits, group):
+    s = qk.QGemvShape(1, n, k, bits, group)
+    return qk.dp4a_forms(s, qk.GPU_DP4A + [(16, 2, 1, 1), (32, 8, 2, 2)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,bits,group", SHAPES)
+def test_dp4a_equals_its_arithmetic(n, k, bits, group, dtype):
+    if not torch.cuda.is_available() or not nvrtc.available(torch.device("cuda")):
+        pytest.skip("needs a CUDA GPU and NVRTC")
+    g = torch.Generator().manual_seed(n + k + bits)
+    w = quantize((torch.randn(n, k, generator=g) * k ** -0.5).to(dtype), bits, group).to("cuda")
+    for m in (1, 2):
+        x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-6, 4, (m, k), generator=g).float())
+        x = x.to(dtype).cuda()
+        ref = emulated(x.cpu(), w.to("cpu"), bits, group)
+        tol = bound(x.cpu(), w.to("cpu"), bits).double() * 2 ** -20
+        for v in forms(n, k, bits, group):
+            y = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+            qk.qgemv(x, w, v, y)
+            torch.cuda.synchronize()
+            got = y.cpu().double()
+            ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30)))) * (2 ** -7 if dtype == torch.bfloat16
+                                                                                     else 2 ** -10)
+            err = (got - ref).abs()
+            assert torch.isfinite(got).all(), f"{v.name}: unwritten outputs"
+            assert (err <= ulp + tol).all(), f"{v.name} m={m}: max err {err.max():.3g}, worst row {err.argmax()}"
+
+
+def test_catalogue_forms_compile():
+    """Every form the catalogue offers for these shapes compiles for sm_90 (NVRTC, no GPU needed)."""
+    if not nvrtc.compiler_available():
+        pytest.skip("no libnvrtc here")
+    for n, k, bits, group in SHAPES + [(248320, 4096, 4, 64), (4096, 12288, 4, 64), (5120, 17408, 4, 64)]:
+        for v in forms(n, k, bits, group):
+            p = v.p
+            for f16 in (False,) if v is not forms(n, k, bits, group)[0] else (False, True):
+                cubin = nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, {"N": n, "K": k, "G": group, "BITS": bits,
+                                                                     "BN": p["bn"], "WARPS": p["w"], "R": p["r"],
+                                                                     "SPLIT": p["sk"], "F16": f16}, (9, 0))
+                assert cubin[:4] == b"\x7fELF"
+
+
+def test_forms_fit_only_whole_chunks():
+    """No form for bits whose 16-byte load is not whole groups (2, 3), a K off the chunk, or a prologue."""
+    assert forms(4096, 4096, 2, 64) == []
+    assert forms(4096, 4096 + 8, 4, 8) == []
+    assert qk.dp4a_forms(qk.QGemvShape(1, 4096, 4096, 4, 64, act="silu"), qk.GPU_DP4A) == []
+    assert forms(4096, 4096, 4, 64) and all(v.p["w"] <= 4 for v in forms(4096, 4096, 4, 64))
