@@ -65,8 +65,9 @@ def compiler_available() -> bool:
 
 
 def available(device: torch.device | None = None) -> bool:
-    """Whether CUDA C kernels compile and launch on `device` (or any CUDA device)."""
-    if device is not None and device.type != "cuda":
+    """Whether CUDA C kernels compile and launch on `device` (or any CUDA device); KILN_CUDA_C=0: never
+    (the Triton forms alone, to compare)."""
+    if (device is not None and device.type != "cuda") or os.environ.get("KILN_CUDA_C", "1") == "0":
         return False
     return torch.cuda.is_available() and compiler_available() and _lib("cuda") is not None
 
