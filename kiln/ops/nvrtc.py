@@ -148,9 +148,22 @@ def _current_context(index: int) -> None:
         _cu(lib.cuCtxSetCurrent(ctx), "set context")
 
 
+class _Attr(ctypes.Structure):       # CUlaunchAttribute: an id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _Config(ctypes.Structure):     # CUlaunchConfig
+    _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint), ("bx", ctypes.c_uint),
+                ("by", ctypes.c_uint), ("bz", ctypes.c_uint), ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attr)), ("count", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6      # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
 class Kernel:
-    """One compiled kernel: `kernel(grid, block, args)` launches it on torch's current stream of the
-    args' device. Args are tensors (their data pointers) and Python ints (32-bit)."""
+    """One compiled kernel: `kernel(grid, block, args, pdl)` launches it on torch's current stream of
+    the args' device. Args are tensors (their data pointers) and Python ints (32-bit)."""
 
     def __init__(self, source: str, name: str, defines: dict):
         self.source, self.name, self.defines = source, name, dict(defines)
@@ -171,15 +184,22 @@ class Kernel:
             self._funcs[index] = fn
         return fn
 
-    def __call__(self, grid: tuple, block: int, args: list) -> None:
+    def __call__(self, grid: tuple, block: int, args: list, pdl: bool = False) -> None:
         dev = next(a.device for a in args if isinstance(a, torch.Tensor))
         fn = self.function(dev)
         vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(int(a)) for a in args]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        _cu(_lib("cuda").cuLaunchKernel(fn, gx, gy, gz, block, 1, 1, 0, ctypes.c_void_p(stream), params, None),
-            f"launch {self.name}")
+        stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
+        if not pdl:
+            _cu(_lib("cuda").cuLaunchKernel(fn, gx, gy, gz, block, 1, 1, 0, stream, params, None),
+                f"launch {self.name}")
+            return
+        # programmatic dependent launch, as Triton's launch_pdl: the kernel may start while the one
+        # before finishes; it waits (griddepcontrol.wait) before reading that one's outputs
+        attr = _Attr(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        cfg = _Config(gx, gy, gz, block, 1, 1, 0, stream, ctypes.pointer(attr), 1)
+        _cu(_lib("cuda").cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), f"launch {self.name}")
 
 
 def source_path(name: str) -> Path:

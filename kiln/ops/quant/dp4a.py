@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .. import nvrtc
-from ..common import cdiv
+from ..common import cdiv, pdl
 
 SOURCE = r"""
 // -D: N, K, G, BITS (4 or 8), BN (rows a block), WARPS, R (rows a pass), SPLIT, F16 (x is f16, else bf16)
@@ -68,7 +68,7 @@ __device__ __forceinline__ u32 dp4a_uu(u32 a, u32 b, u32 c) {
 
 __device__ __forceinline__ uint4 load_stream(const uint4 *p) {  // read once: keep it out of L1
     uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
@@ -118,6 +118,13 @@ __device__ __forceinline__ void digits(const u16 *x, int chunk, u32 *hi, u32 *lo
     }
 }
 
+// Programmatic dependent launch: wait for the kernel before (its writes visible), then let the next
+// one start; a no-op when launched without the attribute. Weights are loaded before it: never written.
+__device__ __forceinline__ void pdl_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // R rows from row r of this block's chunk: words, scales, biases (rows past N read row N-1, never stored).
 __device__ __forceinline__ void load_rows(const uint4 *q, const u16 *s, const u16 *b, int r, int chunk, int grp,
                                           uint4 *w, float *sc, float *bi) {
@@ -160,13 +167,14 @@ kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y
             const int local = slab * 32 + lane;
             const bool live = local < CPS;
             const int chunk = split * CPS + (live ? local : 0);
-            u32 hi[NW], lo[NW];
-            float unit, xs;
-            digits(x + (long long)m * K, chunk, hi, lo, unit, xs);
             const int grp = chunk * VPL / G;
             uint4 w[R];
             float sc[R], bi[R];
             load_rows(q, s, b, n0, chunk, grp, w, sc, bi);
+            pdl_wait();            // x is the kernel before's output
+            u32 hi[NW], lo[NW];
+            float unit, xs;
+            digits(x + (long long)m * K, chunk, hi, lo, unit, xs);
 #pragma unroll 1
             for (int r0 = 0; r0 < BN; r0 += R) {
                 uint4 cw[R];
@@ -201,6 +209,7 @@ kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y
             }
         }
         __syncthreads();
+        pdl_wait();                // warps without a slab store too
         for (int t = threadIdx.x; t < BN; t += WARPS * 32) {
             const int n = n0 + t;
             float sum = 0.f;
@@ -273,5 +282,5 @@ def run(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: tor
     blocks = cdiv(n, bn)
     ws = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     counts = y if split == 1 else counts
-    kern((blocks, split), warps * 32, [x, packed, scales, biases, y, ws, counts, m])
+    kern((blocks, split), warps * 32, [x, packed, scales, biases, y, ws, counts, m], pdl=pdl(x)["PDL"])
     return y
