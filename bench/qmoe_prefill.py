@@ -3,8 +3,8 @@ grouped kernels dequantising each tile as they load it, kiln/ops/quant/grouped.p
 (both stacks dequantised whole, one launch each, then the grouped kernels on the 16-bit copies), each
 with the MoE family's default grouped form for the chunk. The outputs should be equal, up to the two
 GEMMs' rounding where the compiler sums the two kernels' tiles in other orders (at most 2 ulp of a
-pair's largest value, else exit 1); the times set MoeCuda's FEW_ROWS rule (packed up to that many
-pairs an expert on average).
+pair's largest value, else exit 1); the times set MoeCuda's COPIES_FROM rule (the copies from that
+many pairs an expert on average; None since packed won every length measured).
 
     PYTHONPATH=. python3 bench/qmoe_prefill.py OUT.json [--model qwen3.5-35b-a3b] [--bits 4] [--group 64]
         [--tokens 64,512,1000,4096]

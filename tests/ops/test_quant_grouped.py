@@ -3,8 +3,8 @@ stacks' dequantised copies (embed.qembed, bit-exact to mx.dequantize), bit for b
 interpreter (both kernels hand the same tiles to the same numpy product; on the GPU see the last
 test): every bits value
 whose values sit inside a word, group sizes, tile forms with K in one step and ragged against the tile,
-experts with no tokens, f32 scales behind a bf16 model (GGUF's); and CudaOps takes them for a prefill
-chunk whose experts get few rows each, or whose copies do not fit."""
+experts with no tokens, f32 scales behind a bf16 model (GGUF's); and CudaOps takes them for every
+prefill chunk (the copies only when asked for, where they fit)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_a_chunk_with_few_rows_an_expert_runs_packed_and_equals_the_reference(mo
     want = (REF.moe_experts_gated(x, idx, weights, gate_up, down, "silu", gate_w, shared) if gated
             else REF.moe_experts(x, idx, weights, gate_up, down, "silu"))
     assert (got.float() - want.float()).abs().max() <= 2.0 ** -7 * want.float().abs().max()
-    monkeypatch.setattr("kiln.ops.moe.cuda.FEW_ROWS", 0)          # every chunk "many rows": the copies
+    monkeypatch.setattr("kiln.ops.moe.cuda.COPIES_FROM", 0)       # every chunk "many rows": the copies
     copied = experts()
     assert runs == [1] and made and torch.equal(copied, got)
 
@@ -128,7 +128,8 @@ def test_stacks_whose_copies_do_not_fit_run_packed_at_any_rows(monkeypatch):
     x = rand(t, h, dtype=dt, seed=9)
     idx, weights = routed(t, k, e, dt)
     ops = CudaOps(DEVICE)
-    roomy = ops.moe_experts(x, idx, weights, gate_up, down, "silu")        # 80 pairs > 16 * 4: the copies
+    monkeypatch.setattr("kiln.ops.moe.cuda.COPIES_FROM", 0)       # the copies wherever they fit
+    roomy = ops.moe_experts(x, idx, weights, gate_up, down, "silu")
     runs, real_run = [], qgrouped.run
     monkeypatch.setattr(qgrouped, "run", lambda *a, **kw: runs.append(1) or real_run(*a, **kw))
     for mod in ("kiln.ops.quant.cuda", "kiln.ops.moe.cuda"):

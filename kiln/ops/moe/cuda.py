@@ -20,7 +20,10 @@ from ..quant.cuda import GEMV_ROWS, dequantised_stacks, expert_bytes, experts_in
 from . import kernels, router, staging
 from .reference import MoeReference
 
-FEW_ROWS = 16     # pairs an expert (on average) up to which a prefill chunk reads quantised experts packed
+# pairs an expert (on average) from which a prefill chunk's quantised experts go through dequantised
+# copies instead of packed; None: never. Packed was faster at every length measured (35B-A3B 4-bit,
+# H100, bench/NOTES.md 2026-12-05: 64 to 4,096 tokens, 2 to 128 pairs an expert, 1.7x to 3.9x)
+COPIES_FROM: int | None = None
 
 
 def streamed(*ws) -> bool:
@@ -222,15 +225,14 @@ class MoeCuda(TunedOps, MoeReference):
 
     def _packed(self, x, idx, weights, gate_up, down, act, gate=None):
         """A prefill chunk's quantised experts read packed (quant/grouped.py: the grouped kernels with
-        each tile dequantised as loaded), then the one combine: where the chunk gives its experts few
-        rows each (at most 16 on average: the copies' write and read of every expert then cost more
-        than dequantising each tile once or twice: a rule from the bytes, to be set by bench/qmoe_prefill.py),
-        or where the stacks' dequantised copies do not fit whole (the 397B). None elsewhere, or where
-        the kernels do not take the stacks (the copies' paths then run)."""
+        each tile dequantised as loaded), then the one combine; the dequantised copies only from
+        COPIES_FROM pairs an expert where they fit (never, by default: packed measured faster at every
+        length). None where the kernels do not take the stacks (the copies' paths then run)."""
         if not isinstance(gate_up, QuantizedWeight):
             return None
         e = gate_up.shape[0]
-        if idx.numel() > FEW_ROWS * e and ((room := stack_room(x)) is None or e * expert_bytes(gate_up, down) <= room):
+        if (COPIES_FROM is not None and idx.numel() > COPIES_FROM * e
+                and ((room := stack_room(x)) is None or e * expert_bytes(gate_up, down) <= room)):
             return None
         y = qgrouped.experts(self, x, idx, weights, gate_up, down, act)
         return None if y is None else self.moe_combine(y, idx, x, gate)
