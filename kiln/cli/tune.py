@@ -102,6 +102,10 @@ def dump(plan, workloads, dtype, device, out: Path) -> list[Path]:
         v = plan.choices[w.label]
         stem = f"{w.op.name}_{w.op.shape_str(w.shape)}_{v.name}"
         fns = w.op.kernel_sources(v)
+        if isinstance(fns, str):      # CUDA C (NVRTC): its source with the constants it was built with
+            (out / f"{stem}.cu").write_text(f"// {w.label} -> {v.name} {dict(v.params)}; dtype {dtype}\n{fns}")
+            written.append(out / f"{stem}.cu")
+            continue
         if not fns:   # a composite variant: it runs other ops' chosen kernels
             (out / f"{stem}.txt").write_text(f"{w.label}: {v.name} runs other ops' chosen kernels (see their files)\n")
             written.append(out / f"{stem}.txt")

@@ -103,8 +103,8 @@ class Op:
         """Compile `v` for `shape` without running it; returns the compiled kernels ([] if none)."""
         return []
 
-    def kernel_sources(self, v: Variant) -> list:
-        """The Triton functions `v` launches (for `kiln kernels --dump`)."""
+    def kernel_sources(self, v: Variant) -> list | str:
+        """The Triton functions `v` launches, or a CUDA C kernel's source (for `kiln kernels --dump`)."""
         return []
 
 

@@ -706,9 +706,11 @@ class QGemvOp(Op):
         built = qgemv(x, w, v, act=s.act, norm=norm, warm=True)
         return [] if v.p.get("dp4a") else [built]     # a CUDA C kernel: compiled and loaded, no Triton launcher
 
-    def kernel_sources(self, v: Variant) -> list:
+    def kernel_sources(self, v: Variant) -> list | str:
         if v.p.get("trusted"):
             return []
+        if v.p.get("dp4a"):
+            return dp4a.SOURCE           # CUDA C: `kiln kernels --dump` writes it as a .cu file
         if v.p.get("mma"):
             return [qgemv_mma_kernel, chunk_sums, weight_tile, unpack_asm, unpack_plain, gemv_splitk_finish,
                     last_arrival, pdl_wait, round_to]
