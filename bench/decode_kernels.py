@@ -54,12 +54,13 @@ def token_bytes(model) -> tuple[int, int]:
     k, e = getattr(cfg, "num_experts_per_tok", 0), getattr(cfg, "num_experts", 0)
     total = active = 0
     for name, w in model.w.items():
-        b = w.numel() * w.element_size()
+        parts = [w.packed, w.scales, w.biases] if hasattr(w, "packed") else [w]     # a QuantizedWeight's three
+        b = sum(t.numel() * t.element_size() for t in parts)
         total += b
         if ".experts." in name and e:
             b = b * k // e
         elif "embed_tokens" in name and "lm_head.weight" in model.w:
-            b = w.shape[-1] * w.element_size()
+            b = b // w.shape[0]
         active += b
     return total, active
 
