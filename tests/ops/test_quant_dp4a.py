@@ -1,8 +1,9 @@
 """The CUDA C DP4A GEMV (kiln/ops/quant/dp4a.py) against its arithmetic written in torch: x made
 integer per lane chunk exactly as the kernel makes it, then an f64 product; the kernel must equal it
 within f32 sums and the output's rounding. On ragged rows, a K whose last slab is partial, every
-split, both row passes, bits 4 and 8, groups 32 to 128, bf16 and f16, one and two rows. Where NVRTC
-loads but no GPU is here, every catalogue form still has to compile."""
+split, both row passes, bits 4 and 8, groups 32 to 128, bf16 and f16, one and two rows; with act(g) * u
+computed as x is loaded, bit for bit act_mul's then the plain form. Where NVRTC loads but no GPU is here,
+every catalogue form still has to compile."""
 
 from __future__ import annotations
 
@@ -75,6 +76,28 @@ def test_dp4a_equals_its_arithmetic(n, k, bits, group, dtype):
             assert (err <= ulp + tol).all(), f"{v.name} m={m}: max err {err.max():.3g}, worst row {err.argmax()}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["silu", "sigmoid"])
+@pytest.mark.parametrize("n,k,bits,group", [SHAPES[1], SHAPES[2]])
+def test_dp4a_act_prologue_equals_act_mul_then_the_gemv(n, k, bits, group, act):
+    """act(g) * u computed as x is loaded equals act_mul's output through the plain form, bit for bit."""
+    if not torch.cuda.is_available() or not nvrtc.available(torch.device("cuda")):
+        pytest.skip("needs a CUDA GPU and NVRTC")
+    from kiln.ops.gemm.activation import act_mul
+    g = torch.Generator().manual_seed(n + bits)
+    for dtype in (torch.bfloat16, torch.float16):
+        w = quantize((torch.randn(n, k, generator=g) * k ** -0.5).to(dtype), bits, group).to("cuda")
+        x = (torch.randn(2, 2 * k, generator=g) * 3).to(dtype).cuda()
+        s = qk.QGemvShape(1, n, k, bits, group, act=act)
+        vs = qk.dp4a_forms(s, qk.DP4A_ACT)
+        assert vs
+        for v in vs:
+            fused = torch.full((2, n), float("nan"), dtype=dtype, device="cuda")
+            qk.qgemv(x, w, v, fused, act=act)
+            plain = qk.qgemv(act_mul(x[:, :k], x[:, k:], act).contiguous(), w, v)
+            assert torch.equal(fused, plain), f"{v.name} {dtype}: max diff {(fused - plain).abs().max()}"
+
+
 def test_catalogue_forms_compile():
     """Every form the catalogue offers for these shapes compiles for sm_90 (NVRTC, no GPU needed)."""
     if not nvrtc.compiler_available():
@@ -83,15 +106,18 @@ def test_catalogue_forms_compile():
         for v in forms(n, k, bits, group):
             p = v.p
             for f16 in (False,) if v is not forms(n, k, bits, group)[0] else (False, True):
-                cubin = nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, {"N": n, "K": k, "G": group, "BITS": bits,
-                                                                     "BN": p["bn"], "WARPS": p["w"], "R": p["r"],
-                                                                     "SPLIT": p["sk"], "F16": f16}, (9, 0))
-                assert cubin[:4] == b"\x7fELF"
+                for act in (-1, 0) if v is forms(n, k, bits, group)[0] else (-1,):
+                    cubin = nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, {"N": n, "K": k, "G": group, "BITS": bits,
+                                                                         "BN": p["bn"], "WARPS": p["w"], "R": p["r"],
+                                                                         "SPLIT": p["sk"], "F16": f16, "ACT": act},
+                                                (9, 0))
+                    assert cubin[:4] == b"\x7fELF"
 
 
 def test_forms_fit_only_whole_chunks():
     """No form for bits whose 16-byte load is not whole groups (2, 3), a K off the chunk, or a prologue."""
     assert forms(4096, 4096, 2, 64) == []
     assert forms(4096, 4096 + 8, 4, 8) == []
-    assert qk.dp4a_forms(qk.QGemvShape(1, 4096, 4096, 4, 64, act="silu"), qk.GPU_DP4A) == []
+    assert qk.dp4a_forms(qk.QGemvShape(1, 4096, 4096, 4, 64, style="llama"), qk.GPU_DP4A) == []
+    assert qk.dp4a_forms(qk.QGemvShape(1, 4096, 4096, 4, 64, act="silu"), qk.DP4A_ACT)
     assert forms(4096, 4096, 4, 64) and all(v.p["w"] <= 4 for v in forms(4096, 4096, 4, 64))

@@ -29,7 +29,8 @@ from .. import nvrtc
 from ..common import cdiv, pdl
 
 SOURCE = r"""
-// -D: N, K, G, BITS (4 or 8), BN (rows a block), WARPS, R (rows a pass), SPLIT, F16 (x is f16, else bf16)
+// -D: N, K, G, BITS (4 or 8), BN (rows a block), WARPS, R (rows a pass), SPLIT, F16 (x is f16, else bf16),
+// ACT (-1: x as given; 0 silu, 1 sigmoid: x rows are [g | u], 2K wide, and the input is act(g) * u)
 #define VPL (128 / BITS)                 // values a lane's 16-byte load holds: its chunk
 #define CH (K / VPL)                     // chunks a row
 #define CPS (CH / SPLIT)                 // chunks a split
@@ -83,13 +84,11 @@ __device__ __forceinline__ int slot_of(int i) {
 #endif
 }
 
-// Lane's chunk of row m's x as digits (hi signed, lo unsigned), its unit and its sum.
-__device__ __forceinline__ void digits(const u16 *x, int chunk, u32 *hi, u32 *lo, float &unit, float &xs) {
-    float v[VPL];
-    const uint4 *src = (const uint4 *)(x + chunk * VPL);
+// n values of x from src (16-byte aligned) as f32.
+__device__ __forceinline__ void load_f32(const u16 *src, float *v, int n) {
 #pragma unroll
-    for (int t = 0; t < VPL / 8; t++) {
-        uint4 u = src[t];
+    for (int t = 0; t < n / 8; t++) {
+        uint4 u = ((const uint4 *)src)[t];
         u32 w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
         for (int j = 0; j < 4; j++) {
@@ -97,6 +96,33 @@ __device__ __forceinline__ void digits(const u16 *x, int chunk, u32 *hi, u32 *lo
             v[t * 8 + 2 * j + 1] = to_f32((u16)(w[j] >> 16));
         }
     }
+}
+
+// act(g) as act_mul_kernel computes it (Triton's lowering, read off its PTX): exp(-g) as ex2.approx of
+// (0 - g) * log2(e), then div.full; so act(g) * u below equals act_mul's output bit for bit.
+__device__ __forceinline__ float act_f32(float g) {
+    float e, a, d;
+    const float t = (0.0f - g) * __int_as_float(0x3FB8AA3B);
+    asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(t));
+    d = 1.0f + e;
+#if ACT == 0
+    asm("div.full.f32 %0, %1, %2;" : "=f"(a) : "f"(g), "f"(d));
+#else
+    asm("div.full.f32 %0, %1, %2;" : "=f"(a) : "f"(1.0f), "f"(d));
+#endif
+    return a;
+}
+
+// Lane's chunk of row m's x as digits (hi signed, lo unsigned), its unit and its sum.
+__device__ __forceinline__ void digits(const u16 *x, int chunk, u32 *hi, u32 *lo, float &unit, float &xs) {
+    float v[VPL];
+    load_f32(x + chunk * VPL, v, VPL);
+#if ACT >= 0                  // x is [g | u]: the input is round(round(act(g)) * u), where act_mul rounds
+    float u[VPL];
+    load_f32(x + K + chunk * VPL, u, VPL);
+#pragma unroll
+    for (int i = 0; i < VPL; i++) v[i] = to_f32(from_f32(to_f32(from_f32(act_f32(v[i]))) * u[i]));
+#endif
     float amax = 0.f;
     xs = 0.f;
 #pragma unroll
@@ -174,7 +200,7 @@ kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y
             pdl_wait();            // x is the kernel before's output
             u32 hi[NW], lo[NW];
             float unit, xs;
-            digits(x + (long long)m * K, chunk, hi, lo, unit, xs);
+            digits(x + (long long)m * (ACT >= 0 ? 2 * K : K), chunk, hi, lo, unit, xs);
 #pragma unroll 1
             for (int r0 = 0; r0 < BN; r0 += R) {
                 uint4 cw[R];
@@ -258,11 +284,13 @@ def shape_fits(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: in
     return slabs >= warps and bn % r == 0 and r in (1, 2, 4, 8, 16, 32) and bn <= max(16, 1 << (n - 1).bit_length())
 
 
-def kernel(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: int, split: int, f16: bool) -> nvrtc.Kernel:
-    key = (n, k, bits, group, bn, warps, r, split, f16)
+def kernel(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: int, split: int, f16: bool,
+           act: int = -1) -> nvrtc.Kernel:
+    key = (n, k, bits, group, bn, warps, r, split, f16, act)
     if key not in _KERNELS:
         _KERNELS[key] = nvrtc.Kernel(SOURCE, NAME, {"N": n, "K": k, "G": group, "BITS": bits, "BN": bn,
-                                                    "WARPS": warps, "R": r, "SPLIT": split, "F16": f16})
+                                                    "WARPS": warps, "R": r, "SPLIT": split, "F16": f16,
+                                                    "ACT": act})
     return _KERNELS[key]
 
 
@@ -272,11 +300,11 @@ def aligned(*ts: torch.Tensor) -> bool:
 
 
 def run(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
-        y: torch.Tensor, bn: int, warps: int, r: int, split: int, counts=None, warm: bool = False):
-    """y [M, N] = x [M, K] @ dequantize(w)^T with this form; `warm`: compile (and load) only."""
-    m, k = x.shape
-    n = packed.shape[0]
-    kern = kernel(n, k, bits, group, bn, warps, r, split, x.dtype == torch.float16)
+        y: torch.Tensor, bn: int, warps: int, r: int, split: int, counts=None, warm: bool = False, act: int = -1):
+    """y [M, N] = x [M, K] @ dequantize(w)^T with this form (act >= 0: x [M, 2K] = [g | u] and the
+    input act(g) * u, rounded as act_mul rounds); `warm`: compile (and load) only."""
+    m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 32 // bits
+    kern = kernel(n, k, bits, group, bn, warps, r, split, x.dtype == torch.float16, act)
     if warm:
         return kern.function(x.device)
     blocks = cdiv(n, bn)
