@@ -1,6 +1,6 @@
 """CUDA C kernels compiled at load by NVRTC and launched on torch's current stream through the
-driver API, for what Triton cannot express (DESIGN.md, the compiler): such a kernel is a variant of
-an op like any other, checked against the trusted one and timed by the tuner.
+driver API, for what Triton cannot express (the design allows "CUDA C compiled at load"): such a
+kernel is a variant of an op like any other, checked against the trusted one and timed by the tuner.
 
 The libraries are found at first use (ctypes; no new dependency): NVRTC from the CUDA toolkit or the
 nvidia-cuda-nvrtc wheel that torch's CUDA builds install, the driver from libcuda. Where either is
