@@ -535,6 +535,13 @@ def dp4a_forms(s: QGemvShape, forms: list[tuple]) -> list[Variant]:
     return list(dict.fromkeys(out))
 
 
+def cuda_c_forms(s: QGemvShape, forms: list[tuple], dev) -> list[Variant]:
+    """dp4a_forms where CUDA C kernels compile and launch (a GPU, NVRTC, not KILN_CUDA_C=0), else none."""
+    if dev.capability is None or interpreting() or not nvrtc.available(dev.device):
+        return []
+    return dp4a_forms(s, forms)
+
+
 def mma_split(s: QGemvShape, sub: int) -> int:
     """The split of the groups into whole products of `sub` nearest 4 ways (2 to 8; 0: none)."""
     groups = s.k // s.group
@@ -572,7 +579,8 @@ GPU_MMA = [(bn, sub, w, sk, st) for bn, sub, w, st in ((64, 4, 4, 2), (64, 2, 4,
 CPU_MMA = [(32, 4, 4, 2, 2)]      # the interpreter's tunes: one form (tests/ops take the paths one by one)
 TEST_MMA = [(16, 2, 4, 1, 2), (32, 4, 4, 2, 2)]     # whole and split, a tail chunk with dead products
 MMA_SMEM = 160 * 1024
-# (bn, warps, rows a pass, splits) of the DP4A form (dp4a.py): not yet measured on a GPU
+# (bn, warps, rows a pass, splits) of the DP4A form (dp4a.py); on an H100 (bench/NOTES.md, 2026-12-05)
+# every 9B and 27B shape's variants came within ~25% of each other, bn16/32 with no split winning most
 GPU_DP4A = [(bn, 4, r, sk) for bn in (16, 32, 64) for r in (4, 8) for sk in (1, 2, 4)]
 # with act(g) * u computed as x is loaded (the down projections'): the plain shapes' H100 winners' tiles
 # (bn16/32, 4 warps, no split: 19 of 24, bench/NOTES.md 2026-12-05) and one split; not yet measured
@@ -641,8 +649,7 @@ class QGemvOp(Op):
             # 9B (bench/NOTES.md, 2026-12-02): two stay measured, in case a shape ever favours them
             fused = CPU_FMA if dev.capability is None else [f for f in GPU_FMA if f[:2] in PROLOGUE_TILES
                                                             and f[3] == 1 and not f[4] and not f[5]]
-            cuda_c = dev.capability is not None and not interpreting() and nvrtc.available(dev.device)
-            dp = [v for v in dp4a_forms(s, DP4A_ACT) if v.name.startswith(only)] if cuda_c else []
+            dp = [v for v in cuda_c_forms(s, DP4A_ACT, dev) if v.name.startswith(only)]
             return [TRUSTED, UNFUSED] + [v for v in fma_forms(s, fused) if v.name.startswith(only)] + dp
         fma = [v for v in fma_forms(s, CPU_FMA if dev.capability is None else GPU_FMA) if v.name.startswith(only)]
         # words and grouped lost to acc on every H200 shape, and acc and gather to fma wherever it fits
@@ -651,8 +658,7 @@ class QGemvOp(Op):
         kinds = FORMS if dev.capability is None else [] if fma else [f for f in FORMS if f[0] or f[2]]
         old = [qgemv_variant(*f, *form) for f in forms for form in kinds]
         mma = [v for v in mma_forms(s, CPU_MMA if dev.capability is None else GPU_MMA) if v.name.startswith(only)]
-        cuda_c = dev.capability is not None and not interpreting() and nvrtc.available(dev.device)
-        dp = [v for v in dp4a_forms(s, GPU_DP4A) if v.name.startswith(only)] if cuda_c else []
+        dp = [v for v in cuda_c_forms(s, GPU_DP4A, dev) if v.name.startswith(only)]
         return [TRUSTED] + [v for v in old if fits(s, v.p) and v.name.startswith(only)] + fma + mma + dp
 
     def trusted(self, s, dev) -> Variant:
