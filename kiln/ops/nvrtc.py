@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..fsutil import cache_dir
+from ..fsutil import cache_dir, write_atomic
 
 
 class NvrtcError(RuntimeError):
@@ -121,9 +121,7 @@ def compile_cubin(source: str, name: str, defines: dict, arch: tuple[int, int]) 
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
     path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    part.write_bytes(cubin)
-    os.replace(part, path)      # complete before another process can read it
+    write_atomic(path, lambda f: f.write(cubin))      # complete before another process can read it
     return cubin
 
 
