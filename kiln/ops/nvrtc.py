@@ -161,7 +161,7 @@ PROGRAMMATIC_STREAM_SERIALIZATION = 6      # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_ST
 
 class Kernel:
     """One compiled kernel: `kernel(grid, block, args, pdl)` launches it on torch's current stream of
-    the args' device. Args are tensors (their data pointers) and Python ints (32-bit)."""
+    the args' device. Args are tensors (their data pointers), Python ints (32-bit) and floats (f32)."""
 
     def __init__(self, source: str, name: str, defines: dict):
         self.source, self.name, self.defines = source, name, dict(defines)
@@ -185,7 +185,8 @@ class Kernel:
     def __call__(self, grid: tuple, block: int, args: list, pdl: bool = False) -> None:
         dev = next(a.device for a in args if isinstance(a, torch.Tensor))
         fn = self.function(dev)
-        vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(int(a)) for a in args]
+        vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
+                ctypes.c_float(a) if isinstance(a, float) else ctypes.c_int(int(a)) for a in args]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)

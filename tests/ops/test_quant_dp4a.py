@@ -2,8 +2,9 @@
 integer per lane chunk exactly as the kernel makes it, then an f64 product; the kernel must equal it
 within f32 sums and the output's rounding. On ragged rows, a K whose last slab is partial, every
 split, both row passes, bits 4 and 8, groups 32 to 128, bf16 and f16, one and two rows; with act(g) * u
-computed as x is loaded, bit for bit act_mul's then the plain form. Where NVRTC loads but no GPU is here,
-every catalogue form still has to compile."""
+computed as x is loaded, bit for bit act_mul's then the plain form; with the norm (and the residual add)
+computed as x is loaded, bit for bit the rmsnorm kernel's then the plain form. Where NVRTC loads but no
+GPU is here, every catalogue form still has to compile."""
 
 from __future__ import annotations
 
@@ -98,6 +99,41 @@ def test_dp4a_act_prologue_equals_act_mul_then_the_gemv(n, k, bits, group, act):
             assert torch.equal(fused, plain), f"{v.name} {dtype}: max diff {(fused - plain).abs().max()}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("style", ["llama", "offset", "plain"])
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("n,k,bits,group", [SHAPES[1], SHAPES[2]])
+def test_dp4a_norm_prologue_equals_rmsnorm_then_the_gemv(n, k, bits, group, style, add):
+    """rmsnorm(x [+ r]) computed as x is loaded equals the rmsnorm kernel's output through the plain
+    form, bit for bit, and s = x + r equals the kernel's. x and r are multiples of 1/8 below 4 in size,
+    so every sum of squares (of x + r too: under 2^18, in 64ths) is exact in f32 in any order: the rstd
+    cannot differ by summation order."""
+    if not torch.cuda.is_available() or not nvrtc.available(torch.device("cuda")):
+        pytest.skip("needs a CUDA GPU and NVRTC")
+    from kiln.ops.norm import kernels as norm_kernels
+    g = torch.Generator().manual_seed(n + bits + add)
+    grid = lambda: torch.randint(-31, 32, (1, k), generator=g).float() / 8      # noqa: E731
+    for dtype in (torch.bfloat16, torch.float16):
+        w = quantize((torch.randn(n, k, generator=g) * k ** -0.5).to(dtype), bits, group).to("cuda")
+        x, r = grid().to(dtype).cuda(), grid().to(dtype).cuda() if add else None
+        nw = (torch.randn(k, generator=g) * 0.2 + (0.0 if style == "offset" else 1.0)).to(dtype).cuda()
+        s = qk.QGemvShape(1, n, k, bits, group, style=style, add=add)
+        vs = qk.dp4a_forms(s, qk.DP4A_NORM)
+        assert vs
+        nv = norm_kernels.TRUSTED
+        ref_s = torch.empty_like(x)
+        normed = norm_kernels.rmsnorm(x, nw, 1e-6, style, nv, add=r, s=ref_s if add else None)
+        for v in vs:
+            fused = torch.full((1, n), float("nan"), dtype=dtype, device="cuda")
+            got_s = torch.full_like(x, float("nan"))
+            norm = {"w": nw, "eps": 1e-6, "style": style, "r": r, "s": got_s if add else None}
+            qk.qgemv(x, w, v, fused, norm=norm)
+            plain = qk.qgemv(normed.contiguous(), w, v)
+            assert torch.equal(fused, plain), f"{v.name} {dtype}: max diff {(fused - plain).abs().max()}"
+            if add:
+                assert torch.equal(got_s, ref_s), f"{v.name} {dtype}: s differs"
+
+
 def test_catalogue_forms_compile():
     """Every form the catalogue offers for these shapes compiles for sm_90 (NVRTC, no GPU needed)."""
     if not nvrtc.compiler_available():
@@ -106,11 +142,11 @@ def test_catalogue_forms_compile():
         for v in forms(n, k, bits, group):
             p = v.p
             for f16 in (False,) if v is not forms(n, k, bits, group)[0] else (False, True):
-                for act in (-1, 0) if v is forms(n, k, bits, group)[0] else (-1,):
-                    cubin = nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, {"N": n, "K": k, "G": group, "BITS": bits,
-                                                                         "BN": p["bn"], "WARPS": p["w"], "R": p["r"],
-                                                                         "SPLIT": p["sk"], "F16": f16, "ACT": act},
-                                                (9, 0))
+                first = v is forms(n, k, bits, group)[0]
+                for act, norm, style in ((-1, 0, 0), (0, 0, 0), (-1, 1, 1), (-1, 2, 0), (-1, 2, 2)) if first else (
+                        (-1, 0, 0),):
+                    d = dp4a.defines(n, k, bits, group, p["bn"], p["w"], p["r"], p["sk"], f16, act, norm, style)
+                    cubin = nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, d, (9, 0))
                     assert cubin[:4] == b"\x7fELF"
 
 
@@ -118,6 +154,6 @@ def test_forms_fit_only_whole_chunks():
     """No form for bits whose 16-byte load is not whole groups (2, 3), a K off the chunk, or a prologue."""
     assert forms(4096, 4096, 2, 64) == []
     assert forms(4096, 4096 + 8, 4, 8) == []
-    assert qk.dp4a_forms(qk.QGemvShape(1, 4096, 4096, 4, 64, style="llama"), qk.GPU_DP4A) == []
+    assert qk.dp4a_forms(qk.QGemvShape(1, 4096, 4096, 4, 64, style="llama", add=True), qk.DP4A_NORM)
     assert qk.dp4a_forms(qk.QGemvShape(1, 4096, 4096, 4, 64, act="silu"), qk.DP4A_ACT)
     assert forms(4096, 4096, 4, 64) and all(v.p["w"] <= 4 for v in forms(4096, 4096, 4, 64))

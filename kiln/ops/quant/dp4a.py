@@ -30,7 +30,9 @@ from ..common import cdiv, pdl
 
 SOURCE = r"""
 // -D: N, K, G, BITS (4 or 8), BN (rows a block), WARPS, R (rows a pass), SPLIT, F16 (x is f16, else bf16),
-// ACT (-1: x as given; 0 silu, 1 sigmoid: x rows are [g | u], 2K wide, and the input is act(g) * u)
+// ACT (-1: x as given; 0 silu, 1 sigmoid: x rows are [g | u], 2K wide, and the input is act(g) * u),
+// NORM (0: none; 1: the input is rmsnorm(x); 2: rmsnorm(s), s = round(x + r) written by block (0, 0)), STYLE
+// (the norm's weight: 0 llama, 1 offset, 2 plain, as norm/kernels.py's style_scaled)
 #define VPL (128 / BITS)                 // values a lane's 16-byte load holds: its chunk
 #define CH (K / VPL)                     // chunks a row
 #define CPS (CH / SPLIT)                 // chunks a split
@@ -113,10 +115,75 @@ __device__ __forceinline__ float act_f32(float g) {
     return a;
 }
 
-// Lane's chunk of row m's x as digits (hi signed, lo unsigned), its unit and its sum.
-__device__ __forceinline__ void digits(const u16 *x, int chunk, u32 *hi, u32 *lo, float &unit, float &xs) {
+// normed * w rounded as the style says (norm/kernels.py's style_scaled).
+__device__ __forceinline__ float styled(float normed, float w) {
+#if STYLE == 0
+    return to_f32(from_f32(to_f32(from_f32(normed)) * w));
+#elif STYLE == 1
+    return to_f32(from_f32(normed * (1.0f + w)));
+#else
+    return to_f32(from_f32(normed * w));
+#endif
+}
+
+// n values of the norm's source at column c of row xm: x, or s = round(x + r) (NORM 2).
+__device__ __forceinline__ void norm_source(const u16 *xm, const u16 *rm, int c, float *v, int n) {
+    load_f32(xm + c, v, n);
+#if NORM == 2
+    float r[VPL > 8 ? VPL : 8];
+    load_f32(rm + c, r, n);
+#pragma unroll
+    for (int i = 0; i < n; i++) v[i] = to_f32(from_f32(v[i] + r[i]));
+#endif
+}
+
+// rstd of the norm's source row, every thread of the block taking part (all are in their first slab);
+// as the rmsnorm kernel computes it: f32 sum of squares, div.full by K, rsqrt.approx. Block (0, 0)
+// (`store`) writes s = round(x + r) as it goes.
+__device__ float row_rstd(const u16 *xm, const u16 *rm, u16 *sm, bool store, float eps) {
+    __shared__ float red[WARPS];
+    float sq = 0.f;
+    for (int c = threadIdx.x; c < K / 8; c += WARPS * 32) {
+        float v[8];
+        norm_source(xm, rm, c * 8, v, 8);
+#if NORM == 2
+        if (store) {
+            u32 h[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) h[j] = (u32)from_f32(v[2 * j]) | ((u32)from_f32(v[2 * j + 1]) << 16);
+            ((uint4 *)sm)[c] = make_uint4(h[0], h[1], h[2], h[3]);
+        }
+#endif
+#pragma unroll
+        for (int i = 0; i < 8; i++) sq += v[i] * v[i];
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = sq;
+    __syncthreads();
+    float total = 0.f, mean, rstd;
+#pragma unroll
+    for (int v = 0; v < WARPS; v++) total += red[v];
+    __syncthreads();
+    asm("div.full.f32 %0, %1, %2;" : "=f"(mean) : "f"(total), "f"((float)K));
+    asm("rsqrt.approx.f32 %0, %1;" : "=f"(rstd) : "f"(mean + eps));
+    return rstd;
+}
+
+// Lane's chunk of row m's x as digits (hi signed, lo unsigned), its unit and its sum; through the norm
+// (rstd, weights nw, residual row rm) where NORM says.
+__device__ __forceinline__ void digits(const u16 *x, const u16 *rm, const u16 *nw, float rstd, int chunk, u32 *hi,
+                                       u32 *lo, float &unit, float &xs) {
     float v[VPL];
+#if NORM > 0
+    norm_source(x, rm, chunk * VPL, v, VPL);
+    float wn[VPL];
+    load_f32(nw + chunk * VPL, wn, VPL);
+#pragma unroll
+    for (int i = 0; i < VPL; i++) v[i] = styled(v[i] * rstd, wn[i]);
+#else
     load_f32(x + chunk * VPL, v, VPL);
+#endif
 #if ACT >= 0                  // x is [g | u]: the input is round(round(act(g)) * u), where act_mul rounds
     float u[VPL];
     load_f32(x + K + chunk * VPL, u, VPL);
@@ -181,12 +248,16 @@ __device__ __forceinline__ float reduce_rows(float *a, int lane) {
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
-kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y, float *ws, int *counts, int M) {
+kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y, float *ws, int *counts, int M,
+                const u16 *nw, const u16 *res, u16 *sum_out, float eps) {
     __shared__ float acc[WARPS][BN];
     __shared__ int last;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int n0 = blockIdx.x * BN, split = blockIdx.y;
+    const bool store = blockIdx.x == 0 && blockIdx.y == 0;
     for (int m = 0; m < M; m++) {
+        const u16 *rm = res + (long long)m * K;
+        float rstd = 0.f;
         for (int i = threadIdx.x; i < WARPS * BN; i += WARPS * 32) (&acc[0][0])[i] = 0.f;
         __syncthreads();
         for (int slab = warp; slab < SLABS; slab += WARPS) {
@@ -198,9 +269,12 @@ kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y
             float sc[R], bi[R];
             load_rows(q, s, b, n0, chunk, grp, w, sc, bi);
             pdl_wait();            // x is the kernel before's output
+#if NORM > 0
+            if (slab == warp) rstd = row_rstd(x + (long long)m * K, rm, sum_out + (long long)m * K, store, eps);
+#endif
             u32 hi[NW], lo[NW];
             float unit, xs;
-            digits(x + (long long)m * (ACT >= 0 ? 2 * K : K), chunk, hi, lo, unit, xs);
+            digits(x + (long long)m * (ACT >= 0 ? 2 * K : K), rm, nw, rstd, chunk, hi, lo, unit, xs);
 #pragma unroll 1
             for (int r0 = 0; r0 < BN; r0 += R) {
                 uint4 cw[R];
@@ -284,13 +358,18 @@ def shape_fits(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: in
     return slabs >= warps and bn % r == 0 and r in (1, 2, 4, 8, 16, 32) and bn <= max(16, 1 << (n - 1).bit_length())
 
 
-def kernel(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: int, split: int, f16: bool,
-           act: int = -1) -> nvrtc.Kernel:
-    key = (n, k, bits, group, bn, warps, r, split, f16, act)
+def defines(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: int, split: int, f16: bool,
+            act: int = -1, norm: int = 0, style: int = 0) -> dict:
+    return {"N": n, "K": k, "G": group, "BITS": bits, "BN": bn, "WARPS": warps, "R": r, "SPLIT": split, "F16": f16,
+            "ACT": act, "NORM": norm, "STYLE": style}
+
+
+def kernel(*args, **kw) -> nvrtc.Kernel:
+    """The compiled form for `defines`' arguments (cached a process)."""
+    d = defines(*args, **kw)
+    key = tuple(d.values())
     if key not in _KERNELS:
-        _KERNELS[key] = nvrtc.Kernel(SOURCE, NAME, {"N": n, "K": k, "G": group, "BITS": bits, "BN": bn,
-                                                    "WARPS": warps, "R": r, "SPLIT": split, "F16": f16,
-                                                    "ACT": act})
+        _KERNELS[key] = nvrtc.Kernel(SOURCE, NAME, d)
     return _KERNELS[key]
 
 
@@ -300,15 +379,22 @@ def aligned(*ts: torch.Tensor) -> bool:
 
 
 def run(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
-        y: torch.Tensor, bn: int, warps: int, r: int, split: int, counts=None, warm: bool = False, act: int = -1):
+        y: torch.Tensor, bn: int, warps: int, r: int, split: int, counts=None, warm: bool = False, act: int = -1,
+        norm: dict | None = None):
     """y [M, N] = x [M, K] @ dequantize(w)^T with this form (act >= 0: x [M, 2K] = [g | u] and the
-    input act(g) * u, rounded as act_mul rounds); `warm`: compile (and load) only."""
+    input act(g) * u, rounded as act_mul rounds; norm {w, eps, style (an index of STYLES)[, r, s]}: the
+    input rmsnorm(x), or rmsnorm(x + r) with s = x + r written, rounded as the rmsnorm kernel rounds);
+    `warm`: compile (and load) only."""
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 32 // bits
-    kern = kernel(n, k, bits, group, bn, warps, r, split, x.dtype == torch.float16, act)
+    norm_kind = 0 if norm is None else 1 if norm.get("r") is None else 2
+    kern = kernel(n, k, bits, group, bn, warps, r, split, x.dtype == torch.float16, act, norm_kind,
+                  0 if norm is None else norm["style"])
     if warm:
         return kern.function(x.device)
     blocks = cdiv(n, bn)
     ws = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     counts = y if split == 1 else counts
-    kern((blocks, split), warps * 32, [x, packed, scales, biases, y, ws, counts, m], pdl=pdl(x)["PDL"])
+    pro = [y, y, y, 0.0] if norm is None else [norm["w"], norm.get("r", y) if norm_kind == 2 else y,
+                                               norm.get("s", y) if norm_kind == 2 else y, float(norm["eps"])]
+    kern((blocks, split), warps * 32, [x, packed, scales, biases, y, ws, counts, m, *pro], pdl=pdl(x)["PDL"])
     return y

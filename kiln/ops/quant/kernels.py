@@ -387,13 +387,15 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
         y.copy_(F.linear(prologue_reference(x, act, norm), dequantize(w)))
         return y
     if p.get("dp4a"):
-        assert norm is None, f"{v.name} takes no norm prologue"
-        if not dp4a.aligned(x, w.packed):     # a view off 16-byte alignment: the untuned form instead
-            s = QGemvShape(m, n, k, w.bits, w.group_size, act)
-            return qgemv(x, w, OP.default(s, device_info(x.device)), y, act=act)
+        extra = [] if norm is None else [t for t in (norm["w"], norm.get("r"), norm.get("s")) if t is not None]
+        if not dp4a.aligned(x, w.packed, *extra):     # a view off 16-byte alignment: the FMA form instead
+            v2 = OP.default(QGemvShape(m, n, k, w.bits, w.group_size), device_info(x.device))
+            pro_ok = v2.p.get("fma") or (act is None and norm is None)     # the fma forms take the prologues
+            return qgemv(x, w, v2 if pro_ok else TRUSTED, y, act=act, norm=norm)
+        dnorm = None if norm is None else {**norm, "style": norm_kernels.STYLES[norm["style"]]}
         counts = arrival_counters(x.device, cdiv(n, p["bn"])) if p["sk"] > 1 else None
         built = dp4a.run(x, w.packed, w.scales, w.biases, w.bits, w.group_size, y, p["bn"], p["w"], p["r"], p["sk"],
-                         counts, warm=warm, act=-1 if act is None else ACTS[act])
+                         counts, warm=warm, act=-1 if act is None else ACTS[act], norm=dnorm)
         return built if warm else y
     if p.get("mma"):
         assert act is None and norm is None, f"{v.name} takes no prologue"
@@ -522,12 +524,12 @@ def dp4a_variant(bn: int, w: int, r: int, sk: int) -> Variant:
 
 
 def dp4a_forms(s: QGemvShape, forms: list[tuple]) -> list[Variant]:
-    """dp4a_variant of each form that fits (bits 4 and 8; no prologue or act(g) * u's, not a norm's),
-    its warps cut to the split's slabs."""
+    """dp4a_variant of each form that fits (bits 4 and 8; no prologue, act(g) * u's or a norm's), its
+    warps cut to the split's slabs."""
     out = []
     for bn, w, r, sk in forms:
         chunks = s.k * s.bits // 128
-        if s.bits not in dp4a.BITS or s.style or (s.act and s.act not in ACTS) or chunks % sk:
+        if s.bits not in dp4a.BITS or (s.act and s.act not in ACTS) or chunks % sk:
             continue
         w = max(1, min(w, cdiv(chunks // sk, 32)))
         if dp4a.shape_fits(s.n, s.k, s.bits, s.group, bn, w, r, sk):
@@ -585,6 +587,9 @@ GPU_DP4A = [(bn, 4, r, sk) for bn in (16, 32, 64) for r in (4, 8) for sk in (1, 
 # with act(g) * u computed as x is loaded (the down projections'): the plain shapes' H100 winners' tiles
 # (bn16/32, 4 warps, no split: 19 of 24, bench/NOTES.md 2026-12-05) and one split; not yet measured
 DP4A_ACT = [(bn, 4, r, sk) for bn in (16, 32) for r in (4, 8) for sk in (1, 2)]
+# with the norm in the prologue every block first reads the whole row from L2 for its rstd: more rows a
+# block spread that read over more weights; not yet measured
+DP4A_NORM = [(bn, 4, r, 1) for bn in (16, 32, 64) for r in (4, 8)] + [(32, 4, 4, 2), (64, 4, 4, 2)]
 # (gather, grouped, acc): words, grouped, acc, gather
 FORMS = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
 
@@ -649,7 +654,7 @@ class QGemvOp(Op):
             # 9B (bench/NOTES.md, 2026-12-02): two stay measured, in case a shape ever favours them
             fused = CPU_FMA if dev.capability is None else [f for f in GPU_FMA if f[:2] in PROLOGUE_TILES
                                                             and f[3] == 1 and not f[4] and not f[5]]
-            dp = [v for v in cuda_c_forms(s, DP4A_ACT, dev) if v.name.startswith(only)]
+            dp = [v for v in cuda_c_forms(s, DP4A_ACT if s.act else DP4A_NORM, dev) if v.name.startswith(only)]
             return [TRUSTED, UNFUSED] + [v for v in fma_forms(s, fused) if v.name.startswith(only)] + dp
         fma = [v for v in fma_forms(s, CPU_FMA if dev.capability is None else GPU_FMA) if v.name.startswith(only)]
         # words and grouped lost to acc on every H200 shape, and acc and gather to fma wherever it fits
