@@ -150,6 +150,19 @@ def test_catalogue_forms_compile():
                     assert cubin[:4] == b"\x7fELF"
 
 
+def test_prologue_forms_compile():
+    """Every prologue form (act, norm with and without the add) compiles for sm_90 on decode's shapes."""
+    if not nvrtc.compiler_available():
+        pytest.skip("no libnvrtc here")
+    for n, k in ((4096, 12288), (24576, 4096), (12352, 4096)):
+        for pro, table, extra in (({"act": "silu"}, qk.DP4A_ACT, {"act": 0}),
+                                  ({"style": "offset", "add": True}, qk.DP4A_NORM, {"norm": 2, "style": 1})):
+            for v in qk.dp4a_forms(qk.QGemvShape(1, n, k, 4, 64, **pro), table):
+                p = v.p
+                d = dp4a.defines(n, k, 4, 64, p["bn"], p["w"], p["r"], p["sk"], False, **extra)
+                assert nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, d, (9, 0))[:4] == b"\x7fELF"
+
+
 def test_forms_fit_only_whole_chunks():
     """No form for bits whose 16-byte load is not whole groups (2, 3), a K off the chunk, or a prologue."""
     assert forms(4096, 4096, 2, 64) == []

@@ -586,10 +586,13 @@ MMA_SMEM = 160 * 1024
 GPU_DP4A = [(bn, 4, r, sk) for bn in (16, 32, 64) for r in (4, 8) for sk in (1, 2, 4)]
 # with act(g) * u computed as x is loaded (the down projections'): the plain shapes' H100 winners' tiles
 # (bn16/32, 4 warps, no split: 19 of 24, bench/NOTES.md 2026-12-05) and one split; not yet measured
-DP4A_ACT = [(bn, 4, r, sk) for bn in (16, 32) for r in (4, 8) for sk in (1, 2)]
-# with the norm in the prologue every block first reads the whole row from L2 for its rstd: more rows a
-# block spread that read over more weights; not yet measured
-DP4A_NORM = [(bn, 4, r, 1) for bn in (16, 32, 64) for r in (4, 8)] + [(32, 4, 4, 2), (64, 4, 4, 2)]
+# On the H100 the best of these lost to act_mul then the plain form on the 9B's down projection (14.35
+# vs 13.55 us): every block computes act(g) * u over its whole K, so bn 16 computes it N / 16 times;
+# bn 64 with a split cuts that 4x and keeps the blocks
+DP4A_ACT = [(bn, 4, r, sk) for bn in (16, 32) for r in (4, 8) for sk in (1, 2)] + [(64, 4, 8, 2), (64, 4, 8, 4)]
+# with the norm in the prologue every block first reads the whole row (and r) from L2 for its rstd: at
+# bn 16 that is as many bytes as the weights on the 9B's gate|up; more rows a block spread it over more
+DP4A_NORM = [(bn, 4, r, 1) for bn in (32, 64, 128) for r in (4, 8)] + [(64, 4, 8, 2), (128, 4, 8, 2)]
 # (gather, grouped, acc): words, grouped, acc, gather
 FORMS = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
 
