@@ -18,9 +18,11 @@ import triton.language as tl
 
 from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, try_unmeasured, variant
+from .. import cuda_common, nvrtc
 from ..common import COMMON, SUPPORTED, cdiv, dot_flags, next_pow2, pdl, pdl_wait, rne_flag, round_to
 from ..norm import kernels as norm_kernels
 from ..norm.kernels import scale_normed
+from . import hgemv
 from .activation import ACTS, act_f32
 from .activation import __file__ as ACTS_FILE
 
@@ -352,6 +354,11 @@ def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = 
     if m == 0:
         return y
     p = v.p
+    if p.get("hgemv"):
+        if not hgemv.aligned(x, w):       # a view off 16-byte alignment: the untuned form instead
+            return gemm(x, w, OP.default(GemmShape(m, n, k), device_info(x.device)), y, sms)
+        counts = arrival_counters(x.device, cdiv(n, p["bn"])) if p["sk"] > 1 else None
+        return hgemv.run(x, w, y, p["bn"], p["w"], p["r"], p["sk"], counts)
     flags, rne = dot_flags(x.dtype), rne_flag(x.dtype)
     opts = dict(num_warps=p["w"], num_stages=p["s"])
     if p.get("gemv"):
@@ -503,6 +510,32 @@ def worth_measuring(shape, p: dict, sms: int) -> bool:
     return sk == 1 or (t < sms and shape.k // sk >= 4 * p["bk"])
 
 
+def hgemv_variant(bn: int, w: int, r: int, sk: int) -> Variant:
+    """hgemv.py's CUDA C form: BN rows a block of W warps, R rows a pass, SK splits of K."""
+    return variant(f"cuda_bn{bn}_w{w}_r{r}_sk{sk}", hgemv=True, bn=bn, w=w, r=r, sk=sk, s=1, bm=1, bk=8)
+
+
+# (bn, warps, rows a pass, splits) of the CUDA C GEMV, warps cut to the split's slabs; not yet measured
+GPU_HGEMV = [(bn, 4, r, sk) for bn in (8, 16, 32) for r in (4, 8) for sk in (1, 2, 4)]
+
+
+def hgemv_forms(s, dev) -> list[Variant]:
+    """The CUDA C GEMV forms that fit one row of `s`, where CUDA C kernels compile and launch."""
+    if s.rows != 1 or dev.capability is None or interpreting() or not nvrtc.available(dev.device):
+        return []
+    return hgemv_fitting(s, GPU_HGEMV)
+
+
+def hgemv_fitting(s, forms: list[tuple]) -> list[Variant]:
+    """hgemv_variant of each (bn, warps, r, sk) that fits `s`, its warps cut to the split's slabs."""
+    out = []
+    for bn, w, r, sk in forms:
+        w = max(1, min(w, cdiv(s.k // 8 // sk, 32))) if s.k % (8 * sk) == 0 else w
+        if hgemv.shape_fits(s.n, s.k, bn, w, r, sk):
+            out.append(hgemv_variant(bn, w, r, sk))
+    return list(dict.fromkeys(out))
+
+
 def gemv_worth(shape, p: dict, sms: int) -> bool:
     """At least one program per SM and at most 32, each with at least one BK step per split."""
     programs = cdiv(shape.n, p["bn"]) * p["sk"]
@@ -511,7 +544,8 @@ def gemv_worth(shape, p: dict, sms: int) -> bool:
 
 class GemmOp(Op):
     name = "gemm"
-    sources = (__file__, COMMON, norm_kernels.__file__, ACTS_FILE)
+    sources = (__file__, COMMON, norm_kernels.__file__, ACTS_FILE, hgemv.__file__, cuda_common.__file__,
+               nvrtc.__file__)
     shape_type = GemmShape
 
     def shape_str(self, s: GemmShape) -> str:
@@ -534,6 +568,7 @@ class GemmOp(Op):
                     forms += [tile_variant(*t, sk=k, tma=True) for t in TMA_SPLIT_TILES for k in (2, 4)]
             if s.rows == 1:
                 forms += [gemv_variant(*g, whole=whole) for g in GEMV_FORMS for whole in (False, True)]
+            forms += hgemv_forms(s, dev)
         return forms
 
     def candidates(self, s: GemmShape, dev) -> list[Variant]:
@@ -541,7 +576,7 @@ class GemmOp(Op):
         if dev.capability is None:
             return forms
         forms = [v for v in forms if not v.p.get("whole") or whole_fits(s, v.p)]
-        return [v for v in forms if v == TRUSTED or (gemv_worth(s, v.p, dev.sms) if v.p.get("gemv")
+        return [v for v in forms if v == TRUSTED or v.p.get("hgemv") or (gemv_worth(s, v.p, dev.sms) if v.p.get("gemv")
                                                       else worth_measuring(s, v.p, dev.sms))]
 
     def trusted(self, s, dev) -> Variant:
@@ -575,6 +610,9 @@ class GemmOp(Op):
         w = torch.empty((s.n, s.k), dtype=dtype, device=device)
         y = torch.empty((1, s.n), dtype=dtype, device=device)
         p, opts = v.p, dict(num_warps=v.p["w"], num_stages=v.p["s"], grid=(1,))
+        if p.get("hgemv"):        # a CUDA C kernel: compiled and loaded, no Triton launcher
+            hgemv.run(x, w, y, p["bn"], p["w"], p["r"], p["sk"], warm=True)
+            return []
         if p.get("gemv"):
             ws = y if p["sk"] == 1 else torch.empty((p["sk"], 1, s.n), dtype=torch.float32, device=device)
             counts = torch.zeros(1, dtype=torch.int32, device=device) if p["sk"] > 1 else y
@@ -603,7 +641,9 @@ class GemmOp(Op):
                                                     grid=(1,)))
         return kernels
 
-    def kernel_sources(self, v: Variant) -> list:
+    def kernel_sources(self, v: Variant) -> list | str:
+        if v.p.get("hgemv"):
+            return hgemv.SOURCE        # CUDA C: `kiln kernels --dump` writes it as a .cu file
         if v.p.get("gemv"):
             return [gemv_kernel, masked_k, x_slice, x_normed_row, norm_source, act_f32, pdl_wait, round_to,
                     last_arrival, gemv_splitk_finish, norm_rstd, scale_normed, norm_kernels.style_scaled]

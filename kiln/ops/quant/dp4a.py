@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import nvrtc
+from .. import cuda_common, nvrtc
 from ..common import cdiv, pdl
 
-SOURCE = r"""
+SOURCE = cuda_common.HELPERS + r"""
 // -D: N, K, G, BITS (4 or 8), BN (rows a block), WARPS, R (rows a pass), SPLIT, F16 (x is f16, else bf16),
 // ACT (-1: x as given; 0 silu, 1 sigmoid: x rows are [g | u], 2K wide, and the input is act(g) * u),
 // NORM (0: none; 1: the input is rmsnorm(x); 2: rmsnorm(s), s = round(x + r) written by block (0, 0)), STYLE
@@ -40,40 +40,12 @@ SOURCE = r"""
 #define NW (VPL / 4)                     // digit words a chunk (4 bytes each)
 #define GROUPS (K / G)
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-
-__device__ __forceinline__ float to_f32(u16 h) {
-#if F16
-    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
-#else
-    return __uint_as_float(((u32)h) << 16);
-#endif
-}
-
-__device__ __forceinline__ u16 from_f32(float f) {
-    u16 h;
-#if F16
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-    return h;
-}
-
 __device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {     // a unsigned bytes, b signed bytes
     int d; asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
 }
 
 __device__ __forceinline__ u32 dp4a_uu(u32 a, u32 b, u32 c) {
     u32 d; asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
-}
-
-__device__ __forceinline__ uint4 load_stream(const uint4 *p) {  // read once: keep it out of L1
-    uint4 v;
-    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
 }
 
 // The byte of value i of a chunk in the digit words: 4-bit values pair with the nibble words
@@ -84,20 +56,6 @@ __device__ __forceinline__ int slot_of(int i) {
 #else
     return i;
 #endif
-}
-
-// n values of x from src (16-byte aligned) as f32.
-__device__ __forceinline__ void load_f32(const u16 *src, float *v, int n) {
-#pragma unroll
-    for (int t = 0; t < n / 8; t++) {
-        uint4 u = ((const uint4 *)src)[t];
-        u32 w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            v[t * 8 + 2 * j] = to_f32((u16)(w[j] & 0xFFFF));
-            v[t * 8 + 2 * j + 1] = to_f32((u16)(w[j] >> 16));
-        }
-    }
 }
 
 // act(g) as act_mul_kernel computes it (Triton's lowering, read off its PTX): exp(-g) as ex2.approx of
@@ -211,13 +169,6 @@ __device__ __forceinline__ void digits(const u16 *x, const u16 *rm, const u16 *n
     }
 }
 
-// Programmatic dependent launch: wait for the kernel before (its writes visible), then let the next
-// one start; a no-op when launched without the attribute. Weights are loaded before it: never written.
-__device__ __forceinline__ void pdl_wait() {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
 // R rows from row r of this block's chunk: words, scales, biases (rows past N read row N-1, never stored).
 __device__ __forceinline__ void load_rows(const uint4 *q, const u16 *s, const u16 *b, int r, int chunk, int grp,
                                           uint4 *w, float *sc, float *bi) {
@@ -230,28 +181,10 @@ __device__ __forceinline__ void load_rows(const uint4 *q, const u16 *s, const u1
     }
 }
 
-// Sum a[0..R) across the warp: row i's total lands in lanes (i * 32 / R) .. ; returns the lane's row's.
-__device__ __forceinline__ float reduce_rows(float *a, int lane) {
-#pragma unroll
-    for (int h = R / 2, off = 16; h >= 1; h /= 2, off /= 2) {
-        bool up = (lane & off) != 0;
-#pragma unroll
-        for (int j = 0; j < h; j++) {
-            float send = up ? a[j] : a[j + h];
-            float keep = up ? a[j + h] : a[j];
-            a[j] = keep + __shfl_xor_sync(0xffffffffu, send, off);
-        }
-    }
-#pragma unroll
-    for (int off = 16 / R; off >= 1; off /= 2) a[0] += __shfl_xor_sync(0xffffffffu, a[0], off);
-    return a[0];
-}
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y, float *ws, int *counts, int M,
                 const u16 *nw, const u16 *res, u16 *sum_out, float eps) {
     __shared__ float acc[WARPS][BN];
-    __shared__ int last;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int n0 = blockIdx.x * BN, split = blockIdx.y;
     const bool store = blockIdx.x == 0 && blockIdx.y == 0;
@@ -310,35 +243,10 @@ kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y
         }
         __syncthreads();
         pdl_wait();                // warps without a slab store too
-        for (int t = threadIdx.x; t < BN; t += WARPS * 32) {
-            const int n = n0 + t;
-            float sum = 0.f;
-#pragma unroll
-            for (int v = 0; v < WARPS; v++) sum += acc[v][t];
-            if (n < N) {
-                if (SPLIT == 1) y[(long long)m * N + n] = from_f32(sum);
-                else ws[((long long)split * M + m) * N + n] = sum;
-            }
-        }
+        store_block(acc, y, ws, n0, split, m, M);
         __syncthreads();
     }
-    if (SPLIT > 1) {       // the last block of this row block to arrive adds the splits in order
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) last = atomicAdd(&counts[blockIdx.x], 1) == SPLIT - 1;
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
-        for (int m = 0; m < M; m++)
-            for (int t = threadIdx.x; t < BN; t += WARPS * 32) {
-                const int n = n0 + t;
-                if (n >= N) continue;
-                float sum = 0.f;
-                for (int sp = 0; sp < SPLIT; sp++) sum += __ldcg(ws + ((long long)sp * M + m) * N + n);
-                y[(long long)m * N + n] = from_f32(sum);
-            }
-        if (threadIdx.x == 0) counts[blockIdx.x] = 0;
-    }
+    if (SPLIT > 1) finish_splits(y, ws, counts, n0, M);
 }
 """
 

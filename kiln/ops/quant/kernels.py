@@ -24,7 +24,7 @@ import triton.language as tl
 from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, variant
 from ...weights.quantized import QuantizedWeight
-from .. import nvrtc
+from .. import cuda_common, nvrtc
 from ..common import COMMON, SUPPORTED, cdiv, pdl, pdl_wait, rne_flag, round_to
 from ..gemm.activation import ACTS, act_f32, act_mul
 from ..gemm.gemm import arrival_counters, gemv_splitk_finish, last_arrival, norm_args, norm_rstd
@@ -636,7 +636,7 @@ def fits(s: QGemvShape, p: dict) -> bool:
 
 class QGemvOp(Op):
     name = "qgemv"
-    sources = (__file__, COMMON, dp4a.__file__, nvrtc.__file__)
+    sources = (__file__, COMMON, dp4a.__file__, nvrtc.__file__, cuda_common.__file__)
     shape_type = QGemvShape
     only: tuple = ()     # benches: only variants whose names start so (a tuple: the op is pickled to workers)
 
