@@ -1,6 +1,7 @@
 """CUDA C shared by the NVRTC kernels (kiln/ops/quant/dp4a.py, kiln/ops/gemm/hgemv.py): 16-bit
 conversions, streaming loads, the PDL wait, the warp's row reduction and the row-block stores with a
-serial split-K finish. The including kernel defines N, K, BN, WARPS, R, SPLIT and F16 (-D)."""
+serial split-K finish, act(g) as act_mul computes it. The including kernel defines N, K, BN, WARPS, R,
+SPLIT, F16 and ACT (-D)."""
 
 HELPERS = r"""
 typedef unsigned int u32;
@@ -73,6 +74,22 @@ __device__ __forceinline__ float reduce_rows(float *a, int lane) {
     return a[0];
 }
 
+
+
+// act(g) as act_mul_kernel computes it (Triton's lowering, read off its PTX): exp(-g) as ex2.approx of
+// (0 - g) * log2(e), then div.full; so round(round(act(g)) * u) equals act_mul's output bit for bit.
+__device__ __forceinline__ float act_f32(float g) {
+    float e, a, d;
+    const float t = (0.0f - g) * __int_as_float(0x3FB8AA3B);
+    asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(t));
+    d = 1.0f + e;
+#if ACT == 0
+    asm("div.full.f32 %0, %1, %2;" : "=f"(a) : "f"(g), "f"(d));
+#else
+    asm("div.full.f32 %0, %1, %2;" : "=f"(a) : "f"(1.0f), "f"(d));
+#endif
+    return a;
+}
 
 // After a row's slabs (acc: each warp's sums of the block's BN rows): the block's outputs, or its
 // split's partials in ws [SPLIT, M, N].

@@ -348,17 +348,20 @@ def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = 
     [M, 2K] = [g | u] and y = (act(g) * u) @ w^T; with norm {w, eps, style[, r, s]}, y =
     rmsnorm(x [+ r]) @ w^T, and s = x + r (rounded) is written."""
     m, k, n = x.shape[0], w.shape[1], w.shape[0]
-    assert act is None or (p_gemv(v) and x.shape[1] == 2 * k), "act needs a GEMV form and [g | u] rows"
+    assert act is None or ((p_gemv(v) or v.p.get("hgemv")) and x.shape[1] == 2 * k), \
+        "act needs a GEMV form and [g | u] rows"
     assert norm is None or (p_gemv(v) and act is None), "norm needs a GEMV form"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device) if y is None else y
     if m == 0:
         return y
     p = v.p
     if p.get("hgemv"):
-        if not hgemv.aligned(x, w):       # a view off 16-byte alignment: the untuned form instead
-            return gemm(x, w, OP.default(GemmShape(m, n, k), device_info(x.device)), y, sms)
+        if not hgemv.aligned(x, w):       # a view off 16-byte alignment: a Triton form instead
+            fallback = gemv_variant(16, 256, 1, 4) if act is not None else OP.default(GemmShape(m, n, k),
+                                                                                      device_info(x.device))
+            return gemm(x, w, fallback, y, sms, act=act)
         counts = arrival_counters(x.device, cdiv(n, p["bn"])) if p["sk"] > 1 else None
-        return hgemv.run(x, w, y, p["bn"], p["w"], p["r"], p["sk"], counts)
+        return hgemv.run(x, w, y, p["bn"], p["w"], p["r"], p["sk"], counts, act=-1 if act is None else ACTS[act])
     flags, rne = dot_flags(x.dtype), rne_flag(x.dtype)
     opts = dict(num_warps=p["w"], num_stages=p["s"])
     if p.get("gemv"):

@@ -20,7 +20,7 @@ import triton.language as tl
 from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, variant
 from ..common import SUPPORTED, dot_flags, pdl, pdl_wait, rne_flag, round_to
-from . import activation, gemm
+from . import activation, gemm, hgemv
 
 
 @triton.jit
@@ -293,13 +293,14 @@ class ActGemmOp(ActShapes, Op):
             gemv = [gemm.gemv_variant(*g) for g in gemm.CPU_GEMV]
         else:
             gemv = [gemm.gemv_variant(*g, whole=whole) for g in gemm.GEMV_FORMS for whole in (False, True)]
+            gemv += gemm.hgemv_forms(s, dev)      # the CUDA C form computing act(g) * u as it loads x
         return [ACT_UNFUSED_TRUSTED, ACT_UNFUSED] + (gemv if s.rows == 1 else [])
 
     def candidates(self, s, dev) -> list[Variant]:
         forms = self.catalogue(s, dev)
         if dev.capability is None:
             return forms
-        return [v for v in forms if v.run is not None or (gemm.gemv_worth(s, v.p, dev.sms) and
+        return [v for v in forms if v.run is not None or v.p.get("hgemv") or (gemm.gemv_worth(s, v.p, dev.sms) and
                                                            (not v.p["whole"] or gemm.whole_fits(s, v.p)))]
 
     def trusted(self, s, dev) -> Variant:
@@ -327,15 +328,20 @@ class ActGemmOp(ActShapes, Op):
         w = torch.empty((s.n, s.k), dtype=dtype, device=device)
         y = torch.empty((1, s.n), dtype=dtype, device=device)
         p = v.p
+        if p.get("hgemv"):        # a CUDA C kernel: compiled and loaded, no Triton launcher
+            hgemv.run(gu, w, y, p["bn"], p["w"], p["r"], p["sk"], warm=True, act=activation.ACTS[s.act])
+            return []
         ws = y if p["sk"] == 1 else torch.empty((p["sk"], 1, s.n), dtype=torch.float32, device=device)
         counts = torch.zeros(1, dtype=torch.int32, device=device) if p["sk"] > 1 else y
         return [gemm.gemv_kernel.warmup(gu, w, y, ws, counts, 1, N=s.n, K=s.k, BN=p["bn"], BK=p["bk"], SPLIT_K=p["sk"],
                                      RNE=False, WHOLE=p["whole"], ACT=activation.ACTS[s.act], num_warps=p["w"],
                                      num_stages=p["s"], grid=(1,), **pdl(gu))]
 
-    def kernel_sources(self, v: Variant) -> list:
+    def kernel_sources(self, v: Variant) -> list | str:
         if v.run is not None:
             return []
+        if v.p.get("hgemv"):
+            return hgemv.SOURCE
         return [gemm.gemv_kernel, gemm.masked_k, gemm.x_slice, activation.act_f32, pdl_wait, round_to,
                 gemm.last_arrival]
 

@@ -19,7 +19,8 @@ from .. import cuda_common, nvrtc
 from ..common import cdiv, pdl
 
 SOURCE = cuda_common.HELPERS + r"""
-// -D: N, K, BN (rows a block), WARPS, R (rows a pass), SPLIT, F16 (x and w f16, else bf16)
+// -D: N, K, BN (rows a block), WARPS, R (rows a pass), SPLIT, F16 (x and w f16, else bf16), ACT (-1: x as
+// given; 0 silu, 1 sigmoid: x rows are [g | u], 2K wide, and the input is act(g) * u rounded as act_mul)
 #define CH (K / 8)                       // chunks a row
 #define CPS (CH / SPLIT)                 // chunks a split
 #define SLABS ((CPS + 31) / 32)          // slabs a split (32 chunks, a warp's lanes)
@@ -57,7 +58,13 @@ kiln_hgemv(const u16 *x, const uint4 *w, u16 *y, float *ws, int *counts, int M) 
             load_rows(w, n0, chunk, wv);
             pdl_wait();            // x is the kernel before's output
             float xv[8];
-            load_f32(x + (long long)m * K + chunk * 8, xv, 8);
+            load_f32(x + (long long)m * (ACT >= 0 ? 2 * K : K) + chunk * 8, xv, 8);
+#if ACT >= 0
+            float u[8];
+            load_f32(x + (long long)m * 2 * K + K + chunk * 8, u, 8);
+#pragma unroll
+            for (int i = 0; i < 8; i++) xv[i] = to_f32(from_f32(to_f32(from_f32(act_f32(xv[i]))) * u[i]));
+#endif
 #pragma unroll 1
             for (int r0 = 0; r0 < BN; r0 += R) {
                 uint4 cw[R];
@@ -92,8 +99,8 @@ def shape_fits(n: int, k: int, bn: int, warps: int, r: int, split: int) -> bool:
     return slabs >= warps and bn % r == 0 and r in (1, 2, 4, 8, 16, 32) and bn <= max(16, 1 << (n - 1).bit_length())
 
 
-def defines(n: int, k: int, bn: int, warps: int, r: int, split: int, f16: bool) -> dict:
-    return {"N": n, "K": k, "BN": bn, "WARPS": warps, "R": r, "SPLIT": split, "F16": f16}
+def defines(n: int, k: int, bn: int, warps: int, r: int, split: int, f16: bool, act: int = -1) -> dict:
+    return {"N": n, "K": k, "BN": bn, "WARPS": warps, "R": r, "SPLIT": split, "F16": f16, "ACT": act}
 
 
 def kernel(*args) -> nvrtc.Kernel:
@@ -110,10 +117,11 @@ def aligned(*ts: torch.Tensor) -> bool:
 
 
 def run(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bn: int, warps: int, r: int, split: int, counts=None,
-        warm: bool = False):
-    """y [M, N] = x [M, K] @ w [N, K]^T with this form; `warm`: compile (and load) only."""
+        warm: bool = False, act: int = -1):
+    """y [M, N] = x [M, K] @ w [N, K]^T with this form (act >= 0: x [M, 2K] = [g | u] and the input
+    act(g) * u, rounded as act_mul rounds); `warm`: compile (and load) only."""
     m, (n, k) = x.shape[0], w.shape
-    kern = kernel(n, k, bn, warps, r, split, x.dtype == torch.float16)
+    kern = kernel(n, k, bn, warps, r, split, x.dtype == torch.float16, act)
     if warm:
         return kern.function(x.device)
     ws = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)

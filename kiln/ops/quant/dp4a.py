@@ -58,21 +58,6 @@ __device__ __forceinline__ int slot_of(int i) {
 #endif
 }
 
-// act(g) as act_mul_kernel computes it (Triton's lowering, read off its PTX): exp(-g) as ex2.approx of
-// (0 - g) * log2(e), then div.full; so act(g) * u below equals act_mul's output bit for bit.
-__device__ __forceinline__ float act_f32(float g) {
-    float e, a, d;
-    const float t = (0.0f - g) * __int_as_float(0x3FB8AA3B);
-    asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(t));
-    d = 1.0f + e;
-#if ACT == 0
-    asm("div.full.f32 %0, %1, %2;" : "=f"(a) : "f"(g), "f"(d));
-#else
-    asm("div.full.f32 %0, %1, %2;" : "=f"(a) : "f"(1.0f), "f"(d));
-#endif
-    return a;
-}
-
 // normed * w rounded as the style says (norm/kernels.py's style_scaled).
 __device__ __forceinline__ float styled(float normed, float w) {
 #if STYLE == 0
