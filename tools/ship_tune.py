@@ -4,6 +4,7 @@ op's choices only where its kernel sources hash as they do now (kiln/tune/shippe
 of every measured shape (variants within 5% of a best, of all measured: kept per op in the file).
 
     python3 tools/ship_tune.py DIR [DIR ...]     # every *_<dtype>.json tune file under the DIRs
+    python3 tools/ship_tune.py --stale           # which ops' shipped choices today's sources retire
 
 An existing shipped file of the same GPU and dtype is merged first, so choices measured for other
 models stay; a later file wins where two measured one shape. Prints what each file holds.
@@ -51,7 +52,16 @@ def main(dirs: list[str]) -> None:
         print(f"{target}: {len(made['entries'])} choices ({', '.join(ops)}) from {len(files)} files")
 
 
+def show_stale() -> None:
+    for name, ops in shipped.stale(sources_hash(REGISTRY.values())).items():
+        print(f"{name}: " + (f"retired: {', '.join(ops)} (tuned at a cold start until shipped again)" if ops
+                             else "every op's choices current"))
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    main(sys.argv[1:])
+    if sys.argv[1:] == ["--stale"]:
+        show_stale()
+    else:
+        main(sys.argv[1:])

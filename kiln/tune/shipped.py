@@ -60,6 +60,19 @@ def lookup(key: dict, labels: set[str], root: Path | None = None) -> dict:
     return {label: e for label, e in fresh.items() if label in labels}
 
 
+def stale(sources: dict[str, str], root: Path | None = None) -> dict[str, list[str]]:
+    """Per shipped file (its name), the ops whose shipped choices today's kernel sources retire: a cold
+    start tunes those ops until they are measured and shipped again."""
+    out = {}
+    for p in sorted((root or ROOT).glob("*.json")):
+        try:
+            shipped_sources = read(p)["key"].get("sources") or {}
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        out[p.name] = [op for op in sorted(shipped_sources) if shipped_sources[op] != sources.get(op)]
+    return out
+
+
 def never(key: dict, root: Path | None = None) -> dict[str, set[str]]:
     """Per op, the variants no shipped file of this GPU class (CLASS fields of `key`) found worth
     measuring: seen on some GPU of the class, near a shape's best on none. Ops whose kernels hash

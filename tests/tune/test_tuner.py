@@ -601,6 +601,15 @@ def test_a_cancelled_precompile_leaves_tune_compiling_everything(tmp_path, monke
     assert report.early == 0 and len(seen) == 1 and seen[0]
 
 
+def test_stale_names_the_ops_whose_shipped_choices_todays_sources_retire(tmp_path):
+    from kiln.tune import shipped
+    key = {"format": tune_cache.FORMAT, "gpu": "G", "sources": {"gemm": "a", "moe": "b", "gone": "c"}}
+    (tmp_path / "g_bf16.json").write_text(json.dumps({"key": key, "entries": {}}))
+    (tmp_path / "broken_bf16.json").write_text("{")
+    assert shipped.stale({"gemm": "a", "moe": "new"}, tmp_path) == {"g_bf16.json": ["gone", "moe"]}
+    assert shipped.stale({"gemm": "a", "moe": "b", "gone": "c"}, tmp_path) == {"g_bf16.json": []}
+
+
 def test_shipped_pruning_keeps_what_came_near_a_best_and_holds_for_the_gpu_class(tmp_path):
     from kiln.tune import shipped
     key = {"format": tune_cache.FORMAT, "gpu": "G", "sms": 2, "capability": "9.0", "triton": "3", "dtype": "bf16",
