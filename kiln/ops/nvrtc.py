@@ -72,6 +72,14 @@ def available(device: torch.device | None = None) -> bool:
     return torch.cuda.is_available() and compiler_available() and _lib("cuda") is not None
 
 
+def kernels_run(dev) -> bool:
+    """Whether kiln's CUDA C kernels are offered on `dev` (a tuner DeviceInfo): available here, not
+    under Triton's interpreter, and sm_90 or later (they wait with griddepcontrol, Hopper's PDL)."""
+    from ..tune.device import interpreting
+    return (dev.capability is not None and tuple(dev.capability) >= (9, 0) and not interpreting()
+            and available(dev.device))
+
+
 def nvrtc_version() -> str:
     lib = _lib("nvrtc")
     major, minor = ctypes.c_int(0), ctypes.c_int(0)

@@ -105,14 +105,15 @@ def test_dp4a_act_prologue_equals_act_mul_then_the_gemv(n, k, bits, group, act):
 @pytest.mark.parametrize("n,k,bits,group", [SHAPES[1], SHAPES[2]])
 def test_dp4a_norm_prologue_equals_rmsnorm_then_the_gemv(n, k, bits, group, style, add):
     """rmsnorm(x [+ r]) computed as x is loaded equals the rmsnorm kernel's output through the plain
-    form, bit for bit, and s = x + r equals the kernel's. x and r are multiples of 1/8 below 4 in size,
+    form, bit for bit, and s = x + r equals the kernel's, on two rows (each its own rstd, r and s rows).
+    x and r are multiples of 1/8 below 4 in size,
     so every sum of squares (of x + r too: under 2^18, in 64ths) is exact in f32 in any order: the rstd
     cannot differ by summation order."""
     if not torch.cuda.is_available() or not nvrtc.available(torch.device("cuda")):
         pytest.skip("needs a CUDA GPU and NVRTC")
     from kiln.ops.norm import kernels as norm_kernels
     g = torch.Generator().manual_seed(n + bits + add)
-    grid = lambda: torch.randint(-31, 32, (1, k), generator=g).float() / 8      # noqa: E731
+    grid = lambda: torch.randint(-31, 32, (2, k), generator=g).float() / 8      # noqa: E731
     for dtype in (torch.bfloat16, torch.float16):
         w = quantize((torch.randn(n, k, generator=g) * k ** -0.5).to(dtype), bits, group).to("cuda")
         x, r = grid().to(dtype).cuda(), grid().to(dtype).cuda() if add else None
@@ -124,7 +125,7 @@ def test_dp4a_norm_prologue_equals_rmsnorm_then_the_gemv(n, k, bits, group, styl
         ref_s = torch.empty_like(x)
         normed = norm_kernels.rmsnorm(x, nw, 1e-6, style, nv, add=r, s=ref_s if add else None)
         for v in vs:
-            fused = torch.full((1, n), float("nan"), dtype=dtype, device="cuda")
+            fused = torch.full((2, n), float("nan"), dtype=dtype, device="cuda")
             got_s = torch.full_like(x, float("nan"))
             norm = {"w": nw, "eps": 1e-6, "style": style, "r": r, "s": got_s if add else None}
             qk.qgemv(x, w, v, fused, norm=norm)
@@ -139,10 +140,10 @@ def test_catalogue_forms_compile():
     if not nvrtc.compiler_available():
         pytest.skip("no libnvrtc here")
     for n, k, bits, group in SHAPES + [(248320, 4096, 4, 64), (4096, 12288, 4, 64), (5120, 17408, 4, 64)]:
-        for v in forms(n, k, bits, group):
+        for i, v in enumerate(forms(n, k, bits, group)):
             p = v.p
-            for f16 in (False,) if v is not forms(n, k, bits, group)[0] else (False, True):
-                first = v is forms(n, k, bits, group)[0]
+            first = i == 0        # every prologue and dtype on the first form, the plain bf16 one on the rest
+            for f16 in (False, True) if first else (False,):
                 for act, norm, style in ((-1, 0, 0), (0, 0, 0), (-1, 1, 1), (-1, 2, 0), (-1, 2, 2)) if first else (
                         (-1, 0, 0),):
                     d = dp4a.defines(n, k, bits, group, p["bn"], p["w"], p["r"], p["sk"], f16, act, norm, style)
@@ -164,7 +165,8 @@ def test_prologue_forms_compile():
 
 
 def test_forms_fit_only_whole_chunks():
-    """No form for bits whose 16-byte load is not whole groups (2, 3), a K off the chunk, or a prologue."""
+    """No form for bits whose 16-byte load is not whole groups (2, 3) or a K off the chunk; forms for the
+    act and norm prologues."""
     assert forms(4096, 4096, 2, 64) == []
     assert forms(4096, 4096 + 8, 4, 8) == []
     assert qk.dp4a_forms(qk.QGemvShape(1, 4096, 4096, 4, 64, style="llama", add=True), qk.DP4A_NORM)

@@ -356,7 +356,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, v: Variant, y: torch.Tensor | None = 
         return y
     p = v.p
     if p.get("hgemv"):
-        if not hgemv.aligned(x, w):       # a view off 16-byte alignment: a Triton form instead
+        if not hgemv.takes(x, w):       # f32, or a view off 16-byte alignment: a Triton form instead
             fallback = gemv_variant(16, 256, 1, 4) if act is not None else OP.default(GemmShape(m, n, k),
                                                                                       device_info(x.device))
             return gemm(x, w, fallback, y, sms, act=act)
@@ -518,13 +518,14 @@ def hgemv_variant(bn: int, w: int, r: int, sk: int) -> Variant:
     return variant(f"cuda_bn{bn}_w{w}_r{r}_sk{sk}", hgemv=True, bn=bn, w=w, r=r, sk=sk, s=1, bm=1, bk=8)
 
 
-# (bn, warps, rows a pass, splits) of the CUDA C GEMV, warps cut to the split's slabs; not yet measured
+# (bn, warps, rows a pass, splits) of the CUDA C GEMV, warps cut to the split's slabs. On the H100
+# (bench/NOTES.md, 2026-12-05) bn 8/16 with r 4/8 won 10 of 11 0.8b and 9B shapes; the splits won at K 12288
 GPU_HGEMV = [(bn, 4, r, sk) for bn in (8, 16, 32) for r in (4, 8) for sk in (1, 2, 4)]
 
 
 def hgemv_forms(s, dev) -> list[Variant]:
     """The CUDA C GEMV forms that fit one row of `s`, where CUDA C kernels compile and launch."""
-    if s.rows != 1 or dev.capability is None or interpreting() or not nvrtc.available(dev.device):
+    if s.rows != 1 or not nvrtc.kernels_run(dev):
         return []
     return hgemv_fitting(s, GPU_HGEMV)
 

@@ -88,6 +88,7 @@ kiln_hgemv(const u16 *x, const uint4 *w, u16 *y, float *ws, int *counts, int M) 
 """
 
 NAME = "kiln_hgemv"
+DTYPES = (torch.bfloat16, torch.float16)
 _KERNELS: dict[tuple, nvrtc.Kernel] = {}
 
 
@@ -111,9 +112,10 @@ def kernel(*args) -> nvrtc.Kernel:
     return _KERNELS[key]
 
 
-def aligned(*ts: torch.Tensor) -> bool:
-    """16-byte loads: 16-byte aligned, contiguous rows."""
-    return all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in ts)
+def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """16-bit x and w of one dtype, contiguous and 16-byte aligned (the kernel's 16-byte loads)."""
+    return (x.dtype in DTYPES and w.dtype == x.dtype
+            and all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in (x, w)))
 
 
 def run(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bn: int, warps: int, r: int, split: int, counts=None,
@@ -121,6 +123,8 @@ def run(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bn: int, warps: int, 
     """y [M, N] = x [M, K] @ w [N, K]^T with this form (act >= 0: x [M, 2K] = [g | u] and the input
     act(g) * u, rounded as act_mul rounds); `warm`: compile (and load) only."""
     m, (n, k) = x.shape[0], w.shape
+    if x.dtype not in DTYPES:
+        raise ValueError(f"{NAME} reads 16-bit values, not {x.dtype}")
     kern = kernel(n, k, bn, warps, r, split, x.dtype == torch.float16, act)
     if warm:
         return kern.function(x.device)

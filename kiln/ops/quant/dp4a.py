@@ -39,6 +39,7 @@ SOURCE = cuda_common.HELPERS + r"""
 #define SLABS ((CPS + 31) / 32)          // slabs a split (32 chunks, a warp's lanes)
 #define NW (VPL / 4)                     // digit words a chunk (4 bytes each)
 #define GROUPS (K / G)
+static_assert(NORM == 0 || SLABS >= WARPS, "row_rstd's barrier needs every warp in its first slab");
 
 __device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {     // a unsigned bytes, b signed bytes
     int d; asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
@@ -266,9 +267,10 @@ def kernel(*args, **kw) -> nvrtc.Kernel:
     return _KERNELS[key]
 
 
-def aligned(*ts: torch.Tensor) -> bool:
-    """The kernel's 16-byte loads need 16-byte aligned rows of words and of x."""
-    return all(t.data_ptr() % 16 == 0 and t.is_contiguous() for t in ts)
+def takes(x: torch.Tensor, *ts: torch.Tensor) -> bool:
+    """x 16-bit; x and the other tensors contiguous and 16-byte aligned (the kernel's 16-byte loads)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and all(t.data_ptr() % 16 == 0 and t.is_contiguous()
+                                                               for t in (x, *ts))
 
 
 def run(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
@@ -279,7 +281,10 @@ def run(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: tor
     input rmsnorm(x), or rmsnorm(x + r) with s = x + r written, rounded as the rmsnorm kernel rounds);
     `warm`: compile (and load) only."""
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 32 // bits
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{NAME} reads 16-bit x, not {x.dtype}")
     norm_kind = 0 if norm is None else 1 if norm.get("r") is None else 2
+    assert norm_kind != 2 or norm.get("s") is not None, "a residual add writes s = x + r: pass s"
     kern = kernel(n, k, bits, group, bn, warps, r, split, x.dtype == torch.float16, act, norm_kind,
                   0 if norm is None else norm["style"])
     if warm:
@@ -287,7 +292,7 @@ def run(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: tor
     blocks = cdiv(n, bn)
     ws = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     counts = y if split == 1 else counts
-    pro = [y, y, y, 0.0] if norm is None else [norm["w"], norm.get("r", y) if norm_kind == 2 else y,
-                                               norm.get("s", y) if norm_kind == 2 else y, float(norm["eps"])]
+    pro = [y, y, y, 0.0] if norm is None else [norm["w"], norm["r"] if norm_kind == 2 else y,
+                                               norm["s"] if norm_kind == 2 else y, float(norm["eps"])]
     kern((blocks, split), warps * 32, [x, packed, scales, biases, y, ws, counts, m, *pro], pdl=pdl(x)["PDL"])
     return y

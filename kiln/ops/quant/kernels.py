@@ -388,7 +388,7 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
         return y
     if p.get("dp4a"):
         extra = [] if norm is None else [t for t in (norm["w"], norm.get("r"), norm.get("s")) if t is not None]
-        if not dp4a.aligned(x, w.packed, *extra):     # a view off 16-byte alignment: the FMA form instead
+        if not dp4a.takes(x, w.packed, *extra):     # f32, or a view off 16-byte alignment: the FMA form instead
             v2 = OP.default(QGemvShape(m, n, k, w.bits, w.group_size), device_info(x.device))
             pro_ok = v2.p.get("fma") or (act is None and norm is None)     # the fma forms take the prologues
             return qgemv(x, w, v2 if pro_ok else TRUSTED, y, act=act, norm=norm)
@@ -539,7 +539,7 @@ def dp4a_forms(s: QGemvShape, forms: list[tuple]) -> list[Variant]:
 
 def cuda_c_forms(s: QGemvShape, forms: list[tuple], dev) -> list[Variant]:
     """dp4a_forms where CUDA C kernels compile and launch (a GPU, NVRTC, not KILN_CUDA_C=0), else none."""
-    if dev.capability is None or interpreting() or not nvrtc.available(dev.device):
+    if not nvrtc.kernels_run(dev):
         return []
     return dp4a_forms(s, forms)
 
