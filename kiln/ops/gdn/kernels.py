@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, try_unmeasured, variant
 from ..common import COMMON, SUPPORTED, cdiv, dot_flags, pdl, pdl_wait, pow2_dim, rne_flag
-from ..gemm.gemm import __file__ as GEMM_FILE
-from ..gemm.gemm import last_arrival
+from ..gemm.helpers import __file__ as HELPERS_FILE
+from ..gemm.helpers import last_arrival
 from . import chunked as chunked_kernels
 from . import recurrent as recurrent_kernels
 from . import reference as gdn_reference
@@ -376,7 +376,7 @@ class GdnOp(Op):
     """Outputs y and copies of the state: launch() copies the input state into them and updates the
     copies in place, so the gate can run every variant on the same inputs and compare the state too."""
     sources = (__file__, recurrent_kernels.__file__, chunked_kernels.__file__, gdn_reference.__file__, COMMON,
-               GEMM_FILE)   # last_arrival comes from gemm.py; torch_chunked runs the reference
+               HELPERS_FILE)   # last_arrival comes from gemm/helpers.py; torch_chunked runs the reference
     shape_type = GdnShape
 
     def accepts(self, s: GdnShape) -> bool:

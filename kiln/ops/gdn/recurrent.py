@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..common import cdiv, pdl_wait, rne_flag, round_to
-from ..gemm.gemm import last_arrival
+from ..gemm.helpers import last_arrival
 
 CHUNK = 64          # the reference's chunk (and the unit of the WY/UT solve)
 CONV_BT = 16        # tokens per conv program; must be >= K - 1 (only the first block reads the state)

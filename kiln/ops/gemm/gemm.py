@@ -22,9 +22,10 @@ from .. import cuda_common, nvrtc
 from ..common import COMMON, SUPPORTED, cdiv, dot_flags, next_pow2, pdl, pdl_wait, rne_flag, round_to
 from ..norm import kernels as norm_kernels
 from ..norm.kernels import scale_normed
-from . import hgemv
+from . import helpers, hgemv
 from .activation import ACTS, act_f32
 from .activation import __file__ as ACTS_FILE
+from .helpers import last_arrival, mma
 
 GROUP_M = 8
 
@@ -39,19 +40,6 @@ def tile_of(pid, M, BM: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, GROUP_M
     first_m = (pid // per_group) * GROUP_M
     rows = tl.minimum(grid_m - first_m, GROUP_M)
     return first_m + (pid % per_group) % rows, (pid % per_group) // rows
-
-
-@triton.jit
-def mma(acc, a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """acc += a @ b in f32. UPCAST only under the interpreter (its 16-bit dot is wrong)."""
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -95,15 +83,6 @@ def gemm_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, count_ptr, M, N: tl.constexpr, K: t
             splitk_finish(acc, ws_ptr, y_ptr, count_ptr, tl.program_id(0), split, M, rm, rn, keep, N, SPLIT_K, RNE)
         else:
             tl.store(ws_ptr + (split * M + rm).to(tl.int64)[:, None] * N + rn[None, :], acc, mask=keep)
-
-
-@triton.jit
-def last_arrival(count_ptr, idx, SPLIT_K: tl.constexpr):
-    """Whether this program is the last of SPLIT_K to arrive at counter idx (serial split-K).
-    NOTE: every thread's partials must be visible before the arrival: a barrier, then a release at
-    GPU scope; the acquire on the same counter makes all the splits' partials visible to the last."""
-    tl.debug_barrier()
-    return tl.atomic_add(count_ptr + idx, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
 
 
 @triton.jit
@@ -548,8 +527,8 @@ def gemv_worth(shape, p: dict, sms: int) -> bool:
 
 class GemmOp(Op):
     name = "gemm"
-    sources = (__file__, COMMON, norm_kernels.__file__, ACTS_FILE, hgemv.__file__, cuda_common.__file__,
-               nvrtc.__file__)
+    sources = (__file__, COMMON, norm_kernels.__file__, ACTS_FILE, helpers.__file__, hgemv.__file__,
+               cuda_common.__file__, nvrtc.__file__)
     shape_type = GemmShape
 
     def shape_str(self, s: GemmShape) -> str:

@@ -25,8 +25,8 @@ import triton.language as tl
 
 from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, variant
-from ..common import EXACT_ROUNDING, SUPPORTED, cdiv, dot_flags, next_pow2, pdl, pdl_wait, rne_flag, round_to
-from ..gemm import gemm
+from ..common import COMMON, EXACT_ROUNDING, SUPPORTED, cdiv, dot_flags, next_pow2, pdl, pdl_wait, rne_flag, round_to
+from ..gemm import gemm, helpers
 
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 COMBINE_BH = 256     # columns per combine program: the combine reads k rows, it is never the bottleneck
@@ -100,8 +100,8 @@ def grouped_gate_up_kernel(x_ptr, w_ptr, order_ptr, blocks_ptr, h_ptr, P, E: tl.
             a = tl.load(xs, mask=inside[None, :], other=0.0)
             bg = tl.load(gs, mask=inside[:, None], other=0.0)
             bu = tl.load(us, mask=inside[:, None], other=0.0)
-        acc_g = gemm.mma(acc_g, a, bg, UPCAST, IEEE)
-        acc_u = gemm.mma(acc_u, a, bu, UPCAST, IEEE)
+        acc_g = helpers.mma(acc_g, a, bg, UPCAST, IEEE)
+        acc_u = helpers.mma(acc_u, a, bu, UPCAST, IEEE)
         xs += BK
         gs += BK
         us += BK
@@ -133,7 +133,7 @@ def grouped_down_kernel(h_ptr, w_ptr, order_ptr, blocks_ptr, rw_ptr, y_ptr, P, E
             inside = rk + k < I
             a = tl.load(hs, mask=inside[None, :], other=0.0)
             b = tl.load(ws, mask=inside[:, None], other=0.0)
-        acc = gemm.mma(acc, a, b, UPCAST, IEEE)
+        acc = helpers.mma(acc, a, b, UPCAST, IEEE)
         hs += BK
         ws += BK
     inside = rm < row_end
@@ -229,7 +229,7 @@ def gemv_down_kernel(h_ptr, w_ptr, idx_ptr, rw_ptr, y_ptr, P, H: tl.constexpr, I
     if FINISH:
         t = (pair // KTOP).to(tl.int64)
         at = t * tl.num_programs(1) + tl.program_id(1)
-        if gemm.last_arrival(count_ptr, at, KTOP):
+        if helpers.last_arrival(count_ptr, at, KTOP):
             combine_cols(y_ptr, idx_ptr, out_ptr, x_ptr, g_ptr, s_ptr, t, rn, KTOP, KP, H, RNE, GATE, HP)
             tl.atomic_xchg(count_ptr + at, 0)
 
@@ -530,7 +530,7 @@ CPU_GEMV_FIN = [(16, 32, 4, 1, 32, 16)]
 
 class MoeOp(Op):
     name = "moe"
-    sources = (__file__, *gemm.GemmOp.sources)   # gemm.py's own sources included
+    sources = (__file__, helpers.__file__, COMMON)   # its kernels call gemm/helpers.py's, none of gemm.py's
     shape_type = MoeShape
 
     def shape_str(self, s: MoeShape) -> str:
@@ -607,9 +607,9 @@ class MoeOp(Op):
     def kernel_sources(self, v: Variant) -> list:
         shared = [combine_kernel, combine_cols, gate_term, glu, activate, weighted, round_to, pdl_wait]
         if v.p.get("gemv"):
-            return [gemv_gate_up_kernel, gemv_down_kernel, tile_w, tile_x, gemm.last_arrival] + shared
+            return [gemv_gate_up_kernel, gemv_down_kernel, tile_w, tile_x, helpers.last_arrival] + shared
         return ([grouped_gate_up_kernel, grouped_down_kernel, table_block, block_table, rank_kernel, place_kernel,
-                 gemm.mma] + shared)
+                 helpers.mma] + shared)
 
     def supports(self, x, idx, weights, gate_up, down, act) -> bool:
         return supports(x, gate_up, down, act) and weights.dtype in (x.dtype, torch.float32) and idx.dim() == 2

@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from ..common import SUPPORTED, next_pow2, pdl, pdl_wait, rne_flag, round_to
-from ..gemm.gemm import arrival_counters, last_arrival
+from ..gemm.gemm import arrival_counters
+from ..gemm.helpers import last_arrival
 
 MAX_EXPERTS = 1024   # one program holds a row of logits
 FUSED_ROWS = 2       # the fused router's last program runs the rows' top-k one after another

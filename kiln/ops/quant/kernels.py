@@ -26,14 +26,20 @@ from ...tune.registry import Op, Variant, register, variant
 from ...weights.quantized import QuantizedWeight
 from .. import cuda_common, nvrtc
 from ..common import COMMON, SUPPORTED, cdiv, pdl, pdl_wait, rne_flag, round_to
+from ..gemm import helpers
 from ..gemm.activation import ACTS, act_f32, act_mul
-from ..gemm.gemm import arrival_counters, gemv_splitk_finish, last_arrival, norm_args, norm_rstd
+from ..gemm.activation import __file__ as ACTS_FILE
+from ..gemm.gemm import __file__ as gemm_file
+from ..gemm.gemm import arrival_counters, gemv_splitk_finish, norm_args, norm_rstd
+from ..gemm.helpers import last_arrival
 from ..gemm.reference import GemmReference
+from ..moe import kernels as moe_kernels
 from ..moe.kernels import weighted
 from ..norm import kernels as norm_kernels
 from ..norm.kernels import style_scaled
 from ..norm.reference import NormReference
 from . import dp4a
+from . import mma as qmma
 from .mma import NC as MMA_GROUPS
 from .mma import chunk_sums, qgemv_mma_kernel, unpack_asm, unpack_plain, weight_tile
 from .reference import dequantize, quantize
@@ -636,7 +642,10 @@ def fits(s: QGemvShape, p: dict) -> bool:
 
 class QGemvOp(Op):
     name = "qgemv"
-    sources = (__file__, COMMON, dp4a.__file__, nvrtc.__file__, cuda_common.__file__)
+    # every file its kernels' code comes from (the Triton forms call gemm.py's, helpers', mma.py's,
+    # the norm's, activation's and moe's device functions; `unfused` runs act_mul and the norm kernel)
+    sources = (__file__, COMMON, qmma.__file__, gemm_file, helpers.__file__, ACTS_FILE, moe_kernels.__file__,
+               norm_kernels.__file__, dp4a.__file__, nvrtc.__file__, cuda_common.__file__)
     shape_type = QGemvShape
     only: tuple = ()     # benches: only variants whose names start so (a tuple: the op is pickled to workers)
 
