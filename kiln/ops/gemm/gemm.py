@@ -498,7 +498,8 @@ def hgemv_variant(bn: int, w: int, r: int, sk: int) -> Variant:
 
 
 # (bn, warps, rows a pass, splits) of the CUDA C GEMV, warps cut to the split's slabs. On the H100
-# (bench/NOTES.md, 2026-12-05) bn 8/16 with r 4/8 won 10 of 11 0.8b and 9B shapes; the splits won at K 12288
+# (bench/NOTES.md, 2026-12-05) they won 11 of the 0.8b's and 9B's 13 one-row shapes, bn 8/16 10 of those;
+# splits won the 9B's 4096-row shapes and its LM head
 GPU_HGEMV = [(bn, 4, r, sk) for bn in (8, 16, 32) for r in (4, 8) for sk in (1, 2, 4)]
 
 

@@ -591,13 +591,13 @@ MMA_SMEM = 160 * 1024
 # every 9B and 27B shape's variants came within ~25% of each other, bn16/32 with no split winning most
 GPU_DP4A = [(bn, 4, r, sk) for bn in (16, 32, 64) for r in (4, 8) for sk in (1, 2, 4)]
 # with act(g) * u computed as x is loaded (the down projections'): the plain shapes' H100 winners' tiles
-# (bn16/32, 4 warps, no split: 19 of 24, bench/NOTES.md 2026-12-05) and one split; not yet measured
-# On the H100 the best of these lost to act_mul then the plain form on the 9B's down projection (14.35
-# vs 13.55 us): every block computes act(g) * u over its whole K, so bn 16 computes it N / 16 times;
-# bn 64 with a split cuts that 4x and keeps the blocks
+# (bn16/32, 4 warps, no split: 19 of 24, bench/NOTES.md 2026-12-05), one split, and bn 64 with splits
+# (every block computes act(g) * u over its K: N / bn times in all). On the H100 (bench/NOTES.md,
+# 2026-12-05) these won the 0.8b's down projection (3.51 vs 4.28 us) and lost the 9B's and 27B's
 DP4A_ACT = [(bn, 4, r, sk) for bn in (16, 32) for r in (4, 8) for sk in (1, 2)] + [(64, 4, 8, 2), (64, 4, 8, 4)]
 # with the norm in the prologue every block first reads the whole row (and r) from L2 for its rstd: at
-# bn 16 that is as many bytes as the weights on the 9B's gate|up; more rows a block spread it over more
+# bn 16 that is as many bytes as the weights on the 9B's gate|up; more rows a block spread it over more.
+# On the H100 they lost every 0.8b, 9B and 27B shape, by 0.4 to 5 us (bench/NOTES.md, 2026-12-05)
 DP4A_NORM = [(bn, 4, r, 1) for bn in (32, 64, 128) for r in (4, 8)] + [(64, 4, 8, 2), (128, 4, 8, 2)]
 # (gather, grouped, acc): words, grouped, acc, gather
 FORMS = ((False, False, False), (False, True, False), (False, False, True), (True, False, False))
