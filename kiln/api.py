@@ -16,7 +16,7 @@ import torch
 from . import hub
 from .backends import get_ops
 from .backends.graphs import PREFILL_GRAPH_ROWS
-from .cache import PAGE, KVCache, RingKVCache, SlotPool, pages_for
+from .cache import PAGE, KVCache, RingKVCache, SlotPool, WindowKVCache, pages_for
 from .engine import POOL_CONTEXT, Engine, TokenStream
 from .errors import KilnError
 from .models import build_model, model_config
@@ -472,6 +472,8 @@ def _layer_state_bytes(state, limit: int, chunk: int) -> int:
         per = 2 * _numel(state.k.shape[1:]) * state.k.element_size()       # K and V of one position
         if isinstance(state, RingKVCache):
             return per * min(limit, state.window - 1 + chunk)
+        if isinstance(state, WindowKVCache):     # its window and a chunk, in whole key blocks
+            return per * -(-min(limit, state.window - 1 + chunk) // state.align) * state.align
         return per * max(limit, state.capacity)      # the engine caps its growth at the max context
     return sum(t.numel() * t.element_size() for t in vars(state).values() if isinstance(t, torch.Tensor))
 

@@ -85,6 +85,102 @@ class KVCache:
         self.length = n
         return True
 
+    ring_rows: int | None = None     # a WindowKVCache's rows; None: position p at row p
+
+    def rows_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The buffer rows of `positions` (a device tensor)."""
+        return positions
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """K/V [T, KV, D] of positions start .. start + T - 1 written (the length is left as it is)."""
+        self._reserve(start + k.shape[0])
+        self.k[start:start + k.shape[0]] = k
+        self.v[start:start + k.shape[0]] = v
+
+    def ordered(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(first, K, V): the positions first .. length - 1 it holds, in order (copies)."""
+        return 0, self.k[:self.length].clone(), self.v[:self.length].clone()
+
+    def room(self, t: int) -> int:
+        """Positions one attention call of t rows may write and then read back: all of them."""
+        return t
+
+
+class WindowKVCache(KVCache):
+    """A sliding-window layer's K/V on a GPU backend: a plain buffer that stops growing at `target`
+    rows (window - 1 + a prefill chunk, in whole key blocks of `align`) and from then on wraps:
+    position p at row p % rows (`ring_rows`; the attention kernels and the KV append take it:
+    kiln/ops/attention/kernels.py). A long context so holds its window and a chunk, not every position.
+    A call of up to `chunk` rows writes its keys and reads them with the window's before them (a
+    longer one is cut: `room`). Until it wraps it grows as a plain buffer (positions below its rows,
+    copied over); after, its address is fixed, and `reserve` grows `capacity` instead, the positions the
+    decode kernels' split grid covers, as a plain buffer's would (so the splits, and the bits, are a
+    plain buffer's)."""
+
+    def __init__(self, n_kv: int, head_dim: int, window: int, chunk: int, align: int, dtype, device):
+        self.target = -(-(window - 1 + chunk) // align) * align
+        self.align = align
+        super().__init__(n_kv, head_dim, dtype, device, capacity=min(256, self.target))
+        self.window, self.span = window, 256        # span: a plain buffer's first capacity
+
+    def _alloc(self, cap: int, n_kv: int, head_dim: int, dtype, device) -> torch.Tensor:
+        return torch.zeros(cap, n_kv, head_dim, dtype=dtype, device=device)    # rows a window skips load: finite
+
+    @property
+    def ring_rows(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.span
+
+    def _reserve(self, n: int) -> None:
+        if n > self.span:
+            self.span = max(n, 2 * self.span if self.limit is None else min(2 * self.span, self.limit))
+        rows = min(-(-self.span // self.align) * self.align, self.target)
+        if rows > self.k.shape[0]:      # not wrapped yet: every position held sits at its own row
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = self._alloc(rows, *old.shape[1:], old.dtype, old.device)
+                new[: self.length] = old[: self.length]
+                setattr(self, name, new)
+
+    def rows_at(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions % self.ring_rows
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        self._reserve(start + k.shape[0])
+        t = min(k.shape[0], self.ring_rows)      # a longer call's first rows are overwritten by its last
+        rows = torch.arange(start + k.shape[0] - t, start + k.shape[0], device=self.k.device) % self.ring_rows
+        self.k.index_copy_(0, rows, k[k.shape[0] - t:])
+        self.v.index_copy_(0, rows, v[v.shape[0] - t:])
+
+    def ordered(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        first = max(0, self.length - self.ring_rows)
+        rows = torch.arange(first, self.length, device=self.k.device) % self.ring_rows
+        return first, self.k.index_select(0, rows), self.v.index_select(0, rows)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Append [T, KV, D] at `positions` (from self.length); return the keys, values and key
+        positions the chunk's queries see: the window before it, then the chunk."""
+        start = self.length
+        first, old_k, old_v = self.ordered()
+        lo = max(first, start - self.window + 1)
+        keys, values = torch.cat([old_k[lo - first:], k]), torch.cat([old_v[lo - first:], v])
+        self.write(k, v, start)
+        self.length = start + k.shape[0]
+        return keys, values, torch.arange(lo, self.length, device=k.device)
+
+    def room(self, t: int) -> int:
+        return min(t, self.target - self.window + 1)
+
+    def truncate(self, n: int) -> bool:
+        """Forget positions >= n, where the ring still holds the window before n."""
+        if n > self.length or max(0, n - self.window + 1) < self.length - self.ring_rows:
+            return False
+        self.length = n
+        return True
+
 
 class RingKVCache:
     """K/V of the last `window` positions only: a query at p sees keys in (p - window, p]."""
@@ -388,7 +484,8 @@ class SlotPool:
 
     @staticmethod
     def poolable(template: list) -> bool:
-        return all(type(layer) is GDNState or (type(layer) is KVCache and not layer.head_major) for layer in template)
+        return all(type(layer) is GDNState or (type(layer) in (KVCache, WindowKVCache) and not layer.head_major)
+                   for layer in template)
 
     @staticmethod
     def bytes_per_slot(template: list, capacity: int, rings: bool = True) -> int:
@@ -613,7 +710,8 @@ def _pool_of(layer):
 def snapshot(state: list) -> list | None:
     """Copies of what a request's per-layer state holds (attention K/V of its positions, GDN conv and
     recurrent states): what `restore` puts into another request's fresh state. None for states
-    holding a ring cache (it keeps a window, not the positions a later request would need)."""
+    holding a RingKVCache (the reference's: it keeps a window, not the positions a later request would
+    need). A WindowKVCache's holds the positions its ring keeps (the last ones, enough for the window)."""
     out = []
     for layer in state:
         if isinstance(layer, GDNState):
@@ -621,7 +719,7 @@ def snapshot(state: list) -> list | None:
         elif isinstance(layer, PagedKV) and not layer.contiguous:
             out.append((layer.length, *layer.read_whole()))
         elif isinstance(layer, KVCache):
-            out.append((layer.length, layer.k[:layer.length].clone(), layer.v[:layer.length].clone()))
+            out.append((layer.length, *layer.ordered()[1:]))
         else:
             return None
     return out
@@ -634,10 +732,7 @@ def restore(state: list, saved: list) -> None:
         if isinstance(layer, GDNState):
             layer.conv.copy_(a)
             layer.ssm.copy_(b)
-        elif isinstance(layer, PagedKV) and not layer.contiguous:
-            layer.write(a, b, 0)
-        else:
+        else:       # the last positions (a ring's snapshot holds only those) up to n
             layer.reserve(n)
-            layer.k[:n].copy_(a)
-            layer.v[:n].copy_(b)
+            layer.write(a, b, n - a.shape[0])
         layer.length = n

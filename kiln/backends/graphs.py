@@ -36,11 +36,12 @@ def graphable(state: list) -> bool:
 
 
 def signature(state: list) -> tuple:
-    """The buffer addresses a graph captured over this state depends on."""
+    """The buffer addresses a graph captured over this state depends on (and the positions a KV
+    buffer is reserved for: a ring's decode grid grows with them, its address does not)."""
     out = []
     for layer in state:
         if isinstance(layer, KVCache):
-            out += [layer.k.data_ptr(), layer.v.data_ptr()]
+            out += [layer.k.data_ptr(), layer.v.data_ptr(), layer.capacity]
         else:
             out += [layer.conv.data_ptr(), layer.ssm.data_ptr()]
     return tuple(out)

@@ -320,7 +320,12 @@ class Model:
 
     def kv_cache(self, n_kv: int, head_dim: int, dtype, device, window: int | None = None) -> KVCache:
         """An attention layer's cache in the layout its backend reads best (`ops.head_major_kv`); `window`:
-        a sliding-window layer's, only its last `window` positions ever read (KVCache.window)."""
+        a sliding-window layer's, only its last `window` positions ever read (KVCache.window): a ring of
+        them on a backend whose kernels take one (`ops.window_cache`)."""
+        make = getattr(self.ops, "window_cache", None)
+        ring = make(n_kv, head_dim, window, dtype, device) if window is not None and make is not None else None
+        if ring is not None:
+            return ring
         cache = KVCache(n_kv, head_dim, dtype, device, head_major=getattr(self.ops, "head_major_kv", False))
         cache.window = window
         return cache

@@ -110,6 +110,28 @@ def test_gemma4_on_the_cuda_backend_keeps_plain_caches_and_the_reference_tokens(
     assert (fused["rope"] >= layers) == name.endswith("-p2")
 
 
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gemma4", "tiny-gemma4-moe-p2"])
+def test_sliding_layers_wrap_a_ring_of_the_window_and_keep_the_reference_tokens(monkeypatch, name):
+    """With a prefill chunk of 8 the sliding layers keep rings of 32 rows (window - 1 + 8, in key blocks
+    of 32; kiln.cache.WindowKVCache): a 40-token prompt and 12 new tokens wrap them, and the prompt fed
+    in calls of 64 rows, past a ring's room, is cut into pieces. Tokens equal the reference's (its
+    RingKVCache). tiny-gemma4's head dims take the reference attention on the ring (update), p2's the
+    fused append and the kernels."""
+    import kiln
+    from kiln.cache import WindowKVCache
+
+    monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")
+    prompt = [(7 * i + 3) % 300 for i in range(40)]
+    ref = kiln.load(f"synth:{name}", device="cpu", dtype="f32")
+    want = ref.generate(prompt, max_new_tokens=12, temperature=0).token_ids
+    llm = kiln.load(f"synth:{name}", device="cpu", dtype="f32", backend="cuda")
+    llm.model.ops.prefill_chunk = 8
+    rings = [s for s in llm.model.make_state(torch.float32, "cpu") if isinstance(s, WindowKVCache)]
+    assert rings and all(r.target == 32 for r in rings)
+    llm.engine.prefill_chunk = 64
+    assert llm.generate(prompt, max_new_tokens=12, temperature=0).token_ids == want
+
+
 def test_tiny_qwen35_greedy_tokens_equal_reference_backend():
     """The whole model through the cuda backend's kernels gives the reference backend's tokens."""
     import kiln
@@ -127,7 +149,13 @@ def test_tiny_qwen35_greedy_tokens_equal_reference_backend():
 def moe_p2():
     import kiln
 
-    return kiln.load("synth:tiny-qwen3.5-moe-p2", device=str(DEVICE), dtype="f32", backend="cuda")
+    # Each op's default variant, among them the fused GDN decode that the pooled step runs for every row
+    # (gated_deltanet_rows). Tuning is tested elsewhere; here it took 6.5 minutes under the interpreter
+    # with an empty tune cache, and its times of the fused and unfused GDN decode tie (70.0 ms each), so
+    # a loaded machine, or a cache left by another run, could pick the unfused one.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KILN_TUNE_BUDGET_S", "0")
+        return kiln.load("synth:tiny-qwen3.5-moe-p2", device=str(DEVICE), dtype="f32", backend="cuda")
 
 
 @pytest.mark.skipif(SWITCHED_OFF, reason="a kernel family is switched off")

@@ -245,3 +245,58 @@ def test_gpu_decode_replays_in_a_cuda_graph_at_new_positions():
         keys.update(cache.k[:p], cache.v[:p], torch.arange(p, device=DEVICE))
         want = reference(q, cache.k[p:p + 1], cache.v[p:p + 1], keys, p, None, None)
         assert_attention_close(out, want)
+
+
+def ring_of(buf: torch.Tensor, length: int, ring: int) -> torch.Tensor:
+    """A ring of `ring` rows holding buf's positions 0..length-1 as a WindowKVCache does: position p at
+    row p % ring, the later position where two share a row (rows never written: zeros)."""
+    out = torch.zeros((ring, *buf.shape[1:]), dtype=buf.dtype, device=buf.device)
+    for p in range(length):
+        out[p % ring] = buf[p]
+    return out
+
+
+# (T, q_start, window, ring rows): a chunk past a wrapped ring (ring = window - 1 + T, the fewest it
+# may hold), a chunk whose keys straddle the wrap, one query far past it, a window narrower than a block.
+RING_CASES = [(40, 150, 25, 64), (17, 50, 24, 64), (1, 211, 24, 64), (9, 300, 8, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", RING_CASES, ids=case_id)
+def test_a_ring_of_the_window_gives_the_plain_buffers_bits(case, dtype):
+    """The same keys in a ring (kiln.cache.WindowKVCache) give the plain buffer's outputs bit for bit:
+    the kernels read the same values in the same order, their pointers shifted by each key block's
+    wrap. The ring's rows of positions before the window hold later keys, which the mask must skip."""
+    t, q_start, window, ring = case
+    h, kv, d = 4, 2, 32
+    q, k, v, cache = filled_cache(t, q_start, h, kv, d, dtype, seed=2)
+    reference(q, k, v, cache, q_start, window, None)    # appends the chunk: cache.k/v hold 0..q_start+t-1
+    n = q_start + t
+    rk, rv = ring_of(cache.k, n, ring), ring_of(cache.v, n, ring)
+    scale = d ** -0.5
+    if t == 1:
+        pos = torch.tensor([q_start], dtype=torch.int64, device=DEVICE)
+        for form in DECODE_FORMS[1:]:
+            want = attention_kernels.decode_attention(q, cache.k, cache.v, pos, scale, window, None, form)
+            got = attention_kernels.decode_attention(q, rk, rv, pos, scale, window, None, form, ring=ring,
+                                                     span=cache.k.shape[0])
+            assert torch.equal(got, want), form.name
+        return
+    for form in PREFILL_FORMS:
+        want = attention_kernels.prefill_attention(q, cache.k, cache.v, q_start, n, scale, window, None, form)
+        got = attention_kernels.prefill_attention(q, rk, rv, q_start, n, scale, window, None, form, ring=ring)
+        assert torch.equal(got, want), form.name
+    # a decode step at the chunk's last position, too
+    pos = torch.tensor([n - 1], dtype=torch.int64, device=DEVICE)
+    for form in DECODE_FORMS[1:]:
+        want = attention_kernels.decode_attention(q[-1:], cache.k, cache.v, pos, scale, window, None, form)
+        got = attention_kernels.decode_attention(q[-1:], rk, rv, pos, scale, window, None, form, ring=ring,
+                                                 span=cache.k.shape[0])
+        assert torch.equal(got, want), form.name
+
+
+def test_a_ring_the_key_blocks_straddle_is_refused():
+    q, k, v, cache = filled_cache(4, 20, 4, 2, 32, torch.float32)
+    with pytest.raises(AssertionError, match="does not take key blocks"):
+        attention_kernels.prefill_attention(q, cache.k, cache.v, 20, 24, 1.0, 8, None,
+                                            attention_kernels.tile_variant(64, 32, 4, 1), ring=48)

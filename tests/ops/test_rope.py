@@ -164,3 +164,18 @@ def test_gpu_decode_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert_match((q, kb, vb), reference(c), exact=False)
+
+
+def test_a_ring_buffer_takes_each_row_at_its_position_modulo_the_ring():
+    """kiln.cache.WindowKVCache: position p's k and v land at row p % ring, q as with a plain buffer."""
+    c = case(6, torch.bfloat16, "llama", start=29)      # positions 29..34 in a ring of 16: rows 13..15, 0..2
+    ring = 16
+    want_q, want_k, want_v = kiln(c)
+    kb, vb = c["k_buf"][:ring].clone(), c["v_buf"][:ring].clone()
+    q = rope_kernels.qk_rope(*(c[n] for n in rope_kernels.ARGS), kb, vb, c["positions"], ring=ring)
+    rows = c["positions"] % ring
+    assert torch.equal(q, want_q)
+    assert torch.equal(kb[rows], want_k[c["positions"]]) and torch.equal(vb[rows], want_v[c["positions"]])
+    untouched = torch.ones(ring, dtype=torch.bool)
+    untouched[rows.cpu()] = False
+    assert torch.equal(kb[untouched.to(DEVICE)], c["k_buf"][:ring][untouched.to(DEVICE)])

@@ -2,6 +2,10 @@
 q [T, H, D] (a strided view is fine, last dim contiguous), k_buf/v_buf [capacity, KV, D] contiguous
 with positions 0..S-1 valid; query i sits at position q_start + i and sees keys j <= q_start + i
 (and j > q_start + i - window with a sliding window); query head h reads KV head h // (H // KV).
+A sliding-window layer's buffers may be a ring (kiln.cache.WindowKVCache): `ring` rows, position j at
+row j % ring; ring is a multiple of every BLOCK_N (ring_align), so a block of keys never straddles the
+wrap and the kernels shift the K/V pointers by a block's wrap before `attend` reads it (as the paged
+kernel shifts them by a page). A plain buffer passes NO_RING (no position reaches it: no shift).
 
 Two kernel families:
   prefill: FlashAttention-2 style. One program owns BLOCK_M query rows (tokens of one head, or with
@@ -44,6 +48,22 @@ from ..gemm.activation import __file__ as ACTS_FILE
 SIGMOID = tl.constexpr(ACTS["sigmoid"])    # the gate's act (Qwen3.5's gated attention), in the combine
 
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)
+NO_RING = 1 << 30       # `ring` for a plain buffer: past every position, so j % ring == j (an int32 argument)
+
+
+def ring_align(dev) -> int:
+    """A ring's rows are a multiple of this: every key block (BLOCK_N) of the device's catalogues divides it."""
+    return 32 if dev.capability is None else 128
+
+
+@triton.jit
+def ring_shift(n, ring, KV: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr):
+    """Elements from position n's place in a plain buffer to its row in a ring of `ring` rows (<= 0).
+    Only a sliding window's buffer is a ring: a full layer's code is the plain buffer's (no shift)."""
+    sh = 0
+    if WINDOW > 0:
+        sh = (n % ring - n).to(tl.int64) * (KV * D)
+    return sh
 
 
 # -- shared pieces -------------------------------------------------------------------------------
@@ -148,8 +168,8 @@ def key_ranges(q_start, m0, last, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
     return lo, mid_lo, mid_hi, hi
 
 
-@triton.jit(do_not_specialize=["T", "q_start", "kv_len"])
-def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, q_start, kv_len, stride_t, stride_h, scale, softcap,
+@triton.jit(do_not_specialize=["T", "q_start", "kv_len", "ring"])
+def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, q_start, kv_len, stride_t, stride_h, scale, softcap, ring,
                    H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
                    SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
                    SCALAR: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr):
@@ -175,14 +195,17 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, q_start, kv_len, stride_t, str
     last = tl.minimum(m0 + TM, T) - 1
     lo, mid_lo, mid_hi, hi = key_ranges(q_start, m0, last, BLOCK_N, WINDOW)
     for n in range(lo, mid_lo, BLOCK_N):
-        m_i, l_i, acc = attend(q, k_ptr, v_ptr, n, kvh, qpos, kv_len, m_i, l_i, acc, scale, softcap, KV, D, WINDOW,
-                               SOFTCAP, BLOCK_N, True, SCALAR, UPCAST, IEEE, RNE)
+        sh = ring_shift(n, ring, KV, D, WINDOW)
+        m_i, l_i, acc = attend(q, k_ptr + sh, v_ptr + sh, n, kvh, qpos, kv_len, m_i, l_i, acc, scale, softcap, KV, D,
+                               WINDOW, SOFTCAP, BLOCK_N, True, SCALAR, UPCAST, IEEE, RNE)
     for n in range(mid_lo, mid_hi, BLOCK_N):
-        m_i, l_i, acc = attend(q, k_ptr, v_ptr, n, kvh, qpos, kv_len, m_i, l_i, acc, scale, softcap, KV, D, WINDOW,
-                               SOFTCAP, BLOCK_N, False, SCALAR, UPCAST, IEEE, RNE)
+        sh = ring_shift(n, ring, KV, D, WINDOW)
+        m_i, l_i, acc = attend(q, k_ptr + sh, v_ptr + sh, n, kvh, qpos, kv_len, m_i, l_i, acc, scale, softcap, KV, D,
+                               WINDOW, SOFTCAP, BLOCK_N, False, SCALAR, UPCAST, IEEE, RNE)
     for n in range(mid_hi, hi, BLOCK_N):
-        m_i, l_i, acc = attend(q, k_ptr, v_ptr, n, kvh, qpos, kv_len, m_i, l_i, acc, scale, softcap, KV, D, WINDOW,
-                               SOFTCAP, BLOCK_N, True, SCALAR, UPCAST, IEEE, RNE)
+        sh = ring_shift(n, ring, KV, D, WINDOW)
+        m_i, l_i, acc = attend(q, k_ptr + sh, v_ptr + sh, n, kvh, qpos, kv_len, m_i, l_i, acc, scale, softcap, KV, D,
+                               WINDOW, SOFTCAP, BLOCK_N, True, SCALAR, UPCAST, IEEE, RNE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]     # l = 0 only on padding rows
     o_offs = (tok.to(tl.int64) * H + head)[:, None] * D + d[None, :]
     tl.store(o_ptr + o_offs, round_to(out, o_ptr.dtype.element_ty, RNE), mask=row_ok[:, None])
@@ -190,8 +213,8 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, q_start, kv_len, stride_t, str
 
 # -- decode ----------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["chunk", "splits"])
-def decode_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ws, l_ws, acc_ws, stride_h, chunk, splits, scale, softcap,
+@triton.jit(do_not_specialize=["chunk", "splits", "ring"])
+def decode_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ws, l_ws, acc_ws, stride_h, chunk, splits, scale, softcap, ring,
                         H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
                         SOFTCAP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SCALAR: tl.constexpr,
                         UPCAST: tl.constexpr, IEEE: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr = False,
@@ -231,8 +254,9 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ws, l_ws, acc_ws, stride
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, D], dtype=tl.float32)
     for n in range(lo, end, BLOCK_N):
-        m_i, l_i, acc = attend(q, k_ptr, v_ptr, n, kvh, qpos, pos + 1, m_i, l_i, acc, scale, softcap, KV, D, WINDOW,
-                               SOFTCAP, BLOCK_N, True, SCALAR, UPCAST, IEEE, RNE)
+        sh = ring_shift(n, ring, KV, D, WINDOW)
+        m_i, l_i, acc = attend(q, k_ptr + sh, v_ptr + sh, n, kvh, qpos, pos + 1, m_i, l_i, acc, scale, softcap, KV, D,
+                               WINDOW, SOFTCAP, BLOCK_N, True, SCALAR, UPCAST, IEEE, RNE)
     at = head.to(tl.int64) * splits + split
     tl.store(m_ws + at, m_i, mask=r < G)
     tl.store(l_ws + at, l_i, mask=r < G)
@@ -297,8 +321,8 @@ def group_of(q: torch.Tensor, k_buf: torch.Tensor) -> int:
 
 
 def run_prefill(q, k_buf, v_buf, q_start: int, kv_len: int, scale: float, window, softcap, v: Variant,
-                out: torch.Tensor) -> torch.Tensor:
-    """prefill_attention into `out` [T, H, D] contiguous."""
+                out: torch.Tensor, ring: int | None = None) -> torch.Tensor:
+    """prefill_attention into `out` [T, H, D] contiguous; `ring`: the buffers' rows when they are a ring."""
     t, h, d = q.shape
     kv = k_buf.shape[1]
     if t == 0:
@@ -307,23 +331,35 @@ def run_prefill(q, k_buf, v_buf, q_start: int, kv_len: int, scale: float, window
     pack = group_of(q, k_buf) if p.get("pack") else 1
     grid = (cdiv(t, p["bm"] // pack), h // pack)
     prefill_kernel[grid](q, k_buf, v_buf, out, t, q_start, kv_len, q.stride(0), q.stride(1), scale, softcap or 1.0,
-                         H=h, KV=kv, D=d, WINDOW=window or 0, SOFTCAP=softcap is not None, BLOCK_M=p["bm"],
-                         BLOCK_N=p["bn"], PACK=pack, SCALAR=p.get("scalar", False), RNE=rne_flag(q.dtype),
-                         **dot_flags(q.dtype), num_warps=p["w"], num_stages=p["s"])
+                         ring_arg(ring, p["bn"], window), H=h, KV=kv, D=d, WINDOW=window or 0,
+                         SOFTCAP=softcap is not None, BLOCK_M=p["bm"], BLOCK_N=p["bn"], PACK=pack,
+                         SCALAR=p.get("scalar", False), RNE=rne_flag(q.dtype), **dot_flags(q.dtype), num_warps=p["w"],
+                         num_stages=p["s"])
     return out
 
 
 def prefill_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, q_start: int, kv_len: int,
                       scale: float, window: int | None, softcap: float | None,
-                      v: Variant | None = None) -> torch.Tensor:
+                      v: Variant | None = None, ring: int | None = None) -> torch.Tensor:
     """Causal GQA attention of T queries at positions q_start.. over keys 0..kv_len-1 (kv_len =
     q_start + T) of the cache buffers. q [T, H, D] (last dim contiguous), k/v [capacity, KV, D]
-    contiguous -> [T, H, D] contiguous in q's dtype. `v` defaults to the op's default variant."""
+    contiguous -> [T, H, D] contiguous in q's dtype. `v` defaults to the op's default variant. A ring
+    of `ring` rows must hold every key the queries see: ring >= window - 1 + T."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if v is None:
         shape = PrefillShape(q.shape[0], q.shape[1], k_buf.shape[1], q.shape[2], window, softcap)
         v = PREFILL_OP.default(shape, _dev(q))
-    return run_prefill(q, k_buf, v_buf, q_start, kv_len, scale, window, softcap, v, out)
+    return run_prefill(q, k_buf, v_buf, q_start, kv_len, scale, window, softcap, v, out, ring)
+
+
+def ring_arg(ring: int | None, bn: int, window) -> int:
+    """The kernels' `ring` argument: NO_RING for a plain buffer; a ring's rows, whole key blocks (only a
+    sliding window's buffer is a ring: the kernels shift only where WINDOW > 0)."""
+    if ring is None:
+        return NO_RING
+    assert window, "only a sliding window's keys live in a ring"
+    assert ring % bn == 0 and ring < NO_RING, f"a ring of {ring} rows does not take key blocks of {bn}"
+    return ring
 
 
 def decode_splits(v: Variant, capacity: int) -> tuple[int, int]:
@@ -345,22 +381,24 @@ def gate_ok(q: torch.Tensor, gate: torch.Tensor) -> bool:
 
 
 def run_decode(q, k_buf, v_buf, pos: torch.Tensor, scale: float, window, softcap, v: Variant,
-               out: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor, gate: torch.Tensor | None = None, ring: int | None = None,
+               span: int | None = None) -> torch.Tensor:
     """decode_attention into `out` [1, H, D] contiguous (times sigmoid(gate) with a gate). The f32
-    partials are allocated here (torch.empty is fine under graph capture: the graph's pool owns them)."""
+    partials are allocated here (torch.empty is fine under graph capture: the graph's pool owns them).
+    A ring (`ring` rows) splits the keys as a plain buffer of `span` positions would."""
     _, h, d = q.shape
     kv = k_buf.shape[1]
     p = v.p
-    chunk, splits = decode_splits(v, k_buf.shape[0])
+    chunk, splits = decode_splits(v, k_buf.shape[0] if span is None else span)
     m_ws = torch.empty((h, splits), dtype=torch.float32, device=q.device)
     l_ws = torch.empty_like(m_ws)
     acc_ws = torch.empty((h, splits, d), dtype=torch.float32, device=q.device)
     rne = rne_flag(q.dtype)
     decode_split_kernel[(splits, kv)](q, k_buf, v_buf, pos, m_ws, l_ws, acc_ws, q.stride(1), chunk, splits, scale,
-                                      softcap or 1.0, H=h, KV=kv, D=d, WINDOW=window or 0, SOFTCAP=softcap is not None,
-                                      ROWS=decode_rows(v, h // kv), BLOCK_N=p["bn"], SCALAR=p.get("scalar", False),
-                                      RNE=rne, **dot_flags(q.dtype), num_warps=p["w"], num_stages=p.get("s", 2),
-                                      **pdl(q))
+                                      softcap or 1.0, ring_arg(ring, p["bn"], window), H=h, KV=kv, D=d,
+                                      WINDOW=window or 0, SOFTCAP=softcap is not None, ROWS=decode_rows(v, h // kv),
+                                      BLOCK_N=p["bn"], SCALAR=p.get("scalar", False), RNE=rne, **dot_flags(q.dtype),
+                                      num_warps=p["w"], num_stages=p.get("s", 2), **pdl(q))
     gated = {} if gate is None else {"g_ptr": gate, "G_STRIDE": gate.stride(1)}
     decode_combine_kernel[(h,)](m_ws, l_ws, acc_ws, pos, out, chunk, splits, D=d, WINDOW=window or 0,
                                 SPLIT_BLOCK=combine_block(d), RNE=rne, num_warps=4, **pdl(q), **gated)
@@ -384,7 +422,7 @@ def decode_attention_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
     rne = rne_flag(q.dtype)
     decode_split_kernel[(splits, kv, b)](q, k_pool, v_pool, pos, m_ws, l_ws, acc_ws, q.stride(1), chunk, splits, scale,
-                                         softcap or 1.0, H=h, KV=kv, D=d, WINDOW=window or 0,
+                                         softcap or 1.0, NO_RING, H=h, KV=kv, D=d, WINDOW=window or 0,
                                          SOFTCAP=softcap is not None, ROWS=decode_rows(v, h // kv), BLOCK_N=p["bn"],
                                          SCALAR=p.get("scalar", False), RNE=rne, **dot_flags(q.dtype),
                                          num_warps=p["w"], num_stages=p.get("s", 2), slot_ptr=slots,
@@ -402,15 +440,17 @@ def combine_block(d: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, pos: torch.Tensor, scale: float,
                      window: int | None, softcap: float | None, v: Variant | None = None,
-                     gate: torch.Tensor | None = None) -> torch.Tensor:
+                     gate: torch.Tensor | None = None, ring: int | None = None,
+                     span: int | None = None) -> torch.Tensor:
     """One query q [1, H, D] at the absolute position held in `pos` (int64 device tensor [1]; k/v
     at pos already written) over keys 0..pos of the buffers -> [1, H, D] (sigmoid(gate) * that
-    with a gate: see gate_ok). CUDA-graph capturable: no host sync, the grid depends on k_buf.shape[0] only."""
+    with a gate: see gate_ok). CUDA-graph capturable: no host sync, the grid depends on k_buf.shape[0] only
+    (a ring's, of `ring` rows: on `span`, the positions it is reserved for)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if v is None:
-        v = DECODE_OP.default(DecodeShape(k_buf.shape[0], q.shape[1], k_buf.shape[1], q.shape[2], window, softcap),
-                              _dev(q))
-    return run_decode(q, k_buf, v_buf, pos, scale, window, softcap, v, out, gate)
+        keys = k_buf.shape[0] if span is None else span
+        v = DECODE_OP.default(DecodeShape(keys, q.shape[1], k_buf.shape[1], q.shape[2], window, softcap), _dev(q))
+    return run_decode(q, k_buf, v_buf, pos, scale, window, softcap, v, out, gate, ring, span)
 
 
 def _dev(t: torch.Tensor):
@@ -553,13 +593,13 @@ class AttentionOp(Op):
         k = torch.empty((1, s.kv, s.d), dtype=dtype, device=device)
         p = v.p
         pack = s.h // s.kv if p.get("pack") else 1
-        return [prefill_kernel.warmup(q, k, k, q, 1, 0, 1, s.h * s.d, s.d, 1.0, 1.0, H=s.h, KV=s.kv, D=s.d,
+        return [prefill_kernel.warmup(q, k, k, q, 1, 0, 1, s.h * s.d, s.d, 1.0, 1.0, NO_RING, H=s.h, KV=s.kv, D=s.d,
                                       WINDOW=s.window or 0, SOFTCAP=s.softcap is not None, BLOCK_M=p["bm"],
                                       BLOCK_N=p["bn"], PACK=pack, SCALAR=p.get("scalar", False), RNE=False,
                                       **dot_flags(dtype), num_warps=p["w"], num_stages=p["s"], grid=(1,))]
 
     def kernel_sources(self, v: Variant) -> list:
-        return [prefill_kernel, key_ranges, attend, scores, matmul_f32, round16, tanh_f32, round_to]
+        return [prefill_kernel, key_ranges, ring_shift, attend, scores, matmul_f32, round16, tanh_f32, round_to]
 
     def supports(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor | None = None) -> bool:
         return supports(q, k_buf, v_buf)
@@ -654,8 +694,8 @@ class DecodeAttentionOp(Op):
         pos = torch.zeros(1, dtype=torch.int64, device=device)
         ws = torch.empty((s.h, 1, s.d), dtype=torch.float32, device=device)
         p = v.p
-        return [decode_split_kernel.warmup(q, k, k, pos, ws, ws, ws, s.d, p["bn"], 1, 1.0, 1.0, H=s.h, KV=s.kv, D=s.d,
-                                           WINDOW=s.window or 0, SOFTCAP=s.softcap is not None,
+        return [decode_split_kernel.warmup(q, k, k, pos, ws, ws, ws, s.d, p["bn"], 1, 1.0, 1.0, NO_RING, H=s.h,
+                                           KV=s.kv, D=s.d, WINDOW=s.window or 0, SOFTCAP=s.softcap is not None,
                                            ROWS=decode_rows(v, s.h // s.kv), BLOCK_N=p["bn"],
                                            SCALAR=p.get("scalar", False), RNE=False, **dot_flags(dtype),
                                            num_warps=p["w"], num_stages=p.get("s", 2), grid=(1,), **pdl(q)),
@@ -664,8 +704,8 @@ class DecodeAttentionOp(Op):
                                              **pdl(q))]
 
     def kernel_sources(self, v: Variant) -> list:
-        return [decode_split_kernel, decode_combine_kernel, attend, scores, matmul_f32, round16, tanh_f32, round_to,
-                pdl_wait]
+        return [decode_split_kernel, decode_combine_kernel, ring_shift, attend, scores, matmul_f32, round16, tanh_f32,
+                round_to, pdl_wait]
 
     def supports(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor | None = None) -> bool:
         return supports(q, k_buf, v_buf) and q.shape[0] == 1

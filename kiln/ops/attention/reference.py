@@ -8,6 +8,12 @@ import torch
 class AttentionReference:
     """Needs the norms, RoPE and the activations beside it (rmsnorm, apply_rope, act_mul)."""
 
+    def window_cache(self, n_kv: int, head_dim: int, window: int, dtype, device):
+        """A sliding-window layer's cache where this backend's kernels keep a ring of their own
+        (cuda: kiln.cache.WindowKVCache); None here: the model's choice (a plain buffer, or its
+        RingKVCache)."""
+        return None
+
     def attention(self, q, k, v, cache, positions, scale: float, window: int | None = None,
                   softcap: float | None = None) -> torch.Tensor:
         """Causal GQA attention of this chunk's queries over the cached prefix plus the chunk.

@@ -4,6 +4,8 @@ RMS-normed without a weight first: Gemma 4's v_norm).
 
   q_out = rope(norm(q));  k_buf[positions[t]] = rope(norm(k[t]));  v_buf[positions[t]] = v[t] (or vnorm(v[t]))
 
+(at row positions[t] % ring of a ring buffer: kiln.cache.WindowKVCache; a plain buffer passes NO_RING).
+
 Rounding as the reference composition (ReferenceOps.rmsnorm, then ReferenceOps.apply_rope), where
 every step is its own 16-bit torch op: the normed value is rounded as the style says
 (rmsnorm.scale_normed), then x*cos, rot*sin and their sum are each rounded to the activation dtype.
@@ -23,6 +25,7 @@ import triton.language as tl
 
 from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, variant
+from ..attention.kernels import NO_RING
 from ..common import COMMON, EXACT_ROUNDING, SUPPORTED, cdiv, pdl, pdl_wait, pow2_dim, rne_flag, round_to
 from ..norm.kernels import STYLES, scale_normed, style_scaled
 from ..norm.kernels import __file__ as NORM_FILE
@@ -56,8 +59,8 @@ def norm_rope_rows(x_ptr, offs, w_ptr, cs_off, cos_ptr, sin_ptr, ok, eps, D: tl.
     return tl.where(rope, round_to(a + b, dtype, RNE), xf.to(dtype))
 
 
-@triton.jit(do_not_specialize=["T"])
-def qk_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kb_ptr, vb_ptr, T, eps,
+@triton.jit(do_not_specialize=["T", "ring"])
+def qk_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, kb_ptr, vb_ptr, T, eps, ring,
                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, scs,
                    H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
                    NORM: tl.constexpr, STYLE: tl.constexpr, RNE: tl.constexpr, VNORM: tl.constexpr = False,
@@ -78,7 +81,7 @@ def qk_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_pt
         kh = hd - H
         y = norm_rope_rows(k_ptr, t64 * sk_t + kh * sk_h, kw_ptr, t64 * scs, cos_ptr, sin_ptr, ok, eps,
                            D, R, NORM, STYLE, dtype, RNE)
-        slot = tl.load(pos_ptr + t64, mask=ok, other=0).to(tl.int64)
+        slot = tl.load(pos_ptr + t64, mask=ok, other=0).to(tl.int64) % ring
         dst = (slot * KV + kh)[:, None] * D + cols[None, :]
         tl.store(kb_ptr + dst, y, mask=inside)
         vals = tl.load(v_ptr + (t64 * sv_t + kh * sv_h)[:, None] + cols[None, :], mask=inside, other=0.0)
@@ -94,7 +97,7 @@ def strides(x: torch.Tensor) -> tuple[int, int]:
 
 
 def qk_rope_into(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf, positions, q_out,
-                 var: Variant, v_norm: bool = False) -> None:
+                 var: Variant, v_norm: bool = False, ring: int | None = None) -> None:
     t, h, d = q.shape
     kv, r = k.shape[1], cos.shape[-1]
     norm = q_norm_w is not None
@@ -107,21 +110,23 @@ def qk_rope_into(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf
     w_q = q_norm_w if norm else q        # any pointer: never read without NORM
     w_k = k_norm_w if norm else q
     qk_rope_kernel[(cdiv(t, p["rows"]), h + kv)](
-        q, k, v, w_q, w_k, cos, sin, positions, q_out, k_buf, v_buf, t, eps, *strides(q), *strides(k), *strides(v),
+        q, k, v, w_q, w_k, cos, sin, positions, q_out, k_buf, v_buf, t, eps, NO_RING if ring is None else ring,
+        *strides(q), *strides(k), *strides(v),
         cos.stride(0), H=h, KV=kv, D=d, R=r, ROWS=p["rows"], NORM=norm, STYLE=STYLES[style] if norm else 0,
         RNE=rne_flag(q.dtype), VNORM=v_norm, num_warps=p["w"], **pdl(q), **EXACT_ROUNDING)
 
 
 def qk_rope(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf, positions,
-            var: Variant | None = None, v_norm: bool = False) -> torch.Tensor:
+            var: Variant | None = None, v_norm: bool = False, ring: int | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KV, D] (strided views allowed, last dim contiguous; v may be k itself);
     q_norm_w/k_norm_w [D] or None (no norm); cos/sin [T, R]; k_buf/v_buf [capacity, KV, D]; positions
-    int64 [T] on the device; v_norm: v RMS-normed without a weight before it is stored. Returns q_out
+    int64 [T] on the device (rows of a ring of `ring` rows: positions % ring); v_norm: v RMS-normed
+    without a weight before it is stored. Returns q_out
     [T, H, D] (normed, roped); writes roped k and v into the buffers at positions."""
     shape = shape_of(q, k, cos, style if q_norm_w is not None else None, v_norm)
     var = var or OP.default(shape, device_info(q.device))
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    qk_rope_into(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf, positions, q_out, var, v_norm)
+    qk_rope_into(q, k, v, q_norm_w, k_norm_w, eps, style, cos, sin, k_buf, v_buf, positions, q_out, var, v_norm, ring)
     return q_out
 
 
