@@ -732,7 +732,8 @@ def restore(state: list, saved: list) -> None:
         if isinstance(layer, GDNState):
             layer.conv.copy_(a)
             layer.ssm.copy_(b)
-        else:       # the last positions (a ring's snapshot holds only those) up to n
-            layer.reserve(n)
+        else:       # the last positions up to n (a ring's snapshot holds only those)
+            if not (isinstance(layer, PagedKV) and not layer.contiguous):    # (a slot's pages are taken)
+                layer.reserve(n)
             layer.write(a, b, n - a.shape[0])
         layer.length = n
