@@ -300,3 +300,34 @@ def test_a_ring_the_key_blocks_straddle_is_refused():
     with pytest.raises(AssertionError, match="does not take key blocks"):
         attention_kernels.prefill_attention(q, cache.k, cache.v, 20, 24, 1.0, 8, None,
                                             attention_kernels.tile_variant(64, 32, 4, 1), ring=48)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("q_start", [3000, 5000])
+def test_gpu_a_ring_gives_the_plain_buffers_bits_for_every_variant(q_start):
+    """Gemma 4's sliding layers at their ring (window 1,024 and a 512-token chunk: 1,536 rows, the
+    --gpu-memory plan's): a 512-token chunk and a decode step past the wrap, every variant of both
+    catalogues, bit for bit the plain buffer's (the same loads in the same order, shifted)."""
+    h, kv, d, window, t = 16, 8, 256, 1024, 512
+    align = attention_kernels.ring_align(device_info(DEVICE))
+    ring = -(-(window - 1 + t) // align) * align
+    q, k, v, cache = filled_cache(t, q_start, h, kv, d, torch.bfloat16, seed=4)
+    reference(q, k, v, cache, q_start, window, None)
+    n = q_start + t
+    rows = torch.arange(n - ring, n, device=DEVICE)
+    rk, rv = (torch.zeros((ring, kv, d), dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    rk[rows % ring], rv[rows % ring] = cache.k[rows], cache.v[rows]
+    dev, scale = device_info(DEVICE), d ** -0.5
+    shape = attention_kernels.PrefillShape(t, h, kv, d, window)
+    for form in attention_kernels.PREFILL_OP.catalogue(shape, dev):
+        want = attention_kernels.prefill_attention(q, cache.k, cache.v, q_start, n, scale, window, None, form)
+        got = attention_kernels.prefill_attention(q, rk, rv, q_start, n, scale, window, None, form, ring=ring)
+        assert torch.equal(got, want), form.name
+    pos = torch.tensor([n - 1], dtype=torch.int64, device=DEVICE)
+    dshape = attention_kernels.DecodeShape(n, h, kv, d, window)
+    for form in attention_kernels.DECODE_OP.catalogue(dshape, dev):
+        want = attention_kernels.decode_attention(q[-1:], cache.k, cache.v, pos, scale, window, None, form)
+        got = attention_kernels.decode_attention(q[-1:], rk, rv, pos, scale, window, None, form, ring=ring,
+                                                 span=cache.k.shape[0])
+        assert torch.equal(got, want), form.name
