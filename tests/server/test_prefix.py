@@ -12,12 +12,13 @@ import torch
 from safetensors.torch import save_file
 
 import kiln
+from kiln.cache import WindowKVCache
 from kiln.models import model_class
 from kiln.models.base import config_from_dict
 from kiln.sampling import SamplingParams
 
 
-def _random_model(path, config: dict):
+def _random_model(path, config: dict, **load):
     """An HF folder of random weights in the shapes kiln's model file declares (no transformers needed)."""
     cls = model_class(config["model_type"])
     cfg = config_from_dict(cls.config_class, config)
@@ -26,7 +27,7 @@ def _random_model(path, config: dict):
                for name, shape in cls.weight_shapes(cfg).items() if name not in cls.tied_names(cfg)}
     save_file(weights, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
-    return kiln.load(str(path), device="cpu", dtype="f32")
+    return kiln.load(str(path), device="cpu", dtype="f32", **load)
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +37,14 @@ def llama(tmp_path_factory):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False))
 
 
+GEMMA3 = dict(model_type="gemma3_text", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=5, max_position_embeddings=512,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"], query_pre_attn_scalar=32)
+
+
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
-    return _random_model(tmp_path_factory.mktemp("gemma3"), dict(
-        model_type="gemma3_text", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=5, max_position_embeddings=512,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"], query_pre_attn_scalar=32))
+    return _random_model(tmp_path_factory.mktemp("gemma3"), GEMMA3)
 
 
 def _generate(llm, ids, reuse, n=8):
@@ -104,6 +107,27 @@ def test_sliding_window_layers_reuse_only_what_they_still_hold(gemma3):
     branch = ids[:30] + [1, 2, 3]
     out, cached = _generate(gemma3, branch, reuse=True)
     assert cached == 0 and out == _generate(gemma3, branch, reuse=False)[0]
+
+
+def test_the_cuda_backends_window_rings_rewind_while_they_hold_the_window(tmp_path, monkeypatch):
+    """On the cuda backend (under the interpreter) the sliding layers keep rings of 32 rows here
+    (kiln.cache.WindowKVCache: window 5 - 1 + a prefill chunk of 8, in key blocks of 32). After a
+    40-token prompt and 8 tokens the rings hold positions 16..47: a prompt branching at 30 rewinds
+    them (its window, 26..29, is still held), one branching at 10 starts fresh (6..9 were
+    overwritten). The tokens are those of the same prompts run without reuse."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("KILN_TUNE_BUDGET_S", "0")
+    llm = _random_model(tmp_path, GEMMA3, backend="cuda")
+    llm.model.ops.prefill_chunk = llm.engine.prefill_chunk = 8
+    ids = _prompts(3)[0]
+    for keep, rewinds in ((30, True), (10, False)):
+        _generate(llm, ids, reuse=True)         # the kept state: the prompt and its answer, 47 positions
+        rings = [s for s in llm.engine._kept.state if isinstance(s, WindowKVCache)]
+        assert len(rings) == 2 and all(r.ring_rows == 32 and r.length == 47 for r in rings)
+        branch = ids[:keep] + [1, 2, 3]
+        out, cached = _generate(llm, branch, reuse=True)
+        assert cached == (keep if rewinds else 0)
+        assert out == _generate(llm, branch, reuse=False)[0]
 
 
 def test_default_generate_keeps_no_state(llama):
