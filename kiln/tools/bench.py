@@ -57,8 +57,8 @@ from .hf_reference import load_hf_reference
 DEFAULT_LENGTHS = (512, 2048, 8192, 32768, 81920)
 FIELDS = ("engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
           "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "first_token_s", "tune_s",
-          "tune_cache", "peak_mem_gb", "launches_per_token", "prefill_graphs", "quant", "bytes_per_token",
-          "expert_store", "results", "baseline")
+          "tune_cache", "peak_mem_gb", "state_bytes", "launches_per_token", "prefill_graphs", "quant",
+          "bytes_per_token", "expert_store", "results", "baseline")
 
 
 # -- flags -------------------------------------------------------------------------------------------
@@ -141,6 +141,7 @@ class KilnRunner:
         self.llm = llm
         self.loaded_at = time.time()                # epoch seconds: the load is done
         self.first_prefill_s: float | None = None   # the first prefill's seconds, to its token
+        self.state_bytes: int | None = None         # what the last run's per-layer state held (held_state_bytes)
 
     @torch.inference_mode()
     def _run(self, ids: list[int], gen: int) -> dict:
@@ -153,7 +154,9 @@ class KilnRunner:
         if self.first_prefill_s is None:
             self.first_prefill_s = t1 - t0
         tokens = [tok] + list(eng.greedy_tokens(tok, len(ids), state, gen - 1))   # as generate() runs greedy
-        return {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "tokens": tokens}
+        out = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "tokens": tokens}
+        self.state_bytes = held_state_bytes(state)
+        return out
 
     def measure(self, ids: list[int], gen: int) -> dict:
         try:
@@ -392,6 +395,22 @@ def _backend_fact(llm, name: str):
     return None
 
 
+def held_state_bytes(state) -> int | None:
+    """The bytes a request's per-layer state holds (its KV buffers, a window's ring, GDN states), each
+    tensor once (a KV-shared layer reads its producer's); None without one."""
+    if state is None:
+        return None
+    seen, total = set(), 0
+    for layer in state:
+        own = getattr(layer, "cache", getattr(layer, "producer", layer))
+        own = getattr(own, "cache", own)
+        for t in vars(own).values():
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.nbytes
+    return total
+
+
 def _prefill_graphs(llm) -> dict | None:
     """The prefill graphs the runs captured (their row buckets), or None where they are off."""
     runner = getattr(llm.engine, "prefill_graphs", None)
@@ -436,7 +455,7 @@ def main(a) -> int:
               "backend": llm.model.ops.name, "device": str(dev), **environment(dev), "date": now_iso(),
               "command": command_line(), "load_s": round(llm.load_s, 3),
               "load_stages": llm.load_stages or None, "first_token_s": None, "tune_s": _backend_fact(llm, "tune_s"),
-              "tune_cache": _backend_fact(llm, "tune_cache"), "peak_mem_gb": None,
+              "tune_cache": _backend_fact(llm, "tune_cache"), "peak_mem_gb": None, "state_bytes": None,
               "launches_per_token": _backend_fact(llm, "launches_per_token"), "prefill_graphs": None,
               "quant": quant_summary(llm.model),
               "bytes_per_token": token_bytes(llm.model), "expert_store": None}
@@ -455,6 +474,7 @@ def main(a) -> int:
         measured = run_protocol(runners, prompts, gen, a.runs, skips, log)
         report["first_token_s"] = first_token_s(kiln_runner, report["load_stages"])
         report["peak_mem_gb"] = round(peak_mem_gb(dev), 3)
+        report["state_bytes"] = kiln_runner.state_bytes
         report["launches_per_token"] = _backend_fact(llm, "launches_per_token")   # known once decode ran
         report["prefill_graphs"] = _prefill_graphs(llm)
         report["expert_store"] = _expert_store(llm)

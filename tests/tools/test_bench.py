@@ -20,10 +20,11 @@ from kiln.tools.bench import Baseline, run_protocol, summarise
 from kiln.tools.benchutil import resident_fraction
 from kiln.tools.profile import OpTimer
 
+# expert_store: issue 21; first_token_s, prefill_graphs: 23; state_bytes: the window rings' bytes
 BENCH_FIELDS = ["engine", "model", "dtype", "backend", "device", "gpu", "driver", "torch", "triton", "transformers",
                 "kiln_commit", "kiln_env", "date", "command", "load_s", "load_stages", "first_token_s", "tune_s",
-                "tune_cache", "peak_mem_gb", "launches_per_token", "prefill_graphs", "quant", "bytes_per_token",
-                "expert_store", "results", "baseline"]     # expert_store: issue 21; first_token_s, prefill_graphs: 23
+                "tune_cache", "peak_mem_gb", "state_bytes", "launches_per_token", "prefill_graphs", "quant",
+                "bytes_per_token", "expert_store", "results", "baseline"]
 RESULT_TYPES = {"prompt_tokens": int, "prefill_tok_s": float, "decode_tok_s": float, "gen_tokens": int}
 
 
@@ -84,6 +85,8 @@ def test_bench_json_has_exactly_the_issue_fields_and_types(acceptance):
     assert rep["tune_s"] is None and rep["tune_cache"] is None and rep["launches_per_token"] is None
     assert rep["prefill_graphs"] is None      # the cpu backend captures no graph
     assert isinstance(rep["peak_mem_gb"], float) and 0.5 < rep["peak_mem_gb"] < 64  # 135M f32 weights alone are 0.54 GB
+    # the last request's KV: 30 layers, K and V, 3 KV heads of 64 in f32, at the first capacity (256 >= 96 + 8)
+    assert rep["state_bytes"] == 30 * 2 * 256 * 3 * 64 * 4
     base = rep["baseline"]
     assert list(base) == ["engine", "version", "results"] and base["engine"] == "transformers"
     assert base["version"] == importlib.metadata.version("transformers")
