@@ -473,7 +473,7 @@ def _layer_state_bytes(state, limit: int, chunk: int) -> int:
         if isinstance(state, RingKVCache):
             return per * min(limit, state.window - 1 + chunk)
         if isinstance(state, WindowKVCache):     # its window and a chunk, in whole key blocks
-            return per * -(-min(limit, state.window - 1 + chunk) // state.align) * state.align
+            return per * WindowKVCache.rows_for(state.window, chunk, state.align, limit)
         return per * max(limit, state.capacity)      # the engine caps its growth at the max context
     return sum(t.numel() * t.element_size() for t in vars(state).values() if isinstance(t, torch.Tensor))
 

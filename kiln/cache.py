@@ -118,13 +118,22 @@ class WindowKVCache(KVCache):
     plain buffer's)."""
 
     def __init__(self, n_kv: int, head_dim: int, window: int, chunk: int, align: int, dtype, device):
-        self.target = -(-(window - 1 + chunk) // align) * align
+        self.target = self.rows_for(window, chunk, align)
         self.align = align
-        super().__init__(n_kv, head_dim, dtype, device, capacity=min(256, self.target))
-        self.window, self.span = window, 256        # span: a plain buffer's first capacity
+        super().__init__(n_kv, head_dim, dtype, device, capacity=min(self.FIRST, self.target))
+        self.window, self.span = window, self.FIRST
 
     def _alloc(self, cap: int, n_kv: int, head_dim: int, dtype, device) -> torch.Tensor:
         return torch.zeros(cap, n_kv, head_dim, dtype=dtype, device=device)    # rows a window skips load: finite
+
+    FIRST = 256         # a plain buffer's first capacity (span), and so the ring's first rows at most
+
+    @staticmethod
+    def rows_for(window: int, chunk: int, align: int, limit: int | None = None) -> int:
+        """The rows such a ring holds at most: its window and a chunk in whole key blocks (`target`), or
+        under a context of `limit` positions its first rows or that limit in whole blocks, if fewer."""
+        target = -(-(window - 1 + chunk) // align) * align
+        return target if limit is None else min(target, max(WindowKVCache.FIRST, -(-limit // align) * align))
 
     @property
     def ring_rows(self) -> int:
@@ -164,9 +173,10 @@ class WindowKVCache(KVCache):
         """Append [T, KV, D] at `positions` (from self.length); return the keys, values and key
         positions the chunk's queries see: the window before it, then the chunk."""
         start = self.length
-        first, old_k, old_v = self.ordered()
-        lo = max(first, start - self.window + 1)
-        keys, values = torch.cat([old_k[lo - first:], k]), torch.cat([old_v[lo - first:], v])
+        lo = max(0, start - self.window + 1)      # the ring holds these: it has window - 1 rows or more
+        rows = torch.arange(lo, start, device=self.k.device) % self.ring_rows
+        keys = torch.cat([self.k.index_select(0, rows), k])
+        values = torch.cat([self.v.index_select(0, rows), v])
         self.write(k, v, start)
         self.length = start + k.shape[0]
         return keys, values, torch.arange(lo, self.length, device=k.device)

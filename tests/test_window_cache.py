@@ -79,3 +79,21 @@ def test_a_snapshot_restores_into_a_fresh_ring():
     restore([fresh], saved)
     assert fresh.length == 50
     assert torch.equal(fresh.ordered()[1], values(26, 24))
+
+
+def test_the_memory_plan_counts_the_rows_a_ring_comes_to_hold():
+    """kiln.api's state bytes (the --gpu-memory plan, kiln bench's state_bytes) use WindowKVCache.rows_for:
+    what a ring holds once it has seen `limit` positions, the context's cap, or as many as it wraps at."""
+    from kiln.api import _layer_state_bytes
+
+    for window, chunk, align, limit in ((7, 16, 8, None), (300, 40, 32, None), (300, 40, 32, 100),
+                                        (300, 40, 32, 300), (600, 64, 32, 4000), (600, 64, 32, 400)):
+        cache = ring(window, chunk, align, limit)
+        n = limit or 3000
+        for start in range(0, n, chunk):
+            t = min(chunk, n - start)
+            cache.reserve(start + t)
+            cache.write(values(start, t), values(start, t), start)
+            cache.length = start + t
+        held = cache.k.nbytes + cache.v.nbytes
+        assert _layer_state_bytes(cache, limit or 10**9, chunk) == held, (window, chunk, align, limit)

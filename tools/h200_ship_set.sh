@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Re-ship the H200's tuning choices (issue 23's cold start), one device call: `kiln tune` of the seed
+# models at the batch and prefill buckets in a fresh cache, then tools/ship_tune.py on that cache, the
+# shipped file and the cache back under $OUT; then, while time is left, a cold start (empty kiln and
+# Triton caches) that gates the new choices: kiln bench's first_token_s. Env: KILN_COMMIT, TAG, LIMIT_S.
+set -u
+export KILN_CACHE_DIR=/tmp/kiln-ship PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT" "$KILN_CACHE_DIR/tune"
+start=$SECONDS; limit=${LIMIT_S:-570}
+left() { echo $((limit - (SECONDS - start))); }
+ms="--m 1 --m 4 --m 16 --m 64 --m 512 --m 1024 --m 2048 --m 4096"
+for spec in "qwen3.5-9b 90" "qwen3.5-0.8b 80" "qwen3.5-35b-a3b 100" "gemma4-26b-a4b 90" "qwen3.5-27b 90" \
+            "qwen3.5-2b 80" "qwen3.5-35b-a3b:bits=4:router=8 90"; do
+  set -- $spec
+  if [ "$(left)" -lt $(($2 + 60)) ]; then echo "skipped $1: $(left) s left"; continue; fi
+  t0=$SECONDS
+  timeout "$2" python3 -m kiln.cli tune "synth:$1" $ms --quiet 2>&1 | grep "^\[kiln\]" | cut -c1-300
+  echo "tuned $1: exit ${PIPESTATUS[0]}, $((SECONDS - t0)) s"
+done
+python3 tools/ship_tune.py "$KILN_CACHE_DIR/tune" 2>&1 | tail -5
+cp kiln/tune/shipped/nvidia-h200_bf16.json "$OUT/"
+python3 tools/ship_tune.py --stale
+tar czf "$OUT/tune_cache${TAG:+_$TAG}.tgz" -C "$KILN_CACHE_DIR" tune
+if [ "$(left)" -gt 100 ]; then   # a cold start as a new user meets it: no kiln or Triton cache
+  rm -rf /tmp/cold && mkdir -p /tmp/cold
+  KILN_CACHE_DIR=/tmp/cold TRITON_CACHE_DIR=/tmp/cold/triton STEP_TIMEOUT=$(($(left) - 10)) TAG=${TAG:+${TAG}_}cold \
+    bash tools/gpu_run.sh bench synth:qwen3.5-0.8b --prompt-lengths 1000 --gen 32 --runs 1 | grep -i "first\|decode\|prefill" | tail -8
+fi
+echo "total $((SECONDS - start)) s"
