@@ -94,6 +94,12 @@ def never(key: dict, root: Path | None = None) -> dict[str, set[str]]:
     return {op: names - near[op] for op, names in seen.items() if names - near[op]}
 
 
+def measured_entries(entries: dict) -> dict:
+    """The entries a tuner chose by measuring (or a shipped file's): not the defaults it only gated
+    when its budget was spent."""
+    return {label: e for label, e in entries.items() if not e.get("gated")}
+
+
 def merge(files: list[dict], sources: dict[str, str]) -> dict:
     """One shipped file from tune cache files ({key, entries}) of one GPU and dtype: each op's entries
     whose kernels hash as `sources` (today's), the later file winning where two measured a shape;
@@ -106,7 +112,7 @@ def merge(files: list[dict], sources: dict[str, str]) -> dict:
         if differ := differs(data["key"], key):
             raise ValueError(f"tune caches of another {', '.join(differ)} ({data['key'].get('gpu')})")
         stale = changed_ops(data["key"].get("sources") or {}, sources)
-        for label, e in without_ops(data["entries"], stale).items():
+        for label, e in measured_entries(without_ops(data["entries"], stale)).items():
             entries[label] = {"variant": e["variant"], "ms": e.get("ms")}
     prune = pruning(files, sources)
     ops = {label.split(" ", 1)[0] for label in entries} | set(prune)
@@ -125,7 +131,7 @@ def pruning(files: list[dict], sources: dict[str, str]) -> dict:
             if op not in stale:
                 seen.setdefault(op, set()).update(pr["seen"])
                 near.setdefault(op, set()).update(pr["near"])
-        for label, e in without_ops(data["entries"], stale).items():
+        for label, e in measured_entries(without_ops(data["entries"], stale)).items():
             op = label.split(" ", 1)[0]
             near.setdefault(op, set()).add(e["variant"])
             if measured := e.get("measured"):

@@ -152,9 +152,8 @@ class Tuner:
                                                    parallel=True))
                 spent = time.perf_counter() - t0 + report.compile_s
                 entry = self.measure(w, plan, failed, over_budget=spent > self.budget_s)
-                if entry is not None:
-                    entries[w.label] = entry
-                how[w] = "measured" if entry is not None else "default"
+                entries[w.label] = entry
+                how[w] = "default" if entry.get("gated") else "measured"
             except torch.cuda.OutOfMemoryError:
                 how[w] = self.too_large(w, plan, entries)
         report.shipped = len(ship) - retried
@@ -260,7 +259,9 @@ class Tuner:
 
     def cached(self, w: Workload, entries: dict) -> Variant | None:
         e = entries.get(w.label)
-        if e is None:
+        # a default chosen when the budget was spent: reused (its gate not run again) only by a load
+        # that measures nothing (budget 0, as the CPU tests run), else measured
+        if e is None or (e.get("gated") and self.budget_s > 0):
             return None
         return next((v for v in catalogue(w.op, w.shape, self.dev) if v.name == e["variant"]), None)
 
@@ -353,7 +354,7 @@ class Tuner:
                  f"{v.name}, not measured")
         return "default"
 
-    def measure(self, w: Workload, plan: Plan, failed: dict, over_budget: bool) -> dict | None:
+    def measure(self, w: Workload, plan: Plan, failed: dict, over_budget: bool) -> dict:
         op, shape, label = w.op, w.shape, w.label
         trusted = op.trusted(shape, self.dev)
         gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(label.encode()))
@@ -378,7 +379,7 @@ class Tuner:
             chosen = survivors[0]
             self.log(f"[autotune] {label}: tuning budget of {self.budget_s:.0f} s spent, not measured -> {chosen.name}")
             plan.set(w, chosen)
-            return None
+            return {"variant": chosen.name, "gated": True}
         del cases
         times = self.time_all(w, survivors, plan)
         best = min(times, key=times.get)

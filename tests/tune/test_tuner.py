@@ -329,11 +329,25 @@ def test_pinned_variant_is_used_unmeasured_and_still_gated(tmp_path):
         tune(tmp_path, pins={"gemm": "bm7_bn7"})
 
 
-def test_budget_spent_takes_the_default_unmeasured(tmp_path):
+def test_budget_spent_takes_the_default_unmeasured(tmp_path, monkeypatch):
+    """The default, gated, is kept as such: a load that measures nothing (budget 0) takes it again
+    without gating it again; a load with a budget measures it; it is never shipped."""
+    from kiln.tune import shipped
+
+    default = gemm.OP.default(SHAPE, device_info(DEVICE))
     plan, report, lines = tune(tmp_path, budget_s=0.0)
-    assert plan.choices["gemm 100x100x40"] == gemm.OP.default(SHAPE, device_info(DEVICE))
+    assert plan.choices["gemm 100x100x40"] == default
     assert report.rows[0][3] == "default" and any("budget" in line for line in lines)
-    assert not report.path.exists() or "gemm 100x100x40" not in json.loads(report.path.read_text())["entries"]
+    saved = json.loads(report.path.read_text())
+    assert saved["entries"]["gemm 100x100x40"] == {"variant": default.name, "gated": True}
+    with monkeypatch.context() as mp:
+        mp.setattr(gate, "check", lambda *a, **k: pytest.fail("gated again"))
+        plan, report, _ = tune(tmp_path, budget_s=0.0)
+    assert report.hit and plan.choices["gemm 100x100x40"] == default and report.rows[0][3] == "cached"
+    assert shipped.merge([saved], saved["key"]["sources"])["entries"] == {}
+    _, report, lines = tune(tmp_path)
+    assert report.rows[0][3] == "measured" and times_line(lines)
+    assert "measured" in json.loads(report.path.read_text())["entries"]["gemm 100x100x40"]
 
 
 def test_inputs_too_large_for_the_gpu_take_the_default_unmeasured(tmp_path, monkeypatch):
