@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-ship the H200's tuning choices (issue 23's cold start), one device call: `kiln tune` of the seed
+# Re-ship a GPU's tuning choices (issue 23's cold start; made for the H200), one device call: `kiln tune` of the seed
 # models at the batch and prefill buckets in a fresh cache, then tools/ship_tune.py on that cache, the
 # shipped file and the cache back under $OUT; then, while time is left, a cold start (empty kiln and
 # Triton caches) that gates the new choices: kiln bench's first_token_s. Env: KILN_COMMIT, TAG, LIMIT_S.
@@ -18,7 +18,7 @@ for spec in "qwen3.5-9b 90" "qwen3.5-0.8b 80" "qwen3.5-35b-a3b 100" "gemma4-26b-
   echo "tuned $1: exit ${PIPESTATUS[0]}, $((SECONDS - t0)) s"
 done
 python3 tools/ship_tune.py "$KILN_CACHE_DIR/tune" 2>&1 | tail -5
-cp kiln/tune/shipped/nvidia-h200_bf16.json "$OUT/"
+cp kiln/tune/shipped/*.json "$OUT/"      # this GPU's file made or merged (the H200's, or another's)
 python3 tools/ship_tune.py --stale
 tar czf "$OUT/tune_cache${TAG:+_$TAG}.tgz" -C "$KILN_CACHE_DIR" tune
 if [ "$(left)" -gt 100 ]; then   # a cold start as a new user meets it: no kiln or Triton cache
