@@ -2,15 +2,17 @@
 # Re-ship a GPU's tuning choices (issue 23's cold start; made for the H200), one device call: `kiln tune` of the seed
 # models at the batch and prefill buckets in a fresh cache, then tools/ship_tune.py on that cache, the
 # shipped file and the cache back under $OUT; then, while time is left, a cold start (empty kiln and
-# Triton caches) that gates the new choices: kiln bench's first_token_s. Env: KILN_COMMIT, TAG, LIMIT_S.
+# Triton caches) that gates the new choices: kiln bench's first_token_s. Env: KILN_COMMIT, TAG, LIMIT_S, SPECS, MS.
 set -u
 export KILN_CACHE_DIR=/tmp/kiln-ship PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT" "$KILN_CACHE_DIR/tune"
 start=$SECONDS; limit=${LIMIT_S:-570}
 left() { echo $((limit - (SECONDS - start))); }
-ms="--m 1 --m 4 --m 16 --m 64 --m 512 --m 1024 --m 2048 --m 4096"
-for spec in "qwen3.5-9b 90" "qwen3.5-0.8b 80" "qwen3.5-35b-a3b 100" "gemma4-26b-a4b 90" "qwen3.5-27b 90" \
-            "qwen3.5-2b 80" "qwen3.5-35b-a3b:bits=4:router=8 90"; do
+ms=${MS:-"--m 1 --m 4 --m 16 --m 64 --m 512 --m 1024 --m 2048 --m 4096"}
+# SPECS: "model seconds" pairs separated by ';' (default: every seed model, most used first)
+SPECS=${SPECS:-"qwen3.5-9b 90;qwen3.5-0.8b 80;qwen3.5-35b-a3b 100;gemma4-26b-a4b 90;qwen3.5-27b 90;qwen3.5-2b 80;qwen3.5-35b-a3b:bits=4:router=8 90"}
+IFS=';' read -ra specs <<< "$SPECS"
+for spec in "${specs[@]}"; do
   set -- $spec
   if [ "$(left)" -lt $(($2 + 60)) ]; then echo "skipped $1: $(left) s left"; continue; fi
   t0=$SECONDS
