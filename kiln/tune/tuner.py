@@ -32,6 +32,7 @@ from .gate import fault_error
 from .registry import Op, Variant, candidates, catalogue, get_op
 
 DEFAULT_BUDGET_S = 600.0   # measuring stops here; what is left takes each op's default
+SAVE_EVERY_S = 15.0        # a long tune saves what it has measured this often: a killed one keeps it
 ORDER = {"rmsnorm": 0, "gemm": 1, "rmsnorm_gemm": 2}   # composite variants read earlier choices
 
 
@@ -131,7 +132,8 @@ class Tuner:
         failed.update(self.compile_all({k: j for k, j in load_jobs.items() if k not in measure_jobs}, parallel=False))
         report.compiled, report.compile_s = len(measure_jobs.keys() | load_jobs.keys()), time.perf_counter() - t0
 
-        t0 = time.perf_counter()
+        t0 = saved = time.perf_counter()
+        labels = {w.label for w in workloads}
         how = {}
         for w, v in cached.items():
             plan.set(w, v, entries[w.label].get("ms"))
@@ -156,6 +158,9 @@ class Tuner:
                 how[w] = "default" if entry.get("gated") else "measured"
             except torch.cuda.OutOfMemoryError:
                 how[w] = self.too_large(w, plan, entries)
+            if time.perf_counter() - saved > SAVE_EVERY_S:
+                self.cache.save(key, {k: e for k, e in entries.items() if k in labels})
+                saved = time.perf_counter()
         report.shipped = len(ship) - retried
         for w, v in pinned.items():
             self.use_pinned(w, v, plan)
@@ -163,7 +168,7 @@ class Tuner:
         report.rows = [(w.label, plan.choices[w.label].name, plan.times.get(w.label), how[w]) for w in workloads]
         report.tune_s = time.perf_counter() - t0
         if todo or borrowed or ship:
-            report.path = self.cache.save(key, {k: e for k, e in entries.items() if k in {w.label for w in workloads}})
+            report.path = self.cache.save(key, {k: e for k, e in entries.items() if k in labels})
         self.log(report.summary())
         return plan, report
 

@@ -266,6 +266,31 @@ def test_a_shape_tuned_for_one_model_is_not_measured_again_for_another(tmp_path,
     assert SUMMARY.match(lines[-1])[4] == "hit"
 
 
+def test_a_tune_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
+    """A long tune saves its measured choices as it goes (tuner.SAVE_EVERY_S): one killed (a timeout,
+    Ctrl-C) loses only the shapes it had not reached; the next load measures just those."""
+    from kiln.tune import tuner as tuner_module
+
+    other = Workload(gemm.OP, gemm.GemmShape(24, 48, 40))
+    monkeypatch.setattr(tuner_module, "SAVE_EVERY_S", 0.0)
+    real, seen = Tuner.measure, []
+
+    def stopped_at_the_second(self, w, *a, **k):
+        if seen:
+            raise KeyboardInterrupt
+        seen.append(w.label)
+        return real(self, w, *a, **k)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Tuner, "measure", stopped_at_the_second)
+        with pytest.raises(KeyboardInterrupt):
+            tune(tmp_path, [WORK, other])
+    measured = _measured(monkeypatch)
+    plan, report, _ = tune(tmp_path, [WORK, other])
+    assert len(seen) == 1 and measured == [w.label for w in (WORK, other) if w.label not in seen]
+    assert not report.hit and set(plan.choices) == {WORK.label, other.label}
+
+
 def test_choices_are_not_borrowed_across_versions_or_changed_sources(tmp_path, monkeypatch):
     src = tmp_path / "kernel.py"
     src.write_text("# version 1\n")
