@@ -14,12 +14,14 @@ SPECS=${SPECS:-"qwen3.5-9b 90;qwen3.5-0.8b 80;qwen3.5-35b-a3b 100;gemma4-26b-a4b
 IFS=';' read -ra specs <<< "$SPECS"
 for spec in "${specs[@]}"; do
   set -- $spec
+  [ $# -eq 2 ] || { echo "bad spec '$spec' (want: model seconds)"; continue; }
   if [ "$(left)" -lt $(($2 + 60)) ]; then echo "skipped $1: $(left) s left"; continue; fi
   t0=$SECONDS
-  # the tuner's own budget ends it in time (the rest gated, not shipped); the timeout is a backstop, and
-  # a killed tune still keeps what it saved as it went (kiln.tune.tuner.SAVE_EVERY_S)
-  timeout "$2" python3 -m kiln.cli tune "synth:$1" $ms --budget $(($2 * 3 / 4)) --quiet 2>&1 \
-    | grep "^\[kiln\]" | cut -c1-300
+  # --budget stops the measuring (not the compiling before it: a cold compile can still reach the
+  # timeout); what is left is gated and not shipped. A killed tune keeps what it saved as it went
+  # (kiln.tune.tuner.SAVE_EVERY_S, from the first measured shapes on).
+  timeout "$2" python3 -m kiln.cli tune "synth:$1" $ms --budget $(($2 * 2 / 3)) 2>&1 \
+    | grep "^\[kiln\]\|Error" | cut -c1-300
   echo "tuned $1: exit ${PIPESTATUS[0]}, $((SECONDS - t0)) s"
 done
 python3 tools/ship_tune.py "$KILN_CACHE_DIR/tune" 2>&1 | tail -5

@@ -25,7 +25,10 @@ def decode_rows(entries: dict):
 def describe(op: str, c: dict) -> str:
     m, pick = c.get("measured", {}), c.get("variant")
     unfused = {k: v for k, v in m.items() if k.startswith("unfused") and not k.endswith("trusted")}
-    line = f"{pick} {c.get('ms', 0) * 1e3:.2f} us"
+    if c.get("gated"):           # a default taken when the budget was spent
+        return f"{pick} (gated, not timed)"
+    ms = c.get("ms")
+    line = f"{pick} {'-' if ms is None else f'{ms * 1e3:.2f}'} us"
     if unfused and pick not in unfused:
         line += f" (fused; best unfused {min(unfused.values()) * 1e3:.2f} us)"
     elif unfused:

@@ -150,7 +150,7 @@ class TuneCache:
         cannot be read are skipped silently (their own model warns when it loads them)."""
         out: dict = {}
         for path in sorted(self.root.glob(f"{_slug(key['gpu'])}_*_{key['dtype']}.json")):
-            if path == self.path(key) or not labels - out.keys():
+            if path == self.path(key) or not labels - {label for label, e in out.items() if not e.get("gated")}:
                 continue
             try:
                 data = read(path)
@@ -159,7 +159,9 @@ class TuneCache:
             if key_changes(data["key"], key, ignore=("sources", "model")):
                 continue
             fresh = without_ops(data["entries"], changed_ops(data["key"]["sources"], key["sources"]))
-            out.update({label: e for label, e in fresh.items() if label in labels and label not in out})
+            # a measured choice wins over a default another file only gated (tuner.Tuner.cached)
+            out.update({label: e for label, e in fresh.items() if label in labels
+                        and (label not in out or (out[label].get("gated") and not e.get("gated")))})
         return out
 
     def save(self, key: dict, entries: dict) -> Path:

@@ -121,8 +121,8 @@ class Tuner:
         plan, report = Plan(self.dev, self.dtype), Report()
         key, entries, borrowed, pinned, cached, ships, ship, todo = self._split(workloads)
         report.path = self.cache.path(key)
-        if borrowed:
-            self.log(f"[kiln] {len(borrowed)} choices from other models' tune caches with the same GPU, "
+        if n := sum(not e.get("gated") for e in borrowed.values()):
+            self.log(f"[kiln] {n} choices from other models' tune caches with the same GPU, "
                      f"versions and kernels")
         report.hit = not todo and not ship
 
@@ -179,7 +179,8 @@ class Tuner:
         key = make_key(self.dev, self.dtype, {w.op for w in workloads}, [w.label for w in workloads])
         self.never = {} if self.retune else shipped.never(key)
         entries = {} if self.retune else (self.cache.load(key) or {})
-        missing = set() if self.retune else {w.label for w in workloads if w.label not in entries}
+        missing = set() if self.retune else {w.label for w in workloads
+                                             if w.label not in entries or entries[w.label].get("gated")}
         borrowed = self.cache.borrow(key, missing) if missing else {}
         entries.update(borrowed)
         pinned = {w: self.pinned(w) for w in workloads if w.op.name in self.pins}
@@ -187,7 +188,10 @@ class Tuner:
         left = {w.label for w in workloads if w not in pinned and w not in cached}
         ships = {} if self.retune else shipped.lookup(key, left)
         ship = {w: v for w in workloads if w.label in left and (v := self.cached(w, ships)) is not None}
-        todo = [w for w in workloads if w.label in left and w not in ship]
+        if self.budget_s <= 0:      # measures nothing: a default gated before is taken again as it is
+            cached.update({w: v for w in workloads if w.label in left and w not in ship
+                           and (v := self.cached(w, entries, gated=True)) is not None})
+        todo = [w for w in workloads if w.label in left and w not in ship and w not in cached]
         return key, entries, borrowed, pinned, cached, ships, ship, todo
 
     def precompile(self, workloads: list[Workload]) -> int:
@@ -262,11 +266,11 @@ class Tuner:
         names = ", ".join(dict.fromkeys(v.name for v in forms))
         raise KilnError(f"--tune {w.op.name}={name}: no such variant for {w.label} (available: {names})")
 
-    def cached(self, w: Workload, entries: dict) -> Variant | None:
+    def cached(self, w: Workload, entries: dict, gated: bool = False) -> Variant | None:
+        """The entry's variant: a measured (or shipped) choice, or with `gated` a default chosen when a
+        budget was spent (a load that measures nothing takes it again, its gate not run again)."""
         e = entries.get(w.label)
-        # a default chosen when the budget was spent: reused (its gate not run again) only by a load
-        # that measures nothing (budget 0, as the CPU tests run), else measured
-        if e is None or (e.get("gated") and self.budget_s > 0):
+        if e is None or bool(e.get("gated")) != gated:
             return None
         return next((v for v in catalogue(w.op, w.shape, self.dev) if v.name == e["variant"]), None)
 

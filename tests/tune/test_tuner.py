@@ -537,6 +537,27 @@ def test_a_shipped_choice_is_gated_not_timed_and_kept_in_the_users_cache(tmp_pat
     assert again.hit and again.shipped == 0 and gated == []
 
 
+def test_a_gated_default_yields_to_a_measured_choice_borrowed_or_shipped(tmp_path, monkeypatch):
+    """A default cached as gated (a spent budget) is not the last word: another model's measured
+    choice of the shape is borrowed over it, and a shipped choice is taken over it, also by a load
+    that measures nothing (budget 0)."""
+    other = Workload(gemm.OP, gemm.GemmShape(24, 48, 40))
+    _, both, _ = tune(tmp_path, [WORK, other], budget_s=0.0)
+    assert all(e.get("gated") for e in json.loads(both.path.read_text())["entries"].values())
+    _, alone, _ = tune(tmp_path, [WORK])                   # another model, with a budget: measures WORK
+    chosen = json.loads(alone.path.read_text())["entries"][WORK.label]
+    assert "measured" in chosen
+    measured = _measured(monkeypatch)
+    plan, again, lines = tune(tmp_path, [WORK, other], budget_s=0.0)
+    assert measured == [] and plan.choices[WORK.label].name == chosen["variant"]
+    assert any(line.startswith("[kiln] 1 choices from other models' tune caches") for line in lines)
+    assert [r[3] for r in again.rows] == ["cached", "cached"]
+    shipped_choice = _ship(tmp_path / "s", monkeypatch, work=other)
+    plan, third, _ = tune(tmp_path, [WORK, other], budget_s=0.0)
+    assert plan.choices[other.label].name == shipped_choice and third.shipped == 1
+    assert dict((r[0], r[3]) for r in third.rows)[other.label] == "shipped"
+
+
 def test_a_wrong_shipped_choice_is_never_run_and_the_shape_is_measured(tmp_path, monkeypatch):
     with extra_variant("gemm", WRONG):
         _ship(tmp_path, monkeypatch, WRONG.name)
