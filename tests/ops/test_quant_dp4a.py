@@ -49,7 +49,7 @@ def bound(x: torch.Tensor, w, bits: int) -> torch.Tensor:
 
 def forms(n, k, bits, group):
     s = qk.QGemvShape(1, n, k, bits, group)
-    return qk.dp4a_forms(s, qk.GPU_DP4A + [(16, 2, 1, 1), (32, 8, 2, 2)])
+    return qk.dp4a_forms(s, qk.GPU_DP4A + qk.GPU_DP4A_WIDE + qk.GPU_DP4A_NARROW + [(16, 2, 1, 1), (32, 8, 2, 2)])
 
 
 @pytest.mark.gpu

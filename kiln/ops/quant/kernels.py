@@ -590,6 +590,12 @@ MMA_SMEM = 160 * 1024
 # (bn, warps, rows a pass, splits) of the DP4A form (dp4a.py); on an H100 (bench/NOTES.md, 2026-12-05)
 # every 9B and 27B shape's variants came within ~25% of each other, bn16/32 with no split winning most
 GPU_DP4A = [(bn, 4, r, sk) for bn in (16, 32, 64) for r in (4, 8) for sk in (1, 2, 4)]
+# more loads in flight where the H200's winners sat at the list's edge (11bd38c's tunes: the 27B's
+# 5120x17408 at 61% of bandwidth with bn16, 4 warps, the least rows and most warps listed): 8 warps
+# where K has the slabs for them, 8 rows a block where N is small (GPU_DP4A_SMALL_N)
+GPU_DP4A_WIDE = [(bn, 8, r, sk) for bn in (16, 32) for r in (4, 8) for sk in (1, 2)]
+GPU_DP4A_NARROW = [(8, 4, r, sk) for r in (4, 8) for sk in (1, 2)]
+GPU_DP4A_SMALL_N = 8192
 # with act(g) * u computed as x is loaded (the down projections'): the plain shapes' H100 winners' tiles
 # (bn16/32, 4 warps, no split: 19 of 24, bench/NOTES.md 2026-12-05), one split, and bn 64 with splits
 # (every block computes act(g) * u over its K: N / bn times in all). On the H100 (bench/NOTES.md,
@@ -675,7 +681,8 @@ class QGemvOp(Op):
         kinds = FORMS if dev.capability is None else [] if fma else [f for f in FORMS if f[0] or f[2]]
         old = [qgemv_variant(*f, *form) for f in forms for form in kinds]
         mma = [v for v in mma_forms(s, CPU_MMA if dev.capability is None else GPU_MMA) if v.name.startswith(only)]
-        dp = [v for v in cuda_c_forms(s, GPU_DP4A, dev) if v.name.startswith(only)]
+        forms = GPU_DP4A + GPU_DP4A_WIDE + (GPU_DP4A_NARROW if s.n <= GPU_DP4A_SMALL_N else [])
+        dp = [v for v in cuda_c_forms(s, forms, dev) if v.name.startswith(only)]
         return [TRUSTED] + [v for v in old if fits(s, v.p) and v.name.startswith(only)] + fma + mma + dp
 
     def trusted(self, s, dev) -> Variant:
