@@ -100,6 +100,57 @@ def test_dp4a_act_prologue_equals_act_mul_then_the_gemv(n, k, bits, group, act):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rw_dtype", [None, "x", torch.float32])
+@pytest.mark.parametrize("n,k,bits,group", [(1024, 2048, 4, 64), (200, 512, 8, 32)])
+def test_dp4a_pairs_equal_each_experts_plain_gemv(n, k, bits, group, rw_dtype):
+    """The routed experts' pair mode (dp4a.run_pairs): each pair's row is the plain form's output on that
+    pair's expert and x row, bit for bit (the same kernel arithmetic, the weights offset by the expert
+    id), weighted as moe/kernels.py's `weighted` (the output rounded, times the weight in f32, rounded);
+    also with act(g) * u in the prologue (x rows [g | u]). Ids repeat an expert and skip others; 3 tokens
+    of 4 slots (xdiv 4), then the down projection's one x row a pair (xdiv 1)."""
+    if not torch.cuda.is_available() or not nvrtc.available(torch.device("cuda")):
+        pytest.skip("needs a CUDA GPU and NVRTC")
+    g = torch.Generator().manual_seed(n + k + bits)
+    e, slots, t = 6, 4, 3
+    for dtype in (torch.bfloat16, torch.float16):
+        stack = quantize((torch.randn(e * n, k, generator=g) * k ** -0.5).to(dtype), bits, group)
+        stack = type(stack)(*(a.reshape(e, n, -1) for a in (stack.packed, stack.scales, stack.biases)), bits, group)
+        stack = stack.to("cuda")
+        idx = torch.tensor([[5, 0, 2, 5], [1, 1, 3, 0], [4, 2, 0, 3]], device="cuda").reshape(-1)
+        rwt = None if rw_dtype is None else torch.rand(t * slots, generator=g).to(
+            dtype if rw_dtype == "x" else rw_dtype).cuda()
+        for act, xdiv, rows in ((None, slots, t), ("silu", 1, t * slots)):
+            x = (torch.randn(rows, (2 if act else 1) * k, generator=g) * 2).to(dtype).cuda()
+            for v in forms(n, k, bits, group)[:6]:
+                p = v.p
+                if p["sk"] != 1:
+                    continue
+                y = torch.full((t * slots, n), float("nan"), dtype=dtype, device="cuda")
+                dp4a.run_pairs(x, stack, idx, y, p["bn"], p["w"], p["r"], xdiv, -1 if act is None else 0, rwt)
+                for pair, ex in enumerate(idx.tolist()):
+                    w1 = type(stack)(stack.packed[ex], stack.scales[ex], stack.biases[ex], bits, group)
+                    want = qk.qgemv(x[pair // xdiv:pair // xdiv + 1], w1, v, act=act)
+                    if rwt is not None:
+                        want = (want.float() * rwt[pair].float()).to(dtype)
+                    assert torch.equal(y[pair:pair + 1], want), f"{v.name} {dtype} act={act} pair {pair}"
+
+
+def test_pair_forms_compile():
+    """The pair mode's forms (with and without the act prologue and the routing weight, bf16 and f16,
+    4 and 8 bits) compile for sm_90 (NVRTC, no GPU needed)."""
+    if not nvrtc.compiler_available():
+        pytest.skip("no libnvrtc here")
+    for n, k, bits in ((1024, 2048, 4), (2048, 512, 4), (1024, 2048, 8)):
+        for v in forms(n, k, bits, 64):
+            p = v.p
+            if p["sk"] != 1:
+                continue
+            for act, xdiv, rw, f16 in ((-1, 8, 0, False), (0, 1, 1, False), (0, 1, 2, True)):
+                d = dp4a.defines(n, k, bits, 64, p["bn"], p["w"], p["r"], 1, f16, act, xdiv=xdiv, rw=rw)
+                assert nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, d, (9, 0))[:4] == b"\x7fELF"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("style", ["llama", "offset", "plain"])
 @pytest.mark.parametrize("add", [False, True])
 @pytest.mark.parametrize("n,k,bits,group", [SHAPES[1], SHAPES[2]])

@@ -13,8 +13,9 @@ import torch
 
 from ...weights.quantized import QuantizedWeight
 from ..fork import join, peek
+from ..gemm.activation import ACTS as DP4A_ACTS
 from ..moe import kernels as moe_kernels
-from . import embed, kernels
+from . import dp4a, embed, kernels
 from .reference import dequantize
 
 GEMV_ROWS = 4     # up to this many rows the GEMV re-reads its slab from L2 for each row; beyond, one GEMM
@@ -62,17 +63,19 @@ def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWei
     e, i2, h = gate_up.shape
     up_shape = kernels.QGemvShape(1, i2, h, gate_up.bits, gate_up.group_size)
     down_shape = kernels.QGemvShape(1, h, i2 // 2, down.bits, down.group_size)
-    v_up, v_down = (unsplit(kernels.OP.default(s, ops.dev), s) for s in (up_shape, down_shape))
-    if v_up is None or v_down is None:
-        return None
     t, k = idx.shape
     pairs, flat = t * k, (idx if rows is None else rows).reshape(-1).contiguous()
+    x, rw = x.contiguous(), weights.reshape(-1).contiguous()
     gu = x.new_empty((pairs, i2))
+    dp = host is None and act in DP4A_ACTS     # the dp4a pair mode: resident stacks, act(g) * u as act_mul's
+    v_up = pair_form(ops, up_shape, dp and dp4a.pairs_take(x, gate_up, flat, None))
+    v_down = pair_form(ops, down_shape, dp and dp4a.pairs_take(gu, down, flat, rw))
+    if v_up is None or v_down is None:
+        return None
     host_up, host_down = host if host is not None else (None, None)
-    kernels.qgemv_pairs(x.contiguous(), gate_up, flat, v_up, gu, xdiv=k, host=host_up)
+    kernels.qgemv_pairs(x, gate_up, flat, v_up, gu, xdiv=k, host=host_up)
     y = x.new_empty((pairs, h))
-    kernels.qgemv_pairs(gu, down, flat, v_down, y, xdiv=1, act=act, rw=weights.reshape(-1).contiguous(),
-                        host=host_down)
+    kernels.qgemv_pairs(gu, down, flat, v_down, y, xdiv=1, act=act, rw=rw, host=host_down)
     out = torch.empty_like(x)
     gate = None if gate is None else (gate[0], join(gate[1]))     # a forked shared expert: joined here
     moe_kernels.combine(y, idx.contiguous(), out, x, gate)
@@ -140,6 +143,18 @@ def experts_in(room: int, *stacks: QuantizedWeight) -> int:
     one), since the grouped kernels take the expert count as a constant (batch sizes that followed
     the free memory would compile anew) and 2^n splits 256 or 512 experts evenly."""
     return 1 << (max(1, room // expert_bytes(*stacks)).bit_length() - 1)
+
+
+def pair_form(ops, shape, dp4a_ok: bool):
+    """The routed experts' pair GEMV form for one expert's one-row `shape`: with dp4a_ok, the tune's
+    choice for that plain shape where it is a dp4a form, unsplit (the 35B-A3B's shared expert has its
+    routed experts' shapes, so its load measured them); else the fma default, unsplit (unsplit).
+    KILN_DP4A_PAIRS=0 keeps the fma form (A/B runs)."""
+    if dp4a_ok and os.environ.get("KILN_DP4A_PAIRS", "1") != "0":
+        v = ops.choose(kernels.OP, shape)
+        if v.p.get("dp4a"):
+            return v if v.p["sk"] == 1 else kernels.dp4a_variant(v.p["bn"], v.p["w"], v.p["r"], 1)
+    return unsplit(kernels.OP.default(shape, ops.dev), shape)
 
 
 def unsplit(v, shape):

@@ -32,7 +32,10 @@ SOURCE = cuda_common.HELPERS + r"""
 // -D: N, K, G, BITS (4 or 8), BN (rows a block), WARPS, R (rows a pass), SPLIT, F16 (x is f16, else bf16),
 // ACT (-1: x as given; 0 silu, 1 sigmoid: x rows are [g | u], 2K wide, and the input is act(g) * u),
 // NORM (0: none; 1: the input is rmsnorm(x); 2: rmsnorm(s), s = round(x + r) written by block (0, 0)), STYLE
-// (the norm's weight: 0 llama, 1 offset, 2 plain, as norm/kernels.py's style_scaled)
+// (the norm's weight: 0 llama, 1 offset, 2 plain, as norm/kernels.py's style_scaled),
+// PAIRS (routed experts: blockIdx.z the (token, slot) pair, the weights expert idx[pair] of [E, N, K]
+// stacks, x row pair / XDIV, y row pair, M 1, no split), RW (the pair's output weighted by its routing
+// weight rw[pair] as moe/kernels.py's `weighted`: 0 none, 1 16-bit as x, 2 f32)
 #define VPL (128 / BITS)                 // values a lane's 16-byte load holds: its chunk
 #define CH (K / VPL)                     // chunks a row
 #define CPS (CH / SPLIT)                 // chunks a split
@@ -40,6 +43,8 @@ SOURCE = cuda_common.HELPERS + r"""
 #define NW (VPL / 4)                     // digit words a chunk (4 bytes each)
 #define GROUPS (K / G)
 static_assert(NORM == 0 || SLABS >= WARPS, "row_rstd's barrier needs every warp in its first slab");
+static_assert(PAIRS == 0 || (SPLIT == 1 && NORM == 0), "routed experts: no split, no norm prologue");
+static_assert(RW == 0 || PAIRS, "a routing weight is a pair's");
 
 __device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {     // a unsigned bytes, b signed bytes
     int d; asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
@@ -167,13 +172,43 @@ __device__ __forceinline__ void load_rows(const uint4 *q, const u16 *s, const u1
     }
 }
 
+#if RW
+__device__ __forceinline__ float rw_at(const void *rw, long long pair) {
+#if RW == 2
+    return ((const float *)rw)[pair];
+#else
+    return to_f32(((const u16 *)rw)[pair]);
+#endif
+}
+
+// store_block for one pair's row: the output rounded, times the routing weight in f32, rounded
+__device__ __forceinline__ void store_weighted(float (*acc)[BN], u16 *y, int n0, float w) {
+    for (int t = threadIdx.x; t < BN; t += WARPS * 32) {
+        const int n = n0 + t;
+        float sum = 0.f;
+#pragma unroll
+        for (int v = 0; v < WARPS; v++) sum += acc[v][t];
+        if (n < N) y[n] = from_f32(to_f32(from_f32(sum)) * w);
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y, float *ws, int *counts, int M,
-                const u16 *nw, const u16 *res, u16 *sum_out, float eps) {
+                const u16 *nw, const u16 *res, u16 *sum_out, float eps, const long long *idx, const void *rw) {
     __shared__ float acc[WARPS][BN];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int n0 = blockIdx.x * BN, split = blockIdx.y;
     const bool store = blockIdx.x == 0 && blockIdx.y == 0;
+#if PAIRS
+    pdl_wait();            // the expert ids are the router's output, written by the kernel just before
+    const long long pair = blockIdx.z, e = idx[pair];
+    q += e * ((long long)N * (K * BITS / 128));
+    s += e * ((long long)N * GROUPS);
+    b += e * ((long long)N * GROUPS);
+    x += pair / XDIV * (long long)(ACT >= 0 ? 2 * K : K);
+    y += pair * N;
+#endif
     for (int m = 0; m < M; m++) {
         const u16 *rm = res + (long long)m * K;
         float rstd = 0.f;
@@ -229,7 +264,11 @@ kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y
         }
         __syncthreads();
         pdl_wait();                // warps without a slab store too
+#if RW
+        store_weighted(acc, y, n0, rw_at(rw, pair));
+#else
         store_block(acc, y, ws, n0, split, m, M);
+#endif
         __syncthreads();
     }
     if (SPLIT > 1) finish_splits(y, ws, counts, n0, M);
@@ -253,9 +292,9 @@ def shape_fits(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: in
 
 
 def defines(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: int, split: int, f16: bool,
-            act: int = -1, norm: int = 0, style: int = 0) -> dict:
+            act: int = -1, norm: int = 0, style: int = 0, xdiv: int = 0, rw: int = 0) -> dict:
     return {"N": n, "K": k, "G": group, "BITS": bits, "BN": bn, "WARPS": warps, "R": r, "SPLIT": split, "F16": f16,
-            "ACT": act, "NORM": norm, "STYLE": style}
+            "ACT": act, "NORM": norm, "STYLE": style, "PAIRS": int(xdiv > 0), "XDIV": max(xdiv, 1), "RW": rw}
 
 
 def kernel(*args, **kw) -> nvrtc.Kernel:
@@ -294,5 +333,32 @@ def run(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: tor
     counts = y if split == 1 else counts
     pro = [y, y, y, 0.0] if norm is None else [norm["w"], norm["r"] if norm_kind == 2 else y,
                                                norm["s"] if norm_kind == 2 else y, float(norm["eps"])]
-    kern((blocks, split), warps * 32, [x, packed, scales, biases, y, ws, counts, m, *pro], pdl=pdl(x)["PDL"])
+    kern((blocks, split), warps * 32, [x, packed, scales, biases, y, ws, counts, m, *pro, y, y], pdl=pdl(x)["PDL"])
+    return y
+
+
+def pairs_take(x: torch.Tensor, stack, idx: torch.Tensor, rw: torch.Tensor | None) -> bool:
+    """run_pairs takes these: x 16-bit, the [E, N, K] stack's tensors and x contiguous and 16-byte
+    aligned, int64 expert ids, routing weights in x's dtype or f32."""
+    return (takes(x, stack.packed, stack.scales, stack.biases) and stack.packed.dim() == 3 and stack.bits in BITS
+            and idx.dtype == torch.int64 and idx.is_contiguous()
+            and (rw is None or (rw.is_contiguous() and rw.dtype in (x.dtype, torch.float32))))
+
+
+def run_pairs(x: torch.Tensor, stack, idx: torch.Tensor, y: torch.Tensor, bn: int, warps: int, r: int, xdiv: int,
+              act: int = -1, rw: torch.Tensor | None = None, warm: bool = False):
+    """Routed experts, one launch: y[pair] = pro(x[pair // xdiv]) @ dequantize(stack[idx[pair]])^T for
+    every pair of idx (flattened, int64), each weighted by rw[pair] when given (the output rounded, times
+    the weight, rounded: moe/kernels.py's `weighted`); act >= 0: x rows [g | u] and the input act(g) * u.
+    The form (bn, warps, r) unsplit; `warm`: compile (and load) only."""
+    n, k = stack.packed.shape[1], stack.packed.shape[2] * 32 // stack.bits
+    rw_kind = 0 if rw is None else 2 if rw.dtype == torch.float32 else 1
+    kern = kernel(n, k, stack.bits, stack.group_size, bn, warps, r, 1, x.dtype == torch.float16, act,
+                  xdiv=xdiv, rw=rw_kind)
+    if warm:
+        return kern.function(x.device)
+    if idx.numel():
+        kern((cdiv(n, bn), 1, idx.numel()), warps * 32,
+             [x, stack.packed, stack.scales, stack.biases, y, y, y, 1, y, y, y, 0.0, idx, y if rw is None else rw],
+             pdl=pdl(x)["PDL"])
     return y
