@@ -69,8 +69,23 @@ def setup(a):
     workloads = cuda.workloads(cls, cfg, rows, tuple(o for o in ops if o in REGISTRY), cuda.families_off())
     if not workloads:
         raise KilnError(f"this model runs none of the ops {', '.join(ops)}")
+    if quantised(ckpt) and not a.quiet:
+        print("[kiln] quantised weights: their GEMVs' shapes (op qgemv) come from the loaded weights, so "
+              "`kiln tune` measures only the config's shapes; `kiln bench` (or a first `kiln run`) tunes them",
+              file=sys.stderr)
     tuner = Tuner(dev, dtype, retune=a.retune, pins=parse_pins(a.tune), budget_s=a.budget, quiet=a.quiet)
     return dev, dtype, workloads, tuner
+
+
+def quantised(ckpt) -> bool:
+    """The checkpoint holds quantised weights, as far as its description says without loading them: a
+    synthesized quantised draw (bits=B) or a config's quantisation entry (mlx-lm's); a GGUF file's tensor
+    types are not looked at (an F16 file holds none)."""
+    if ckpt.format == "synth":
+        from ..weights.synth import parse_spec
+        return parse_spec(str(ckpt.path)).bits is not None
+    cfg = ckpt.config if isinstance(ckpt.config, dict) else {}
+    return "quantization" in cfg or "quantization_config" in cfg
 
 
 def table(rows: list) -> str:

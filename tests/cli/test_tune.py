@@ -79,3 +79,18 @@ def test_user_mistakes_are_one_line_errors(tmp_path):
     assert r.returncode == 2 and "unknown op" in r.stderr
     r = kiln("tune", "synth:tiny-qwen3.5", "--device", "cpu", "--ops", "gemm,nope", cache=tmp_path)
     assert r.returncode == 2 and "unknown op" in r.stderr
+
+
+def test_a_quantised_checkpoint_is_known_before_its_weights_load():
+    """`kiln tune` says that a quantised model's GEMV shapes come from its loaded weights (it tunes only
+    the config's): a synthesized quantised draw and an mlx-lm style config are quantised, a 16-bit draw
+    and a plain config are not."""
+    from types import SimpleNamespace
+
+    from kiln.cli.tune import quantised
+    from kiln.weights import open_checkpoint
+
+    assert quantised(open_checkpoint("synth:tiny-qwen3.5:bits=4"))
+    assert not quantised(open_checkpoint("synth:tiny-qwen3.5"))
+    mlx = SimpleNamespace(format="safetensors", config={"quantization": {"bits": 4, "group_size": 64}})
+    assert quantised(mlx) and not quantised(SimpleNamespace(format="safetensors", config={"hidden_size": 8}))
