@@ -684,8 +684,8 @@ class QGemvOp(Op):
         kinds = FORMS if dev.capability is None else [] if fma else [f for f in FORMS if f[0] or f[2]]
         old = [qgemv_variant(*f, *form) for f in forms for form in kinds]
         mma = [v for v in mma_forms(s, CPU_MMA if dev.capability is None else GPU_MMA) if v.name.startswith(only)]
-        forms = GPU_DP4A + GPU_DP4A_WIDE + (GPU_DP4A_NARROW if s.n <= GPU_DP4A_SMALL_N else [])
-        dp = [v for v in cuda_c_forms(s, forms, dev) if v.name.startswith(only)]
+        dp_forms = GPU_DP4A + GPU_DP4A_WIDE + (GPU_DP4A_NARROW if s.n <= GPU_DP4A_SMALL_N else [])
+        dp = [v for v in cuda_c_forms(s, dp_forms, dev) if v.name.startswith(only)]
         return [TRUSTED] + [v for v in old if fits(s, v.p) and v.name.startswith(only)] + fma + mma + dp
 
     def trusted(self, s, dev) -> Variant:
