@@ -135,6 +135,36 @@ def test_dp4a_pairs_equal_each_experts_plain_gemv(n, k, bits, group, rw_dtype):
                     assert torch.equal(y[pair:pair + 1], want), f"{v.name} {dtype} act={act} pair {pair}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,bits,group", [(1024, 2048, 4, 64), (200, 512, 8, 32)])
+def test_dp4a_pairs_read_negative_ids_from_the_second_stacks(n, k, bits, group):
+    """Streamed experts (host=): int32 ids, a negative id -1 - r naming row r of the second stacks (the
+    misses staged into device scratch, or in mapped host memory); each pair's row equals the plain form
+    on the expert it names, bit for bit, with the act prologue and an f32 routing weight."""
+    if not torch.cuda.is_available() or not nvrtc.available(torch.device("cuda")):
+        pytest.skip("needs a CUDA GPU and NVRTC")
+    g = torch.Generator().manual_seed(n + k + bits + 1)
+
+    def stack(e, dtype):
+        w = quantize((torch.randn(e * n, k, generator=g) * k ** -0.5).to(dtype), bits, group)
+        return type(w)(*(a.reshape(e, n, -1) for a in (w.packed, w.scales, w.biases)), bits, group).to("cuda")
+
+    for dtype in (torch.bfloat16, torch.float16):
+        slots, scratch = stack(3, dtype), stack(4, dtype)
+        idx = torch.tensor([2, -1, 0, -4, -2, 1, -3, 2], dtype=torch.int32, device="cuda")
+        rwt = torch.rand(idx.numel(), generator=g).cuda()
+        x = (torch.randn(idx.numel(), 2 * k, generator=g) * 2).to(dtype).cuda()
+        for v in [f for f in forms(n, k, bits, group) if f.p["sk"] == 1][:4]:
+            p = v.p
+            y = torch.full((idx.numel(), n), float("nan"), dtype=dtype, device="cuda")
+            dp4a.run_pairs(x, slots, idx, y, p["bn"], p["w"], p["r"], 1, 0, rwt, host=scratch)
+            for pair, r in enumerate(idx.tolist()):
+                src, row = (slots, r) if r >= 0 else (scratch, -1 - r)
+                w1 = type(src)(src.packed[row], src.scales[row], src.biases[row], bits, group)
+                want = (qk.qgemv(x[pair:pair + 1], w1, v, act="silu").float() * rwt[pair]).to(dtype)
+                assert torch.equal(y[pair:pair + 1], want), f"{v.name} {dtype} pair {pair} id {r}"
+
+
 def test_pair_forms_compile():
     """The pair mode's forms (with and without the act prologue and the routing weight, bf16 and f16,
     4 and 8 bits) compile for sm_90 (NVRTC, no GPU needed)."""
@@ -145,8 +175,11 @@ def test_pair_forms_compile():
             p = v.p
             if p["sk"] != 1:
                 continue
-            for act, xdiv, rw, f16 in ((-1, 8, 0, False), (0, 1, 1, False), (0, 1, 2, True)):
-                d = dp4a.defines(n, k, bits, 64, p["bn"], p["w"], p["r"], 1, f16, act, xdiv=xdiv, rw=rw)
+            cases = ((-1, 8, 0, False, False), (0, 1, 1, False, False), (0, 1, 2, True, False),
+                     (-1, 8, 0, False, True), (0, 1, 2, False, True))     # the last: streamed (int32 ids, host)
+            for act, xdiv, rw, f16, streamed in cases:
+                d = dp4a.defines(n, k, bits, 64, p["bn"], p["w"], p["r"], 1, f16, act, xdiv=xdiv, rw=rw,
+                                 idx32=streamed, host=streamed)
                 assert nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, d, (9, 0))[:4] == b"\x7fELF"
 
 

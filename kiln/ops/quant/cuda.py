@@ -67,12 +67,12 @@ def quant_moe(ops, x, idx, weights, gate_up: QuantizedWeight, down: QuantizedWei
     pairs, flat = t * k, (idx if rows is None else rows).reshape(-1).contiguous()
     x, rw = x.contiguous(), weights.reshape(-1).contiguous()
     gu = x.new_empty((pairs, i2))
-    dp = host is None and act in DP4A_ACTS     # the dp4a pair mode: resident stacks, act(g) * u as act_mul's
-    v_up = pair_form(ops, up_shape, dp and dp4a.pairs_take(x, gate_up, flat, None))
-    v_down = pair_form(ops, down_shape, dp and dp4a.pairs_take(gu, down, flat, rw))
+    host_up, host_down = host if host is not None else (None, None)
+    # the dp4a pair mode; the down's act(g) * u only as act_mul computes it (not tanh GELU)
+    v_up = pair_form(ops, up_shape, dp4a.pairs_take(x, gate_up, flat, None, host_up))
+    v_down = pair_form(ops, down_shape, act in DP4A_ACTS and dp4a.pairs_take(gu, down, flat, rw, host_down))
     if v_up is None or v_down is None:
         return None
-    host_up, host_down = host if host is not None else (None, None)
     kernels.qgemv_pairs(x, gate_up, flat, v_up, gu, xdiv=k, host=host_up)
     y = x.new_empty((pairs, h))
     kernels.qgemv_pairs(gu, down, flat, v_down, y, xdiv=1, act=act, rw=rw, host=host_down)
@@ -147,11 +147,10 @@ def experts_in(room: int, *stacks: QuantizedWeight) -> int:
 
 def pair_form(ops, shape, dp4a_ok: bool):
     """The routed experts' pair GEMV form for one expert's one-row `shape`: with dp4a_ok, the tune's
-    choice for that plain shape where it is a dp4a form, unsplit (the 35B-A3B's shared expert has its
-    routed experts' shapes, so its load measured them); else the fma default, unsplit (unsplit).
-    Off until a GPU has run tests/ops/test_quant_dp4a.py's pair test (compiled for sm_90 only so far):
-    KILN_DP4A_PAIRS=1 turns it on."""
-    if dp4a_ok and os.environ.get("KILN_DP4A_PAIRS", "0") == "1":
+    choice for that plain shape where it is a dp4a form, unsplit (a load tunes one expert's shapes:
+    quant_workloads); else the fma default, unsplit (unsplit). KILN_DP4A_PAIRS=0 keeps the fma form
+    (A/B runs: on an H100 the dp4a pairs took the 35B-A3B's 4-bit decode from 489 to 562 tok/s)."""
+    if dp4a_ok and os.environ.get("KILN_DP4A_PAIRS", "1") == "1":
         v = ops.choose(kernels.OP, shape)
         if v.p.get("dp4a"):
             return v if v.p["sk"] == 1 else kernels.dp4a_variant(v.p["bn"], v.p["w"], v.p["r"], 1)
@@ -238,13 +237,14 @@ def dense_decode_workloads(weights: dict, base) -> list:
 
 
 def quant_workloads(weights: dict, base=()) -> list[tuple]:
-    """(op, shape) at one row for each distinct 2-D quantised weight a model holds (what decode runs),
-    and the prologue forms of those the model's one-row norm and activation GEMVs (`base`: workloads
+    """(op, shape) at one row for each distinct 2-D quantised weight a model holds (what decode runs)
+    and one expert of each quantised [E, N, K] stack (the routed experts' pair GEMVs take that shape's
+    form: pair_form), and the prologue forms of those the model's one-row norm and activation GEMVs (`base`: workloads
     of ops rmsnorm_gemm and act_gemm, matched to the weights by (n, k)) read."""
     formats = {}
-    for w in weights.values():
-        if isinstance(w, QuantizedWeight) and w.packed.dim() == 2:
-            formats.setdefault((w.shape[0], w.shape[1]), set()).add((w.bits, w.group_size))
+    for w in weights.values():      # an [E, N, K] expert stack: one expert's shape (the pair GEMVs' form)
+        if isinstance(w, QuantizedWeight) and w.packed.dim() in (2, 3):
+            formats.setdefault((w.shape[-2], w.shape[-1]), set()).add((w.bits, w.group_size))
     shapes = {kernels.QGemvShape(1, n, k, b, g) for (n, k), fs in formats.items() for b, g in fs}
     for wl in base:
         s, name = wl.shape, wl.op.name

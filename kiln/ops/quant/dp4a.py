@@ -35,7 +35,8 @@ SOURCE = cuda_common.HELPERS + r"""
 // (the norm's weight: 0 llama, 1 offset, 2 plain, as norm/kernels.py's style_scaled),
 // PAIRS (routed experts: blockIdx.z the (token, slot) pair, the weights expert idx[pair] of [E, N, K]
 // stacks, x row pair / XDIV, y row pair, M 1, no split), RW (the pair's output weighted by its routing
-// weight rw[pair] as moe/kernels.py's `weighted`: 0 none, 1 16-bit as x, 2 f32)
+// weight rw[pair] as moe/kernels.py's `weighted`: 0 none, 1 16-bit as x, 2 f32), IDX32 (idx int32, else
+// int64), HOST (a negative idx names row -1 - idx of the second stacks hq, hs, hb: streamed experts' misses)
 #define VPL (128 / BITS)                 // values a lane's 16-byte load holds: its chunk
 #define CH (K / VPL)                     // chunks a row
 #define CPS (CH / SPLIT)                 // chunks a split
@@ -45,6 +46,7 @@ SOURCE = cuda_common.HELPERS + r"""
 static_assert(NORM == 0 || SLABS >= WARPS, "row_rstd's barrier needs every warp in its first slab");
 static_assert(PAIRS == 0 || (SPLIT == 1 && NORM == 0), "routed experts: no split, no norm prologue");
 static_assert(RW == 0 || PAIRS, "a routing weight is a pair's");
+static_assert(HOST == 0 || PAIRS, "second stacks are a pair's");
 
 __device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {     // a unsigned bytes, b signed bytes
     int d; asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
@@ -195,14 +197,19 @@ __device__ __forceinline__ void store_weighted(float (*acc)[BN], u16 *y, int n0,
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y, float *ws, int *counts, int M,
-                const u16 *nw, const u16 *res, u16 *sum_out, float eps, const long long *idx, const void *rw) {
+                const u16 *nw, const u16 *res, u16 *sum_out, float eps, const void *idx, const void *rw,
+                const uint4 *hq, const u16 *hs, const u16 *hb) {
     __shared__ float acc[WARPS][BN];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int n0 = blockIdx.x * BN, split = blockIdx.y;
     const bool store = blockIdx.x == 0 && blockIdx.y == 0;
 #if PAIRS
     pdl_wait();            // the expert ids are the router's output, written by the kernel just before
-    const long long pair = blockIdx.z, e = idx[pair];
+    const long long pair = blockIdx.z;
+    long long e = IDX32 ? (long long)((const int *)idx)[pair] : ((const long long *)idx)[pair];
+#if HOST
+    if (e < 0) { q = hq; s = hs; b = hb; e = -1 - e; }
+#endif
     q += e * ((long long)N * (K * BITS / 128));
     s += e * ((long long)N * GROUPS);
     b += e * ((long long)N * GROUPS);
@@ -292,9 +299,11 @@ def shape_fits(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: in
 
 
 def defines(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: int, split: int, f16: bool,
-            act: int = -1, norm: int = 0, style: int = 0, xdiv: int = 0, rw: int = 0) -> dict:
+            act: int = -1, norm: int = 0, style: int = 0, xdiv: int = 0, rw: int = 0, idx32: bool = False,
+            host: bool = False) -> dict:
     return {"N": n, "K": k, "G": group, "BITS": bits, "BN": bn, "WARPS": warps, "R": r, "SPLIT": split, "F16": f16,
-            "ACT": act, "NORM": norm, "STYLE": style, "PAIRS": int(xdiv > 0), "XDIV": max(xdiv, 1), "RW": rw}
+            "ACT": act, "NORM": norm, "STYLE": style, "PAIRS": int(xdiv > 0), "XDIV": max(xdiv, 1), "RW": rw,
+            "IDX32": int(idx32), "HOST": int(host)}
 
 
 def kernel(*args, **kw) -> nvrtc.Kernel:
@@ -333,32 +342,38 @@ def run(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: tor
     counts = y if split == 1 else counts
     pro = [y, y, y, 0.0] if norm is None else [norm["w"], norm["r"] if norm_kind == 2 else y,
                                                norm["s"] if norm_kind == 2 else y, float(norm["eps"])]
-    kern((blocks, split), warps * 32, [x, packed, scales, biases, y, ws, counts, m, *pro, y, y], pdl=pdl(x)["PDL"])
+    kern((blocks, split), warps * 32, [x, packed, scales, biases, y, ws, counts, m, *pro, y, y, y, y, y],
+         pdl=pdl(x)["PDL"])
     return y
 
 
-def pairs_take(x: torch.Tensor, stack, idx: torch.Tensor, rw: torch.Tensor | None) -> bool:
-    """run_pairs takes these: x 16-bit, the [E, N, K] stack's tensors and x contiguous and 16-byte
-    aligned, int64 expert ids, routing weights in x's dtype or f32."""
-    return (takes(x, stack.packed, stack.scales, stack.biases) and stack.packed.dim() == 3 and stack.bits in BITS
-            and idx.dtype == torch.int64 and idx.is_contiguous()
+def pairs_take(x: torch.Tensor, stack, idx: torch.Tensor, rw: torch.Tensor | None, host=None) -> bool:
+    """run_pairs takes these: x 16-bit, the [E, N, K] stacks' tensors (`host`'s too, where given) and x
+    contiguous and 16-byte aligned, int64 or int32 expert ids, routing weights in x's dtype or f32."""
+    stacks = (stack,) if host is None else (stack, host)
+    return (all(takes(x, w.packed, w.scales, w.biases) and w.packed.dim() == 3 and w.bits in BITS for w in stacks)
+            and (host is None or (host.packed.shape[1:] == stack.packed.shape[1:] and host.bits == stack.bits
+                                  and host.group_size == stack.group_size and host.scales.dtype == stack.scales.dtype))
+            and idx.dtype in (torch.int64, torch.int32) and idx.is_contiguous()
             and (rw is None or (rw.is_contiguous() and rw.dtype in (x.dtype, torch.float32))))
 
 
 def run_pairs(x: torch.Tensor, stack, idx: torch.Tensor, y: torch.Tensor, bn: int, warps: int, r: int, xdiv: int,
-              act: int = -1, rw: torch.Tensor | None = None, warm: bool = False):
+              act: int = -1, rw: torch.Tensor | None = None, warm: bool = False, host=None):
     """Routed experts, one launch: y[pair] = pro(x[pair // xdiv]) @ dequantize(stack[idx[pair]])^T for
-    every pair of idx (flattened, int64), each weighted by rw[pair] when given (the output rounded, times
-    the weight, rounded: moe/kernels.py's `weighted`); act >= 0: x rows [g | u] and the input act(g) * u.
-    The form (bn, warps, r) unsplit; `warm`: compile (and load) only."""
+    every pair of idx (flattened, int64 or int32), each weighted by rw[pair] when given (the output
+    rounded, times the weight, rounded: moe/kernels.py's `weighted`); act >= 0: x rows [g | u] and the
+    input act(g) * u. `host`: a stack like `stack` (device scratch, or mapped host memory) whose row
+    -1 - idx[pair] a negative id names. The form (bn, warps, r) unsplit; `warm`: compile (and load) only."""
     n, k = stack.packed.shape[1], stack.packed.shape[2] * 32 // stack.bits
     rw_kind = 0 if rw is None else 2 if rw.dtype == torch.float32 else 1
     kern = kernel(n, k, stack.bits, stack.group_size, bn, warps, r, 1, x.dtype == torch.float16, act,
-                  xdiv=xdiv, rw=rw_kind)
+                  xdiv=xdiv, rw=rw_kind, idx32=idx.dtype == torch.int32, host=host is not None)
     if warm:
         return kern.function(x.device)
     if idx.numel():
+        second = [y, y, y] if host is None else [host.packed, host.scales, host.biases]
         kern((cdiv(n, bn), 1, idx.numel()), warps * 32,
-             [x, stack.packed, stack.scales, stack.biases, y, y, y, 1, y, y, y, 0.0, idx, y if rw is None else rw],
-             pdl=pdl(x)["PDL"])
+             [x, stack.packed, stack.scales, stack.biases, y, y, y, 1, y, y, y, 0.0, idx, y if rw is None else rw,
+              *second], pdl=pdl(x)["PDL"])
     return y

@@ -436,13 +436,14 @@ def qgemv_pairs(x: torch.Tensor, w: QuantizedWeight, idx: torch.Tensor, v: Varia
                 host: QuantizedWeight | None = None) -> torch.Tensor:
     """Routed experts' projections, one launch: y[pair] = pro(x[pair // xdiv]) @ dequantize(w[idx[pair]])^T
     (weighted by rw[pair] when given) for every pair of idx (flattened); w an [E, N, K] stack, v an
-    unsplit fma form, or an unsplit dp4a form (dp4a.run_pairs; int64 ids, no host). `host`: a stack
-    like w in mapped host memory, read in place for a pair whose idx is negative (expert -1 - idx)."""
+    unsplit fma form, or an unsplit dp4a form (dp4a.run_pairs). `host`: a stack like w (mapped host
+    memory, or device scratch), read for a pair whose idx is negative (expert -1 - idx)."""
     p, n, k = v.p, w.shape[-2], w.shape[-1]
     pairs = idx.numel()
-    if p.get("dp4a"):     # resident stacks (no host), act(g) * u as act_mul's: dp4a.pairs_take says which
-        assert p["sk"] == 1 and host is None, f"{v.name}: routed experts take an unsplit form, resident"
-        return dp4a.run_pairs(x, w, idx, y, p["bn"], p["w"], p["r"], xdiv, -1 if act is None else ACTS[act], rw)
+    if p.get("dp4a"):     # act(g) * u as act_mul's: dp4a.pairs_take says which
+        assert p["sk"] == 1, f"{v.name}: routed experts take an unsplit form"
+        return dp4a.run_pairs(x, w, idx, y, p["bn"], p["w"], p["r"], xdiv, -1 if act is None else ACTS[act], rw,
+                              host=host)
     assert p.get("fma") and p["sk"] == 1, f"{v.name}: routed experts take an unsplit fma form"
     if pairs:
         extra = {"rw_ptr": rw} if rw is not None else {}
