@@ -8,6 +8,7 @@ On CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1): slo
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -72,7 +73,8 @@ class CudaOps(ForkOps, NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, Samp
             return
         self._tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
         self._tuner.precompile(self.dense_workloads(model_class, cfg, max_batch))
-        self._warm = plain.warm(cfg, dtype, self.device, log=lambda line: print(line, file=sys.stderr, flush=True))
+        if os.environ.get("KILN_WARM_PLAIN", "1") != "0":     # 0: no warm-up thread (diagnosis)
+            self._warm = plain.warm(cfg, dtype, self.device, log=lambda line: print(line, file=sys.stderr, flush=True))
 
     def drop_precompile(self) -> None:
         """The load failed before prepare(): stop precompile's workers (queued jobs cancelled)."""
