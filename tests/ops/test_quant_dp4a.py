@@ -256,3 +256,22 @@ def test_forms_fit_only_whole_chunks():
     assert qk.dp4a_forms(qk.QGemvShape(1, 4096, 4096, 4, 64, style="llama", add=True), qk.DP4A_NORM)
     assert qk.dp4a_forms(qk.QGemvShape(1, 4096, 4096, 4, 64, act="silu"), qk.DP4A_ACT)
     assert forms(4096, 4096, 4, 64) and all(v.p["w"] <= 4 for v in forms(4096, 4096, 4, 64))
+
+
+def test_weights_whose_scales_are_not_xs_dtype_take_the_fma_form():
+    """The kernel reads scales and biases as x's 16-bit type: a weight with f32 scales (a GGUF's
+    kept-quantised tensors) or f16 scales under bf16 x is refused by dp4a (plain and pair mode), and a
+    dp4a choice on it runs the fma default instead: the fma form's output, not the CUDA C kernel's."""
+    from kiln.weights.quantized import QuantizedWeight
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
+    w = quantize((torch.randn(64, 256, generator=g) * 0.06).to(torch.bfloat16), 4, 64)
+    wide = QuantizedWeight(w.packed, w.scales.float(), w.biases.float(), 4, 64, out_dtype=torch.bfloat16)
+    half = QuantizedWeight(w.packed, w.scales.half(), w.biases.half(), 4, 64, out_dtype=torch.bfloat16)
+    assert dp4a.weights_take(x, w) and not dp4a.weights_take(x, wide) and not dp4a.weights_take(x, half)
+    stack = QuantizedWeight(*(t.reshape(1, *t.shape) for t in (wide.packed, wide.scales, wide.biases)), 4, 64,
+                            out_dtype=torch.bfloat16)
+    assert not dp4a.pairs_take(x, stack, torch.zeros(1, dtype=torch.long), None)
+    fma = qk.OP.default(qk.QGemvShape(1, 64, 256, 4, 64), qk.device_info(x.device))
+    want = qk.qgemv(x, wide, fma)
+    assert torch.equal(qk.qgemv(x, wide, qk.dp4a_variant(16, 4, 4, 1)), want)

@@ -321,6 +321,12 @@ def takes(x: torch.Tensor, *ts: torch.Tensor) -> bool:
                                                                for t in (x, *ts))
 
 
+def weights_take(x: torch.Tensor, w) -> bool:
+    """The kernel reads scales and biases as x's 16-bit type (F16): a weight whose are another dtype
+    (a GGUF's kept-quantised f32 scales) takes the fma forms."""
+    return w.scales.dtype == w.biases.dtype == x.dtype
+
+
 def run(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
         y: torch.Tensor, bn: int, warps: int, r: int, split: int, counts=None, warm: bool = False, act: int = -1,
         norm: dict | None = None):
@@ -351,7 +357,8 @@ def pairs_take(x: torch.Tensor, stack, idx: torch.Tensor, rw: torch.Tensor | Non
     """run_pairs takes these: x 16-bit, the [E, N, K] stacks' tensors (`host`'s too, where given) and x
     contiguous and 16-byte aligned, int64 or int32 expert ids, routing weights in x's dtype or f32."""
     stacks = (stack,) if host is None else (stack, host)
-    return (all(takes(x, w.packed, w.scales, w.biases) and w.packed.dim() == 3 and w.bits in BITS for w in stacks)
+    return (all(takes(x, w.packed, w.scales, w.biases) and weights_take(x, w) and w.packed.dim() == 3
+                and w.bits in BITS for w in stacks)
             and (host is None or (host.packed.shape[1:] == stack.packed.shape[1:] and host.bits == stack.bits
                                   and host.group_size == stack.group_size and host.scales.dtype == stack.scales.dtype))
             and idx.dtype in (torch.int64, torch.int32) and idx.is_contiguous()

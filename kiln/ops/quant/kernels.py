@@ -394,7 +394,8 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
         return y
     if p.get("dp4a"):
         extra = [] if norm is None else [t for t in (norm["w"], norm.get("r"), norm.get("s")) if t is not None]
-        if not dp4a.takes(x, w.packed, *extra):     # f32, or a view off 16-byte alignment: the FMA form instead
+        if not (dp4a.takes(x, w.packed, *extra) and dp4a.weights_take(x, w)):   # f32 x or scales, or a view off
+            # 16-byte alignment: the FMA form instead
             v2 = OP.default(QGemvShape(m, n, k, w.bits, w.group_size), device_info(x.device))
             pro_ok = v2.p.get("fma") or (act is None and norm is None)     # the fma forms take the prologues
             return qgemv(x, w, v2 if pro_ok else TRUSTED, y, act=act, norm=norm)
