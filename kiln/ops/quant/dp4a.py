@@ -360,7 +360,7 @@ def pairs_take(x: torch.Tensor, stack, idx: torch.Tensor, rw: torch.Tensor | Non
     return (all(takes(x, w.packed, w.scales, w.biases) and weights_take(x, w) and w.packed.dim() == 3
                 and w.bits in BITS for w in stacks)
             and (host is None or (host.packed.shape[1:] == stack.packed.shape[1:] and host.bits == stack.bits
-                                  and host.group_size == stack.group_size and host.scales.dtype == stack.scales.dtype))
+                                  and host.group_size == stack.group_size))     # (scale dtypes: weights_take)
             and idx.dtype in (torch.int64, torch.int32) and idx.is_contiguous()
             and (rw is None or (rw.is_contiguous() and rw.dtype in (x.dtype, torch.float32))))
 
