@@ -2,8 +2,9 @@
 gate, Gemma's GELU, the GDN's unpacking of its packed projection. Unwarmed, a cold start compiled them at
 its first prefill or decode step (Gemma 4: six kernels, ~2 s of its first prefill on the H200). The cuda
 backend compiles them on a thread while the weights load (`warm`); tools/cross_compile.py compiles them
-for another GPU. Each is launched once, at the model's shapes, on small stand-ins: the kernels
-specialise on widths and dtypes, not on rows.
+for another GPU. Each is launched once, at the model's shapes, on small stand-ins that keep each
+kernel's contract (finite values, distinct expert ids): the kernels specialise on widths and dtypes,
+not on rows.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from .sample import kernels as sample
 
 def plain_kernels(cfg, dtype: torch.dtype, device: torch.device) -> list[tuple[str, Callable]]:
     """(name, launch) of the untuned kernels a model of config `cfg` runs."""
-    def empty(*shape):
-        return torch.empty(*shape, dtype=dtype, device=device)
+    def empty(*shape):      # zeros, not torch.empty: NaN logits would send a top-k's ids out of range
+        return torch.zeros(*shape, dtype=dtype, device=device)
 
     one, h = torch.zeros(1, dtype=torch.long, device=device), cfg.hidden_size
     out = [("greedy", lambda: sample.greedy_next(empty(cfg.vocab_size), one, one.clone()))]
@@ -51,7 +52,9 @@ def plain_kernels(cfg, dtype: torch.dtype, device: torch.device) -> list[tuple[s
                 ("router_linear_topk", lambda: router.router_linear_topk(empty(1, h), empty(e, h), k,
                                                                          getattr(cfg, "norm_topk_prob", True))),
                 ("shared_gate", lambda: moe.shared_gate_add(x, x, empty(1, h), x)),
-                ("gated_combine", lambda: moe.combine(empty(k, h), torch.zeros(1, k, dtype=torch.long, device=device),
+                # distinct ids, as combine assumes: k equal ids made it read row 0+1+..+(k-1) of y's k rows,
+                # past the allocation (an illegal address when y ended a segment)
+                ("gated_combine", lambda: moe.combine(empty(k, h), torch.arange(k, device=device).view(1, k),
                                                       empty(1, h), x, (empty(1, h), x)))]
     return out
 

@@ -35,3 +35,19 @@ def test_warm_logs_instead_of_failing(monkeypatch):
     plain.warm(None, torch.bfloat16, torch.device("cuda"), log=lines.append).join(timeout=30)
     assert len(lines) == 1 and "plain kernels not warmed" in lines[0]
     assert "boom" in lines[0] or not torch.cuda.is_available()
+
+
+def test_plain_stand_ins_keep_the_kernels_contracts(monkeypatch):
+    """The warm-up launches on stand-ins, on a thread beside the load: combine reads row `rank` of a
+    token's k rows, so k equal ids sent it past its k rows (an illegal address on an H100, at random);
+    a NaN stand-in sends a top-k's ids out of range. Stand-ins: distinct ids, finite values."""
+    seen = []
+    real = plain.moe.combine
+    monkeypatch.setattr(plain.moe, "combine", lambda y, idx, *a, **kw: (seen.append((y, idx)), real(y, idx, *a, **kw)))
+    _, cfg = model_config(synth_config("tiny-qwen3.5-moe"))
+    for _, launch in plain.plain_kernels(cfg, torch.bfloat16, DEVICE):
+        launch()
+    assert len(seen) == 1
+    y, idx = seen[0]
+    assert all(len(set(row.tolist())) == idx.shape[1] for row in idx)
+    assert torch.isfinite(y).all()
