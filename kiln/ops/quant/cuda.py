@@ -150,9 +150,11 @@ def experts_in(room: int, *stacks: QuantizedWeight) -> int:
 def pair_form(ops, shape, dp4a_ok: bool):
     """The routed experts' pair GEMV form for one expert's one-row `shape`: with dp4a_ok, the tune's
     choice for that plain shape where it is a dp4a form, unsplit (a load tunes one expert's shapes:
-    quant_workloads); else the fma default, unsplit (unsplit). KILN_DP4A_PAIRS=0 keeps fma (diagnosis). On
-    an H100 the dp4a pairs took the 35B-A3B's 4-bit decode from 489 to 562 tok/s (bench/NOTES.md)."""
-    if dp4a_ok and os.environ.get("KILN_DP4A_PAIRS", "1") != "0":
+    quant_workloads); else the fma default, unsplit (unsplit). Opt-in, KILN_DP4A_PAIRS=1: on an H100 it
+    took the 35B-A3B's 4-bit decode from 489 to 562 tok/s, but 2 of 9 streamed-against-resident compares
+    (kiln compare M --reference M --expert-cache-slots 4) gave other tokens, where ~4 with the fma pairs
+    all matched (bench/NOTES.md, 2026-12-06): not found yet (tools/diag_pairs_mismatch.sh)."""
+    if dp4a_ok and os.environ.get("KILN_DP4A_PAIRS", "0") == "1":
         v = ops.choose(kernels.OP, shape)
         if v.p.get("dp4a"):
             return v if v.p["sk"] == 1 else kernels.dp4a_variant(v.p["bn"], v.p["w"], v.p["r"], 1)
