@@ -147,6 +147,11 @@ def experts_in(room: int, *stacks: QuantizedWeight) -> int:
     return 1 << (max(1, room // expert_bytes(*stacks)).bit_length() - 1)
 
 
+def dp4a_pairs_on() -> bool:
+    """The routed experts' dp4a pair mode is asked for (KILN_DP4A_PAIRS=1; pair_form says why opt-in)."""
+    return os.environ.get("KILN_DP4A_PAIRS", "0") == "1"
+
+
 def pair_form(ops, shape, dp4a_ok: bool):
     """The routed experts' pair GEMV form for one expert's one-row `shape`: with dp4a_ok, the tune's
     choice for that plain shape where it is a dp4a form, unsplit (a load tunes one expert's shapes:
@@ -154,7 +159,7 @@ def pair_form(ops, shape, dp4a_ok: bool):
     took the 35B-A3B's 4-bit decode from 489 to 562 tok/s, but 2 of 9 streamed-against-resident compares
     (kiln compare M --reference M --expert-cache-slots 4) gave other tokens, where ~4 with the fma pairs
     all matched (bench/NOTES.md, 2026-12-06): not found yet (tools/diag_pairs_mismatch.sh)."""
-    if dp4a_ok and os.environ.get("KILN_DP4A_PAIRS", "0") == "1":
+    if dp4a_ok and dp4a_pairs_on():
         v = ops.choose(kernels.OP, shape)
         if v.p.get("dp4a"):
             return v if v.p["sk"] == 1 else kernels.dp4a_variant(v.p["bn"], v.p["w"], v.p["r"], 1)
@@ -242,12 +247,13 @@ def dense_decode_workloads(weights: dict, base) -> list:
 
 def quant_workloads(weights: dict, base=()) -> list[tuple]:
     """(op, shape) at one row for each distinct 2-D quantised weight a model holds (what decode runs)
-    and one expert of each quantised [E, N, K] stack (the routed experts' pair GEMVs take that shape's
-    form: pair_form), and the prologue forms of those the model's one-row norm and activation GEMVs (`base`: workloads
-    of ops rmsnorm_gemm and act_gemm, matched to the weights by (n, k)) read."""
+    and, with the dp4a pair mode on, one expert of each quantised [E, N, K] stack (the pair GEMVs then
+    take that shape's tuned form: pair_form; the fma pairs take a default, nothing to tune), and the
+    prologue forms of those the model's one-row norm and activation GEMVs (`base`: workloads of ops
+    rmsnorm_gemm and act_gemm, matched to the weights by (n, k)) read."""
     formats = {}
     for w in weights.values():      # an [E, N, K] expert stack: one expert's shape (the pair GEMVs' form)
-        if isinstance(w, QuantizedWeight) and w.packed.dim() in (2, 3):
+        if isinstance(w, QuantizedWeight) and (w.packed.dim() == 2 or (w.packed.dim() == 3 and dp4a_pairs_on())):
             formats.setdefault((w.shape[-2], w.shape[-1]), set()).add((w.bits, w.group_size))
     shapes = {kernels.QGemvShape(1, n, k, b, g) for (n, k), fs in formats.items() for b, g in fs}
     for wl in base:
