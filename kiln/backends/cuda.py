@@ -76,6 +76,16 @@ class CudaOps(ForkOps, NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, Samp
         if os.environ.get("KILN_WARM_PLAIN", "1") != "0":     # 0: no warm-up thread (diagnosis)
             self._warm = plain.warm(cfg, dtype, self.device, log=lambda line: print(line, file=sys.stderr, flush=True))
 
+    def join_warm(self) -> None:
+        """Wait for precompile's plain warm-up (usually done: it started before the weights). Before the
+        tuner times anything: the warm-up's router and greedy launches count arrivals in the per-device
+        buffers (gemm.arrival_counters, the greedy workspace) that the tuner's split-K candidates use on
+        its timing stream, and two kernels at once on one counter leave it off for good (every later
+        launch then reads a partial sum)."""
+        warm, self._warm = self._warm, None
+        if warm is not None:
+            warm.join()
+
     def drop_precompile(self) -> None:
         """The load failed before prepare(): stop precompile's workers (queued jobs cancelled)."""
         tuner, self._tuner = self._tuner, None
@@ -112,10 +122,8 @@ class CudaOps(ForkOps, NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, Samp
         extra = [Workload(op, s) for op, s in quant_workloads(model.w, base) if op.family not in self.off]
         if extra:
             base = dense_decode_workloads(model.w, base)
+        self.join_warm()
         self.plan, report = tuner.tune(base + extra)
-        if self._warm is not None:      # long done by now: it started before the weights
-            self._warm.join()
-            self._warm = None
         self.tune_s, self.tune_cache = time.perf_counter() - t0, "hit" if report.hit else "miss"
         return report
 

@@ -580,3 +580,20 @@ def test_batched_experts_refuse_a_graph_capture_with_a_reason(monkeypatch):
         with torch.cuda.graph(graph):
             ops.moe_experts(x, idx, weights, gate_up, down, "silu")
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_dense_router_copy_is_done_before_the_fused_router_reads_it(monkeypatch):
+    """The fused router loads its weight before its PDL wait (weights are never written); the dense
+    copy of a quantised router is written by the kernel just before, the first time: _dense waits for
+    it once, not at every call."""
+    from kiln.backends.cuda import CudaOps
+    from kiln.ops.quant.reference import quantize
+
+    ops, waits = CudaOps(DEVICE), []
+    real = torch.cuda.Stream.synchronize
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: (waits.append(1), real(self))[1])
+    proj = quantize(torch.randn(16, 64), 8, 32).to(DEVICE)
+    assert ops._dense(proj) is ops._dense(proj)
+    assert len(waits) == 1

@@ -51,3 +51,20 @@ def test_plain_stand_ins_keep_the_kernels_contracts(monkeypatch):
     y, idx = seen[0]
     assert all(len(set(row.tolist())) == idx.shape[1] for row in idx)
     assert torch.isfinite(y).all()
+
+
+def test_the_warm_up_is_joined_before_the_tuner_times(monkeypatch):
+    """The warm-up's router and greedy count arrivals in per-device buffers that the tuner's split-K
+    candidates use too: the tuner may time only once the warm-up thread is done."""
+    from types import SimpleNamespace
+
+    from kiln.backends.cuda import CudaOps
+
+    order = []
+    ops = CudaOps(DEVICE)
+    ops._warm = SimpleNamespace(join=lambda: order.append("join"))
+    ops._tuner = SimpleNamespace(dtype=torch.bfloat16,
+                                 tune=lambda wls: (order.append("tune"), (None, SimpleNamespace(hit=True)))[1])
+    monkeypatch.setattr(ops, "dense_workloads", lambda *a, **kw: [])
+    ops.prepare(SimpleNamespace(cfg=None, w={}), torch.bfloat16)
+    assert order == ["join", "tune"] and ops._warm is None

@@ -52,6 +52,10 @@ class MoeCuda(TunedOps, MoeReference):
         hit = kept.get(id(w))
         if hit is None or hit[0] is not w:      # (the weight itself is kept: its id is never reused)
             hit = kept[id(w)] = (w, dequantize(w))
+            if hit[1].is_cuda and not torch.cuda.is_current_stream_capturing():
+                # the fused router loads its weight before its PDL wait (weights are never written):
+                # this one was written by the kernel just before, so it must be done first (once a weight)
+                torch.cuda.current_stream(hit[1].device).synchronize()
         return hit[1]
 
     def _gate(self, gate_w):

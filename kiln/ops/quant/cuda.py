@@ -158,7 +158,8 @@ def pair_form(ops, shape, dp4a_ok: bool):
     quant_workloads); else the fma default, unsplit (unsplit). Opt-in, KILN_DP4A_PAIRS=1: on an H100 it
     took the 35B-A3B's 4-bit decode from 489 to 562 tok/s, but 2 of 9 streamed-against-resident compares
     (kiln compare M --reference M --expert-cache-slots 4) gave other tokens, where ~4 with the fma pairs
-    all matched (bench/NOTES.md, 2026-12-06): not found yet (tools/diag_pairs_mismatch.sh)."""
+    all matched (bench/NOTES.md, 2026-12-06); two candidate causes outside the pair kernel are fixed
+    since, unmeasured (docs/quant.md; tools/diag_pairs_mismatch.sh)."""
     if dp4a_ok and dp4a_pairs_on():
         v = ops.choose(kernels.OP, shape)
         if v.p.get("dp4a"):
