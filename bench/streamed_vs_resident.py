@@ -10,8 +10,10 @@ prompt (kiln compare's kiln_greedy), and a checksum of every weight (per expert 
 Then RUNS times (default 6) a streamed model (SLOTS device slots a layer, default 4; the experts
 homed in host memory) loads, runs the same, and its weights are checked before and after the run:
 every non-expert weight against the resident's, every expert row of its host stacks against the
-resident expert, every occupied slot against the expert the cache says it holds. The JSON: per run
-the identical tokens, the teacher-forced agreement and the names whose checksums differ.
+resident expert, every occupied slot against the expert the cache says it holds; and one more eager
+teacher-forced pass with each layer's steps recorded (norm_next, linear_attention, full_attention,
+norm_mlp, mlp) names the first that differs from the resident's. The JSON: per run the identical
+tokens, the teacher-forced agreement, the names whose checksums differ and that first layer step.
 """
 
 from __future__ import annotations
@@ -80,6 +82,45 @@ def streamed_diffs(llm, want: dict) -> list[str]:
     return bad
 
 
+TRACED = ("norm_next", "linear_attention", "full_attention", "norm_mlp", "mlp")
+
+
+def flat(y) -> list[torch.Tensor]:
+    if torch.is_tensor(y):
+        return [y.detach().float().cpu()]
+    return [t for v in (y if isinstance(y, (tuple, list)) else ()) for t in flat(v)]
+
+
+@torch.inference_mode()
+def traced(llm, seq: list[int]) -> list[tuple]:
+    """One eager forward over seq (the teacher-forced pass), each layer step's outputs recorded:
+    [(method, layer, tensors)] in call order."""
+    model, eng, calls = llm.model, llm.engine, []
+    for name in TRACED:
+        real = getattr(model, name, None)
+        if real is not None:
+            setattr(model, name, lambda i, *a, _r=real, _n=name, **kw: (
+                lambda y: (calls.append((_n, i, flat(y))), y)[1])(_r(i, *a, **kw)))
+    try:
+        model.forward(torch.tensor(seq, device=eng.device), torch.arange(len(seq), device=eng.device),
+                      model.make_state(eng.dtype, eng.device), last_only=TOKENS)
+    finally:
+        for name in TRACED:
+            model.__dict__.pop(name, None)
+    return calls
+
+
+def first_diff(want: list[tuple], got: list[tuple]) -> dict | None:
+    """The first layer step whose outputs differ from the resident's, and by how much."""
+    for (n, i, a), (m, j, b) in zip(want, got):
+        if (n, i) != (m, j) or len(a) != len(b):
+            return {"step": n, "layer": i, "why": f"calls differ: {(n, i)} vs {(m, j)}"}
+        diffs = [float((x - y).abs().max()) if x.shape == y.shape else float("inf") for x, y in zip(a, b)]
+        if any(diffs):
+            return {"step": n, "layer": i, "max_abs": diffs}
+    return None
+
+
 def agree(a, b) -> int:
     return int((a.forced.argmax(-1) == b.forced.argmax(-1)).sum())
 
@@ -89,6 +130,8 @@ def main(model: str, out: str, runs: int = 6, slots: int = 4) -> None:
     ids = torch.randint(0, ref.model.cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
     base = kiln_greedy(ref, ids, TOKENS, None)
     want = resident_sums(ref.model)
+    seq = ids + base.tokens[:-1]
+    steps = traced(ref, seq)
     env = environment(ref.engine.device)
     del ref
     gc.collect()
@@ -100,11 +143,12 @@ def main(model: str, out: str, runs: int = 6, slots: int = 4) -> None:
         before = streamed_diffs(llm, want)
         got = kiln_greedy(llm, ids, TOKENS, base.tokens)
         after = streamed_diffs(llm, want)
+        where = first_diff(steps, traced(llm, seq))
         same = next((i for i, (a, b) in enumerate(zip(base.tokens, got.tokens)) if a != b), TOKENS)
         res = {"run": r, "identical": same, "teacher_forced_agree": agree(base, got),
                "max_logit_err": float((base.forced - got.forced).abs().max()),
                "changed_before_run": before[:20], "changed_after_run": after[:20],
-               "changed_counts": [len(before), len(after)]}
+               "changed_counts": [len(before), len(after)], "first_layer_diff": where}
         results.append(res)
         print(json.dumps(res), file=sys.stderr, flush=True)
         del llm
