@@ -148,18 +148,18 @@ def experts_in(room: int, *stacks: QuantizedWeight) -> int:
 
 
 def dp4a_pairs_on() -> bool:
-    """The routed experts' dp4a pair mode is asked for (KILN_DP4A_PAIRS=1; pair_form says why opt-in)."""
-    return os.environ.get("KILN_DP4A_PAIRS", "0") == "1"
+    """The routed experts' dp4a pair mode is on (the default; KILN_DP4A_PAIRS=0 takes the fma pairs)."""
+    return os.environ.get("KILN_DP4A_PAIRS", "1") != "0"
 
 
 def pair_form(ops, shape, dp4a_ok: bool):
     """The routed experts' pair GEMV form for one expert's one-row `shape`: with dp4a_ok, the tune's
     choice for that plain shape where it is a dp4a form, unsplit (a load tunes one expert's shapes:
-    quant_workloads); else the fma default, unsplit (unsplit). Opt-in, KILN_DP4A_PAIRS=1: on an H100 it
-    took the 35B-A3B's 4-bit decode from 489 to 562 tok/s, but 2 of 9 streamed-against-resident compares
-    (kiln compare M --reference M --expert-cache-slots 4) gave other tokens, where ~4 with the fma pairs
-    all matched (bench/NOTES.md, 2026-12-06); two candidate causes outside the pair kernel are fixed
-    since, unmeasured (docs/quant.md; tools/diag_pairs_mismatch.sh)."""
+    quant_workloads); else the fma default, unsplit (unsplit). On an H100 the dp4a pairs took the
+    35B-A3B's 4-bit decode from 489 to 562 tok/s. They were opt-in while 2 of 9 cold streamed-against-
+    resident compares gave other tokens; after the warm-up was joined before the tuner times (its
+    router shared the split-K arrival counters), 15 cold compares and 8 streamed loads in one process
+    all matched at logit error 0 (bench/NOTES.md, 2026-12-06). KILN_DP4A_PAIRS=0: the fma pairs."""
     if dp4a_ok and dp4a_pairs_on():
         v = ops.choose(kernels.OP, shape)
         if v.p.get("dp4a"):
