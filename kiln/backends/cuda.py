@@ -119,7 +119,8 @@ class CudaOps(ForkOps, NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, Samp
         if tuner is None or tuner.dtype != dtype:
             tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
         base = self.dense_workloads(type(model), model.cfg, max_batch, m_values)
-        extra = [Workload(op, s) for op, s in quant_workloads(model.w, base) if op.family not in self.off]
+        act = getattr(model.cfg, "hidden_act", None) or getattr(model.cfg, "hidden_activation", None)
+        extra = [Workload(op, s) for op, s in quant_workloads(model.w, base, act) if op.family not in self.off]
         if extra:
             base = dense_decode_workloads(model.w, base)
         self.join_warm()

@@ -132,16 +132,17 @@ def test_cuda_ops_route_quantised_projections(monkeypatch):
     assert (y - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("pairs", ["0", "1"])
-def test_quant_workloads_come_from_the_weights(monkeypatch, pairs):
+@pytest.mark.parametrize("pairs,act", [("0", "silu"), ("1", "silu"), ("1", "gelu_pytorch_tanh"), ("1", None)])
+def test_quant_workloads_come_from_the_weights(monkeypatch, pairs, act):
     monkeypatch.setenv("KILN_DP4A_PAIRS", pairs)
     w4, w8 = quantized(64, 128, 4, 64), quantized(32, 256, 8, 32)
     stack = quantize(rand(3, 96, 128, seed=2), 4, 64)     # routed experts [E, N, K]: one expert's shape
     got = quant_cuda.quant_workloads({"a": w4, "b": w8, "c": w4, "d": torch.zeros(3, 3), "e": stack,
-                                      "f": torch.zeros(2, 3, 3)})
+                                      "f": torch.zeros(2, 3, 3)}, act=act)
     want = [kernels.QGemvShape(1, 32, 256, 8, 32), kernels.QGemvShape(1, 64, 128, 4, 64)]
-    # the stack's expert shape only where the dp4a pair mode takes its tuned form
-    assert [s for _, s in got] == want + ([kernels.QGemvShape(1, 96, 128, 4, 64)] if pairs == "1" else [])
+    # the stack's expert shape only where the dp4a pair mode takes its tuned form (not Gemma's tanh GELU)
+    dp4a = pairs == "1" and act == "silu"
+    assert [s for _, s in got] == want + ([kernels.QGemvShape(1, 96, 128, 4, 64)] if dp4a else [])
 
 
 def test_decode_gemvs_of_quantised_weights_are_not_tuned_in_bf16():

@@ -246,15 +246,16 @@ def dense_decode_workloads(weights: dict, base) -> list:
     return [wl for wl in base if not unused(wl)]
 
 
-def quant_workloads(weights: dict, base=()) -> list[tuple]:
+def quant_workloads(weights: dict, base=(), act: str | None = None) -> list[tuple]:
     """(op, shape) at one row for each distinct 2-D quantised weight a model holds (what decode runs)
-    and, with the dp4a pair mode on, one expert of each quantised [E, N, K] stack (the pair GEMVs then
-    take that shape's tuned form: pair_form; the fma pairs take a default, nothing to tune), and the
-    prologue forms of those the model's one-row norm and activation GEMVs (`base`: workloads of ops
-    rmsnorm_gemm and act_gemm, matched to the weights by (n, k)) read."""
-    formats = {}
+    and, where the dp4a pair mode would run (on, and the experts' activation `act` one it computes),
+    one expert of each quantised [E, N, K] stack (the pair GEMVs then take that shape's tuned form:
+    pair_form; the fma pairs take a default, nothing to tune), and the prologue forms of those the
+    model's one-row norm and activation GEMVs (`base`: workloads of ops rmsnorm_gemm and act_gemm,
+    matched to the weights by (n, k)) read."""
+    formats, pairs = {}, act in DP4A_ACTS and dp4a_pairs_on()
     for w in weights.values():      # an [E, N, K] expert stack: one expert's shape (the pair GEMVs' form)
-        if isinstance(w, QuantizedWeight) and (w.packed.dim() == 2 or (w.packed.dim() == 3 and dp4a_pairs_on())):
+        if isinstance(w, QuantizedWeight) and (w.packed.dim() == 2 or (w.packed.dim() == 3 and pairs)):
             formats.setdefault((w.shape[-2], w.shape[-1]), set()).add((w.bits, w.group_size))
     shapes = {kernels.QGemvShape(1, n, k, b, g) for (n, k), fs in formats.items() for b, g in fs}
     for wl in base:
