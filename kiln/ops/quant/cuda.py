@@ -158,7 +158,7 @@ def pair_form(ops, shape, dp4a_ok: bool):
     quant_workloads); else the fma default, unsplit (unsplit). On an H100 the dp4a pairs took the
     35B-A3B's 4-bit decode from 489 to 562 tok/s. They were opt-in while 2 of 9 cold streamed-against-
     resident compares gave other tokens; after the warm-up was joined before the tuner times (its
-    router shared the split-K arrival counters), 15 cold compares and 8 streamed loads in one process
+    router shared the split-K arrival counters), 10 cold compares and 8 streamed loads in one process
     all matched at logit error 0 (bench/NOTES.md, 2026-12-06). KILN_DP4A_PAIRS=0: the fma pairs."""
     if dp4a_ok and dp4a_pairs_on():
         v = ops.choose(kernels.OP, shape)
