@@ -8,7 +8,11 @@ export KILN_CACHE_DIR=/tmp/kiln-ship PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT" "$KILN_CACHE_DIR/tune"
 start=$SECONDS; limit=${LIMIT_S:-570}
 left() { echo $((limit - (SECONDS - start))); }
-ms=${MS:-"--m 1 --m 4 --m 16 --m 64 --m 512 --m 1024 --m 2048 --m 4096"}
+# MS: kiln tune's --m flags; default none: the rows a load tunes (512, 4096, a MoE's 1024 and 2048, 1), what a
+# cold start needs. At all eight buckets (MS="--m 1 --m 4 --m 16 --m 64 --m 512 --m 1024 --m 2048 --m 4096",
+# the batched decode's too) --budget left residual_norms, gemm_act, act_gemm and moe unshipped on an H100
+# (2026-12-06), and its file holds one model's attention and qk_rope shapes (tools/ship_tune.py --cover)
+ms=${MS:-}
 # SPECS: "model seconds" pairs separated by ';' (default: every seed model, most used first)
 SPECS=${SPECS:-"qwen3.5-9b 90;qwen3.5-0.8b 80;qwen3.5-35b-a3b 100;gemma4-26b-a4b 90;qwen3.5-27b 90;qwen3.5-2b 80;qwen3.5-35b-a3b:bits=4:router=8 90"}
 IFS=';' read -ra specs <<< "$SPECS"

@@ -5,6 +5,8 @@ of every measured shape (variants within 5% of a best, of all measured: kept per
 
     python3 tools/ship_tune.py DIR [DIR ...]     # every *_<dtype>.json tune file under the DIRs
     python3 tools/ship_tune.py --stale           # which ops' shipped choices today's sources retire
+    python3 tools/ship_tune.py --cover FILE MODEL [MODEL ...]   # per op, how many of the shapes a load of
+                                                 # MODEL tunes on a GPU FILE ships a current choice for
 
 An existing shipped file of the same GPU and dtype is merged first, so choices measured for other
 models stay; a later file wins where two measured one shape. Prints what each file holds.
@@ -58,10 +60,39 @@ def show_stale() -> None:
                              else "every op's choices current"))
 
 
+def cover(entries: dict, retired: set[str], labels: list[str]) -> dict[str, tuple[int, int]]:
+    """Per op: (shapes with a current shipped choice, shapes) among `labels`."""
+    out: dict[str, list[int]] = {}
+    for label in labels:
+        op = label.split(" ", 1)[0]
+        n = out.setdefault(op, [0, 0])
+        n[0] += label in entries and op not in retired
+        n[1] += 1
+    return {op: (have, need) for op, (have, need) in out.items()}
+
+
+def show_cover(file: str, models: list[str]) -> None:
+    from kiln.api import resolve_model
+    from kiln.backends.cuda import load_workloads
+    from kiln.models import model_config
+    from kiln.weights import open_checkpoint
+
+    data = read(Path(file))
+    now, then = sources_hash(REGISTRY.values()), data["key"].get("sources") or {}
+    retired = {op for op in then if then[op] != now.get(op)}
+    for model in models:
+        cls, cfg = model_config(open_checkpoint(resolve_model(model, quiet=True)).config)
+        got = cover(data["entries"], retired, [w.label for w in load_workloads(cls, cfg)])
+        print(f"{model}: " + ", ".join(f"{op} {have}/{need}" + (" (retired)" if op in retired else "")
+                                       for op, (have, need) in got.items()))
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     if sys.argv[1:] == ["--stale"]:
         show_stale()
+    elif sys.argv[1] == "--cover" and len(sys.argv) > 3:
+        show_cover(sys.argv[2], sys.argv[3:])
     else:
         main(sys.argv[1:])

@@ -95,20 +95,7 @@ class CudaOps(ForkOps, NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, Samp
     def dense_workloads(self, model_class, cfg, max_batch: int = 1, m_values=None) -> list[Workload]:
         """Every (op, shape) the config gives (all but the quantised weights' formats, which the
         weights give): prefill chunks, one-row decode, and the batched decode buckets."""
-        default = not m_values
-        m_values = m_values or tuple(dict.fromkeys((PREFILL_CHUNK, self.prefill_chunk, DECODE_ROWS)))
-        base = workloads(model_class, cfg, m_values, off=self.off)
-        if default:
-            chunk = max(m_values)
-            base += [Workload(w.op, w.op.with_rows(w.shape, r)) for w in base if w.op.name == "moe"
-                     and w.shape.rows == chunk for r in MOE_ROWS if PREFILL_CHUNK < r < chunk]
-        buckets = tuple(b for b in batch_buckets(max_batch) if b not in m_values)
-        if buckets:    # and the projections that run on one row only alone (the LM head) at every bucket
-            heads = [Workload(w.op, w.op.with_rows(w.shape, b)) for w in base if w.op.name == "gemm"
-                     and w.shape.rows == 1 for b in buckets]
-            base = list(dict.fromkeys(base + workloads(model_class, cfg, buckets, ops=BATCH_OPS, off=self.off)
-                                      + heads))
-        return base
+        return load_workloads(model_class, cfg, self.prefill_chunk, self.off, max_batch, m_values)
 
     def prepare(self, model, dtype: torch.dtype, *, m_values=None, retune: bool = False, pins=None,
                 budget_s: float | None = None, quiet: bool = True, max_batch: int = 1):
@@ -139,6 +126,26 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
         out.append(b)
         b *= 4
     return (*out, max_batch)
+
+
+def load_workloads(model_class, cfg, chunk: int = CudaOps.prefill_chunk, off=frozenset(), max_batch: int = 1,
+                   m_values=None) -> list[Workload]:
+    """What a load tunes (CudaOps.dense_workloads) with the engine's prefill `chunk` (a GPU's by default):
+    both prefill chunks, the routed experts' larger graph buckets, one-row decode, and with max_batch
+    the batched decode's buckets; or the rows `m_values` and the buckets."""
+    default = not m_values
+    m_values = m_values or tuple(dict.fromkeys((PREFILL_CHUNK, chunk, DECODE_ROWS)))
+    base = workloads(model_class, cfg, m_values, off=off)
+    if default:
+        top = max(m_values)
+        base += [Workload(w.op, w.op.with_rows(w.shape, r)) for w in base if w.op.name == "moe"
+                 and w.shape.rows == top for r in MOE_ROWS if PREFILL_CHUNK < r < top]
+    buckets = tuple(b for b in batch_buckets(max_batch) if b not in m_values)
+    if buckets:    # and the projections that run on one row only alone (the LM head) at every bucket
+        heads = [Workload(w.op, w.op.with_rows(w.shape, b)) for w in base if w.op.name == "gemm"
+                 and w.shape.rows == 1 for b in buckets]
+        base = list(dict.fromkeys(base + workloads(model_class, cfg, buckets, ops=BATCH_OPS, off=off) + heads))
+    return base
 
 
 def workloads(model_class, cfg, m_values=(PREFILL_CHUNK, DECODE_ROWS), ops=OPS, off=frozenset()) -> list[Workload]:

@@ -42,7 +42,8 @@ def add_tune_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help="stop measuring after this long; the rest take each op's default (default 600)")
     p.add_argument("--m", type=positive_int, action="append", default=None, metavar="ROWS",
-                   help="token counts to tune for (repeatable; default: the prefill chunk 512 and decode 1)")
+                   help="token counts to tune for (repeatable; default: the rows a load tunes: the prefill chunks "
+                        "512 and 4096, the routed experts' 1024 and 2048, and decode 1)")
     p.add_argument("--ops", default=None, help="comma-separated ops to tune (default: every op the model runs)")
 
 
@@ -65,8 +66,11 @@ def setup(a):
             get_op(op)
     ckpt = open_checkpoint(resolve_model(a.model, quiet=a.quiet))
     cls, cfg = model_config(ckpt.config)
-    rows = tuple(a.m) if a.m else (cuda.PREFILL_CHUNK, cuda.DECODE_ROWS)
-    workloads = cuda.workloads(cls, cfg, rows, tuple(o for o in ops if o in REGISTRY), cuda.families_off())
+    ops = tuple(o for o in ops if o in REGISTRY)
+    if a.m:
+        workloads = cuda.workloads(cls, cfg, tuple(a.m), ops, cuda.families_off())
+    else:   # the shapes a load tunes (both prefill chunks, the MoE's graph buckets, decode): a later run hits
+        workloads = [w for w in cuda.CudaOps(dev).dense_workloads(cls, cfg) if w.op.name in ops]
     if not workloads:
         raise KilnError(f"this model runs none of the ops {', '.join(ops)}")
     if quantised(ckpt) and not a.quiet:

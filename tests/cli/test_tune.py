@@ -94,3 +94,34 @@ def test_a_quantised_checkpoint_is_known_before_its_weights_load():
     assert not quantised(open_checkpoint("synth:tiny-qwen3.5"))
     mlx = SimpleNamespace(format="safetensors", config={"quantization": {"bits": 4, "group_size": 64}})
     assert quantised(mlx) and not quantised(SimpleNamespace(format="safetensors", config={"hidden_size": 8}))
+
+
+def test_tune_by_default_tunes_the_shapes_a_load_tunes(monkeypatch):
+    """Without --m, `kiln tune` measures every shape a load would (on a GPU: the 512- and 4,096-row
+    prefill chunks, the routed experts' 1,024 and 2,048 rows, decode), so the run after it measures
+    nothing; --m still picks the rows. (The CPU backend's chunk is 512: a GPU's is set here.)"""
+    from argparse import Namespace
+
+    from kiln.api import resolve_model
+    from kiln.backends import cuda
+    from kiln.cli.tune import setup
+    from kiln.models import model_config
+    from kiln.weights import open_checkpoint
+
+    real = cuda.CudaOps.__init__
+
+    def on_a_gpu(self, device="cuda"):
+        real(self, device)
+        self.prefill_chunk = 4096
+
+    monkeypatch.setattr(cuda.CudaOps, "__init__", on_a_gpu)
+    model = "synth:tiny-qwen3.5-moe"
+    flags = dict(model=model, device="cpu", dtype="bf16", quiet=True, budget=None, ops=None, retune=False,
+                 tune=[])
+    _, _, got, _ = setup(Namespace(**flags, m=None))
+    cls, cfg = model_config(open_checkpoint(resolve_model(model, quiet=True)).config)
+    assert [w.label for w in got] == [w.label for w in cuda.CudaOps("cpu").dense_workloads(cls, cfg)]
+    rows = lambda ws, op: {w.shape.rows for w in ws if w.op.name == op}     # noqa: E731
+    assert rows(got, "gemm") == {1, 512, 4096} and rows(got, "moe") == {1, 512, 1024, 2048, 4096}
+    _, _, only, _ = setup(Namespace(**flags, m=[1]))
+    assert rows(only, "gemm") == rows(only, "moe") == {1}

@@ -670,6 +670,36 @@ def test_stale_names_the_ops_whose_shipped_choices_todays_sources_retire(tmp_pat
     assert shipped.stale({"gemm": "a", "moe": "b", "gone": "c"}, tmp_path) == {"g_bf16.json": []}
 
 
+def test_ship_tune_cover_counts_a_models_load_shapes_with_a_current_choice(tmp_path, capsys):
+    """tools/ship_tune.py --cover: per op, how many of the shapes a load tunes a shipped file holds a
+    choice for, an op whose kernel sources changed since counting none."""
+    import importlib.util
+    from pathlib import Path
+
+    from kiln.backends.cuda import load_workloads
+    from kiln.tune.cache import sources_hash
+    from kiln.tune.registry import REGISTRY
+
+    path = Path(__file__).parents[2] / "tools" / "ship_tune.py"
+    spec = importlib.util.spec_from_file_location("ship_tune", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.cover({"gemm 1x2": {}, "moe 3": {}}, {"moe"}, ["gemm 1x2", "gemm 4x2", "moe 3"]) == {
+        "gemm": (1, 2), "moe": (0, 1)}
+    cls, cfg = model_config(synth_config("tiny-qwen3.5"))
+    labels = [w.label for w in load_workloads(cls, cfg)]
+    gemms = [x for x in labels if x.startswith("gemm ")]
+    norms = [x for x in labels if x.startswith("rmsnorm ")]
+    sources = dict(sources_hash(REGISTRY.values()), rmsnorm="changed")
+    data = {"key": {"format": tune_cache.FORMAT, "gpu": "G", "sources": sources},
+            "entries": {x: {"variant": "v", "ms": 1.0} for x in gemms[:2] + norms}}
+    (tmp_path / "g_bf16.json").write_text(json.dumps(data))
+    tool.show_cover(str(tmp_path / "g_bf16.json"), ["synth:tiny-qwen3.5"])
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("synth:tiny-qwen3.5: ")
+    assert f"gemm 2/{len(gemms)}" in line and f"rmsnorm 0/{len(norms)} (retired)" in line
+
+
 def test_shipped_pruning_keeps_what_came_near_a_best_and_holds_for_the_gpu_class(tmp_path):
     from kiln.tune import shipped
     key = {"format": tune_cache.FORMAT, "gpu": "G", "sms": 2, "capability": "9.0", "triton": "3", "dtype": "bf16",
