@@ -23,7 +23,7 @@ from pathlib import Path
 import kiln.backends.cuda  # noqa: F401  (registers every op)
 from kiln.fsutil import write_atomic
 from kiln.tune import shipped
-from kiln.tune.cache import read, sources_hash
+from kiln.tune.cache import changed_ops, read, sources_hash
 from kiln.tune.registry import REGISTRY
 
 
@@ -78,8 +78,7 @@ def show_cover(file: str, models: list[str]) -> None:
     from kiln.weights import open_checkpoint
 
     data = read(Path(file))
-    now, then = sources_hash(REGISTRY.values()), data["key"].get("sources") or {}
-    retired = {op for op in then if then[op] != now.get(op)}
+    retired = set(changed_ops(data["key"].get("sources") or {}, sources_hash(REGISTRY.values())))  # as lookup
     for model in models:
         cls, cfg = model_config(open_checkpoint(resolve_model(model, quiet=True)).config)
         got = cover(data["entries"], retired, [w.label for w in load_workloads(cls, cfg)])
