@@ -15,7 +15,7 @@ import time
 import torch
 
 from ..errors import KilnError
-from ..ops import plain
+from ..ops import nvrtc, plain
 from ..ops.attention.cuda import AttentionCuda
 from ..ops.dispatch import families_off
 from ..ops.fork import ForkOps
@@ -107,7 +107,8 @@ class CudaOps(ForkOps, NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, Samp
             tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
         base = self.dense_workloads(type(model), model.cfg, max_batch, m_values)
         act = getattr(model.cfg, "hidden_act", None) or getattr(model.cfg, "hidden_activation", None)
-        extra = [Workload(op, s) for op, s in quant_workloads(model.w, base, act) if op.family not in self.off]
+        extra = [Workload(op, s) for op, s in quant_workloads(model.w, base, act, nvrtc.kernels_run(device_info(
+            self.device))) if op.family not in self.off]
         if extra:
             base = dense_decode_workloads(model.w, base)
         self.join_warm()

@@ -99,6 +99,35 @@ def test_dp4a_act_prologue_equals_act_mul_then_the_gemv(n, k, bits, group, act):
             assert torch.equal(fused, plain), f"{v.name} {dtype}: max diff {(fused - plain).abs().max()}"
 
 
+EPI_SHAPES = [(2000, 3072, 4, 128), (666, 2048, 8, 128), (7168, 1024, 4, 64)]   # [gate; up]: I 1000, 333, 3584
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["silu", "sigmoid"])
+@pytest.mark.parametrize("n,k,bits,group", EPI_SHAPES)
+def test_dp4a_act_epilogue_equals_the_gemv_then_act_mul(n, k, bits, group, act):
+    """act(gate) * up computed as the outputs are stored equals the same form's plain [gate | up] output
+    through act_mul, bit for bit: every catalogue form (splits too), outputs ragged against the block's
+    half, one and two rows, bf16 and f16."""
+    if not torch.cuda.is_available() or not nvrtc.available(torch.device("cuda")):
+        pytest.skip("needs a CUDA GPU and NVRTC")
+    from kiln.ops.gemm.activation import act_mul
+    g = torch.Generator().manual_seed(n + k + bits)
+    s = qk.QGemvShape(1, n, k, bits, group, out_act=act)
+    vs = qk.dp4a_forms(s, qk.GPU_DP4A + qk.GPU_DP4A_WIDE + qk.GPU_DP4A_NARROW + [(16, 2, 1, 1), (32, 8, 2, 2)])
+    assert any(v.p["sk"] > 1 for v in vs) and any(v.p["sk"] == 1 for v in vs)
+    for dtype in (torch.bfloat16, torch.float16):
+        w = quantize((torch.randn(n, k, generator=g) * k ** -0.5).to(dtype), bits, group).to("cuda")
+        x = (torch.randn(2, k, generator=g) * 2).to(dtype).cuda()
+        for v in vs:
+            for m in (1, 2):
+                fused = torch.full((m, n // 2), float("nan"), dtype=dtype, device="cuda")
+                qk.qgemv(x[:m], w, v, fused, act_out=act)
+                gate, up = qk.qgemv(x[:m], w, v).split(n // 2, dim=-1)
+                want = act_mul(gate.contiguous(), up.contiguous(), act)
+                assert torch.equal(fused, want), f"{v.name} {dtype} m={m}: max diff {(fused - want).abs().max()}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rw_dtype", [None, "x", torch.float32])
 @pytest.mark.parametrize("n,k,bits,group", [(1024, 2048, 4, 64), (200, 512, 8, 32)])
@@ -246,6 +275,20 @@ def test_prologue_forms_compile():
                 p = v.p
                 d = dp4a.defines(n, k, 4, 64, p["bn"], p["w"], p["r"], p["sk"], False, **extra)
                 assert nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, d, (9, 0))[:4] == b"\x7fELF"
+
+
+def test_act_epilogue_forms_compile():
+    """Every act epilogue form the catalogue offers on decode's gate|up shapes compiles for sm_90."""
+    if not nvrtc.compiler_available():
+        pytest.skip("no libnvrtc here")
+    for n, k in ((34816, 5120), (7168, 1024)):
+        s = qk.QGemvShape(1, n, k, 4, 64, out_act="silu")
+        vs = qk.dp4a_forms(s, qk.GPU_DP4A + qk.GPU_DP4A_WIDE + (qk.GPU_DP4A_NARROW if n <= qk.GPU_DP4A_SMALL_N else []))
+        assert vs
+        for v in vs:
+            p = v.p
+            d = dp4a.defines(n, k, 4, 64, p["bn"], p["w"], p["r"], p["sk"], False, act=0, epi=True)
+            assert nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, d, (9, 0))[:4] == b"\x7fELF", v.name
 
 
 def test_forms_fit_only_whole_chunks():

@@ -145,6 +145,60 @@ def test_quant_workloads_come_from_the_weights(monkeypatch, pairs, act):
     assert [s for _, s in got] == want + ([kernels.QGemvShape(1, 96, 128, 4, 64)] if dp4a else [])
 
 
+@pytest.mark.parametrize("cuda_c", (False, True))
+def test_act_epilogue_workloads_come_from_the_gate_up_gemvs(cuda_c):
+    """A one-row gemm_act workload on a quantised [2I, K] weight adds its act epilogue shape where the
+    dp4a forms run (`cuda_c`); not a prefill's rows, a torch activation or bits the dp4a forms lack."""
+    from kiln.ops.gemm import gemm_act
+    from kiln.tune.tuner import Workload
+
+    gu4, gu3 = quantized(128, 64, 4, 32), quantized(64, 256, 3, 64)
+    base = [Workload(gemm_act.OP, gemm_act.GemmActShape(1, 64, 64, "silu")),
+            Workload(gemm_act.OP, gemm_act.GemmActShape(512, 64, 64, "silu")),            # prefill
+            Workload(gemm_act.OP, gemm_act.GemmActShape(1, 64, 64, "gelu_pytorch_tanh")),
+            Workload(gemm_act.OP, gemm_act.GemmActShape(1, 32, 256, "silu"))]            # 3-bit
+    got = [s for _, s in quant_cuda.quant_workloads({"gu": gu4, "gu3": gu3}, base, cuda_c=cuda_c)]
+    plain = [kernels.QGemvShape(1, 64, 256, 3, 64), kernels.QGemvShape(1, 128, 64, 4, 32)]
+    assert got == sorted(plain + ([kernels.QGemvShape(1, 128, 64, 4, 32, out_act="silu")] if cuda_c else []),
+                         key=lambda s: (s.key[:4], len(s.key)))
+
+
+def test_gated_mlp_takes_the_act_epilogue_where_the_tuner_keeps_it(monkeypatch):
+    """One row: where a form computing act(gate) * up as it stores is kept (here the trusted one stands
+    in: no CUDA C off the GPU), gated_mlp and add_rmsnorm_gated_mlp run it on gate|up and the plain
+    GEMV on down, and equal the reference composition; where it is not, the prologue path as before."""
+    from kiln.backends.reference import ReferenceOps
+    from kiln.ops.gemm import cuda as gemm_cuda
+
+    ops, ref = CudaOps(DEVICE), ReferenceOps()
+    k, ffn = 128, 256
+    gate_up, down = quantized(2 * ffn, k, 4, 64, seed=2), quantized(k, ffn, 4, 64, seed=3)
+    x, r, nw = rand(1, k, seed=4), rand(1, k, seed=5), 1.0 + 0.1 * rand(k, seed=6)
+    ran = []
+    real = kernels.OP.run
+    monkeypatch.setattr(kernels.OP, "run", lambda v, i, o, plan=None: ran.append(
+        (tuple(i["w"].shape), i.get("out_act"), i.get("act"), "norm_w" in i)) or real(v, i, o, plan))
+    for kept in (True, False):
+        form = (lambda o, x, w, act: kernels.TRUSTED if kernels.OP.supports_epilogue(x.reshape(1, -1), w, act)
+                else None) if kept else (lambda *a: None)
+        monkeypatch.setattr(quant_cuda, "gate_up_act_form", form)
+        monkeypatch.setattr(gemm_cuda, "gate_up_act_form", form)
+        ran.clear()
+        y = ops.gated_mlp(x, gate_up, down, "silu")
+        s, y2 = ops.add_rmsnorm_gated_mlp(x, r, nw, 1e-6, "llama", gate_up, down, "silu")
+        s0, y0 = ref.add_rmsnorm_gated_mlp(x, r, nw, 1e-6, "llama", gate_up, down, "silu")
+        assert torch.equal(s, s0) and (y2 - y0).abs().max() <= 1e-5 * y0.abs().max()
+        y1 = ref.gated_mlp(x, gate_up, down, "silu")
+        assert (y - y1).abs().max() <= 1e-5 * y1.abs().max()
+        if kept:      # gate|up with its epilogue, then the plain down GEMV (linear: not through OP.run); the
+            # add + norm in the norm's own kernel
+            assert ran == [((2 * ffn, k), "silu", None, False)] * 2
+        else:         # gate|up (linear), then the down GEMV reading act(g) * u; the norm in the gate|up GEMV's
+            # prologue
+            assert ran == [((k, ffn), None, "silu", False), ((2 * ffn, k), None, None, True),
+                           ((k, ffn), None, "silu", False)]
+
+
 def test_decode_gemvs_of_quantised_weights_are_not_tuned_in_bf16():
     from kiln.ops.gemm import gemm, gemm_act, norm_gemm
     from kiln.tune.tuner import Workload
@@ -237,6 +291,27 @@ def test_gate_passes_every_prologue_candidate_and_rejects_a_wrong_one():
         for v in op.candidates(s, dev):
             assert gate.check(op, v, cases).ok, (pro, v.name)
     with extra_variant("qgemv", variant("no_norm_weight", run=no_norm_weight)) as bad:
+        assert not gate.check(op, bad, cases).ok
+
+
+def test_gate_passes_the_act_epilogue_candidates_and_rejects_a_swapped_gate():
+    """The act epilogue's shape ([gate; up] rows, outputs act(gate) * up; ragged: 40 outputs) through the
+    gate: its candidates pass; act(up) * gate (the halves swapped) is rejected."""
+    op, dev = kernels.OP, device_info(DEVICE)
+    s = kernels.QGemvShape(1, 80, 256, 4, 64, out_act="silu")
+    assert op.shape_str(s) == "1x80x256_q4g64_out_silu" and op.default(s, dev) is kernels.UNFUSED
+
+    def swapped(inputs, outputs, plan):
+        h = kernels.qgemv(inputs["x"], inputs["w"], kernels.TRUSTED)
+        g, u = h.split(40, dim=-1)
+        outputs["y"].copy_(kernels.epilogue_reference(torch.cat([u, g], -1), "silu"))
+
+    cases = gate.trusted_cases(op, s, op.trusted(s, dev), torch.bfloat16, DEVICE,
+                               torch.Generator(device=DEVICE).manual_seed(6))
+    assert [c.expected["y"].shape[-1] for c in cases] == [40, 40]
+    for v in op.candidates(s, dev):
+        assert gate.check(op, v, cases).ok, v.name
+    with extra_variant("qgemv", variant("swapped", run=swapped)) as bad:
         assert not gate.check(op, bad, cases).ok
 
 

@@ -8,7 +8,14 @@ import torch
 
 from ..counters import keep_counters
 from ..dispatch import TunedOps
-from ..quant.cuda import quant_act_down, quant_embed, quant_linear, quant_norm_linear
+from ..quant.cuda import (
+    gate_up_act_form,
+    quant_act_down,
+    quant_embed,
+    quant_gate_up_act,
+    quant_linear,
+    quant_norm_linear,
+)
 from ..quant.reference import QuantizedWeight
 from . import activation, gelu, gemm, gemm_act, norm_gemm
 from .reference import GemmReference
@@ -51,8 +58,12 @@ class GemmCuda(TunedOps, GemmReference):
         return list(self.linear(x, w).split(sizes, dim=-1))
 
     def gated_mlp(self, x, gate_up, down, act):
-        if not dense(down) and x.numel() == x.shape[-1]:      # one row, quantised down: the GEMV's prologue
-            return self._act_down(self.linear(x.reshape(1, -1), gate_up), down, act).view(*x.shape[:-1], -1)
+        if not dense(down) and x.numel() == x.shape[-1]:      # one row, quantised down: the gate|up GEMV's
+            # epilogue, or the down GEMV's prologue
+            x1 = x.reshape(1, -1)
+            if not dense(gate_up) and (h := quant_gate_up_act(self, x1, gate_up, act)) is not None:
+                return self.linear(h, down).view(*x.shape[:-1], -1)
+            return self._act_down(self.linear(x1, gate_up), down, act).view(*x.shape[:-1], -1)
         if not dense(gate_up, down) or not self.on("gemm", x) or not gemm_act.OP.supports(x, gate_up, act):
             gate, up = self.linear_split(x, gate_up, [down.shape[1]] * 2)
             return self.linear(self.act_mul(gate, up, act), down)
@@ -78,7 +89,9 @@ class GemmCuda(TunedOps, GemmReference):
     def add_rmsnorm_gated_mlp(self, x, r, norm_w, eps, style, gate_up, down, act):
         """At one row, when the tuner chose the GEMV with the norm in its prologue (and the unfused
         gate|up): s = x + r and gate|up of rmsnorm(s) in one launch, then the down projection."""
-        if not dense(gate_up) and (got := quant_norm_linear(self, x, r, norm_w, eps, style, gate_up)) is not None:
+        if (not dense(gate_up) and gate_up_act_form(self, x, gate_up, act) is None    # else: the norm's kernel,
+                # then gated_mlp's epilogue form
+                and (got := quant_norm_linear(self, x, r, norm_w, eps, style, gate_up)) is not None):
             return got[0], self._act_down(got[1].reshape(1, -1), down, act).view(x.shape)
         v = self._norm_gemv_choice(x, r, norm_w, gate_up, style)
         shape = gemm_act.GemmActShape(1, down.shape[1], x.shape[-1], act)

@@ -192,6 +192,30 @@ def quant_act_down(ops, gu, w: QuantizedWeight, act: str):
     return y.view(*gu.shape[:-1], w.shape[0])
 
 
+def gate_up_act_form(ops, x, w: QuantizedWeight, act: str):
+    """The tuned dp4a form computing decode's act(gate) * up as its gate|up GEMV stores (w [gate; up]),
+    or None: the family off, the input does not fit, or the tuner kept the GEMV then act_mul."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if not ops.on("quant", x) or not kernels.OP.supports_epilogue(x2, w, act):
+        return None
+    v = ops.choose(kernels.OP, kernels.QGemvShape(1, w.shape[0], w.shape[1], w.bits, w.group_size, out_act=act))
+    return v if v.p.get("dp4a") else None
+
+
+def quant_gate_up_act(ops, x, w: QuantizedWeight, act: str):
+    """Decode's h [1, I] = act(x Wg^T) * (x Wu^T) in one launch where gate_up_act_form finds a form;
+    else None (the caller composes: the GEMV, then act_mul or the down GEMV's prologue). On the 27B
+    the down's act prologue loses to act_mul's own launch (bench/NOTES.md, 2026-12-05): every block
+    computes act(g) * u over its K; here each output is computed once."""
+    v = gate_up_act_form(ops, x, w, act)
+    if v is None:
+        return None
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = x2.new_empty((1, w.shape[0] // 2))
+    kernels.OP.run(v, {"x": x2, "w": w, "out_act": act}, {"y": y}, ops.plan)
+    return y.view(*x.shape[:-1], -1)
+
+
 def quant_norm_linear(ops, x, r, norm_w, eps, style, w: QuantizedWeight):
     """(s, y) at one row: s = x + r (None without r) and y = rmsnorm(s or x) @ dequantize(w)^T, by the
     tuned choice between the rmsnorm kernel then the GEMV and the GEMV norming x as it loads it; None
@@ -246,13 +270,14 @@ def dense_decode_workloads(weights: dict, base) -> list:
     return [wl for wl in base if not unused(wl)]
 
 
-def quant_workloads(weights: dict, base=(), act: str | None = None) -> list[tuple]:
+def quant_workloads(weights: dict, base=(), act: str | None = None, cuda_c: bool = True) -> list[tuple]:
     """(op, shape) at one row for each distinct 2-D quantised weight a model holds (what decode runs)
     and, where the dp4a pair mode would run (on, and the experts' activation `act` one it computes),
     one expert of each quantised [E, N, K] stack (the pair GEMVs then take that shape's tuned form:
     pair_form; the fma pairs take a default, nothing to tune), and the prologue forms of those the
     model's one-row norm and activation GEMVs (`base`: workloads of ops rmsnorm_gemm and act_gemm,
-    matched to the weights by (n, k)) read."""
+    matched to the weights by (n, k)) read, and, where kiln's CUDA C kernels run (`cuda_c`: only the
+    dp4a forms compute it), the act epilogue of its gate|up GEMVs (gemm_act's)."""
     formats, pairs = {}, act in DP4A_ACTS and dp4a_pairs_on()
     for w in weights.values():      # an [E, N, K] expert stack: one expert's shape (the pair GEMVs' form)
         if isinstance(w, QuantizedWeight) and (w.packed.dim() == 2 or (w.packed.dim() == 3 and pairs)):
@@ -260,6 +285,9 @@ def quant_workloads(weights: dict, base=(), act: str | None = None) -> list[tupl
     shapes = {kernels.QGemvShape(1, n, k, b, g) for (n, k), fs in formats.items() for b, g in fs}
     for wl in base:
         s, name = wl.shape, wl.op.name
+        if cuda_c and name == "gemm_act" and s.rows == 1 and s.act in kernels.ACTS:   # act epilogue, [gate; up]
+            shapes.update(kernels.QGemvShape(1, 2 * s.n, s.k, b, g, out_act=s.act)
+                          for b, g in formats.get((2 * s.n, s.k), ()) if b in dp4a.BITS)
         if name not in ("rmsnorm_gemm", "act_gemm") or s.rows != 1:
             continue
         for b, g in formats.get((s.n, s.k), ()):
@@ -268,4 +296,4 @@ def quant_workloads(weights: dict, base=(), act: str | None = None) -> list[tupl
             if 32 % b == 0 and (name != "act_gemm" or s.act in kernels.ACTS):   # FMA form: whole words, a
                 # kernel activation (tanh GELU stays in torch)
                 shapes.add(shape)
-    return [(kernels.OP, s) for s in sorted(shapes, key=lambda s: (s.key[:4], len(s.prologue), repr(s.prologue)))]
+    return [(kernels.OP, s) for s in sorted(shapes, key=lambda s: (s.key[:4], len(s.key), repr(s.key[4:])))]

@@ -36,17 +36,23 @@ SOURCE = cuda_common.HELPERS + r"""
 // PAIRS (routed experts: blockIdx.z the (token, slot) pair, the weights expert idx[pair] of [E, N, K]
 // stacks, x row pair / XDIV, y row pair, M 1, no split), RW (the pair's output weighted by its routing
 // weight rw[pair] as moe/kernels.py's `weighted`: 0 none, 1 16-bit as x, 2 f32), IDX32 (idx int32, else
-// int64), HOST (a negative idx names row -1 - idx of the second stacks hq, hs, hb: streamed experts' misses)
+// int64), HOST (a negative idx names row -1 - idx of the second stacks hq, hs, hb: streamed experts' misses),
+// EPI (ACT in the epilogue: the weight is [gate; up], N = 2I rows, y [M, I] = act(x Wg^T) * (x Wu^T); a block
+// takes BN / 2 gate rows and the same up rows)
 #define VPL (128 / BITS)                 // values a lane's 16-byte load holds: its chunk
 #define CH (K / VPL)                     // chunks a row
 #define CPS (CH / SPLIT)                 // chunks a split
 #define SLABS ((CPS + 31) / 32)          // slabs a split (32 chunks, a warp's lanes)
 #define NW (VPL / 4)                     // digit words a chunk (4 bytes each)
 #define GROUPS (K / G)
+#define PRO_ACT (ACT >= 0 && EPI == 0)  // x rows are [g | u]: the input is act(g) * u
+#define BROWS (EPI ? BN / 2 : BN)        // outputs a block
 static_assert(NORM == 0 || SLABS >= WARPS, "row_rstd's barrier needs every warp in its first slab");
 static_assert(PAIRS == 0 || (SPLIT == 1 && NORM == 0), "routed experts: no split, no norm prologue");
 static_assert(RW == 0 || PAIRS, "a routing weight is a pair's");
 static_assert(HOST == 0 || PAIRS, "second stacks are a pair's");
+static_assert(EPI == 0 || (ACT >= 0 && NORM == 0 && PAIRS == 0 && BN % 2 == 0 && N % 2 == 0),
+              "the act epilogue: an activation, no norm, no pairs, half the block's rows each of gate and up");
 
 __device__ __forceinline__ int dp4a_us(u32 a, u32 b, int c) {     // a unsigned bytes, b signed bytes
     int d; asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d;
@@ -135,7 +141,7 @@ __device__ __forceinline__ void digits(const u16 *x, const u16 *rm, const u16 *n
 #else
     load_f32(x + chunk * VPL, v, VPL);
 #endif
-#if ACT >= 0                  // x is [g | u]: the input is round(round(act(g)) * u), where act_mul rounds
+#if PRO_ACT                   // x is [g | u]: the input is round(round(act(g)) * u), where act_mul rounds
     float u[VPL];
     load_f32(x + K + chunk * VPL, u, VPL);
 #pragma unroll
@@ -162,17 +168,70 @@ __device__ __forceinline__ void digits(const u16 *x, const u16 *rm, const u16 *n
     }
 }
 
-// R rows from row r of this block's chunk: words, scales, biases (rows past N read row N-1, never stored).
-__device__ __forceinline__ void load_rows(const uint4 *q, const u16 *s, const u16 *b, int r, int chunk, int grp,
-                                          uint4 *w, float *sc, float *bi) {
+// The weight row of the block's row t (n0 its first output): row n0 + t, or with EPI the gate rows n0.. in the
+// block's first half and the same up rows (N / 2 + n0..) in its second; rows past the end read the last.
+__device__ __forceinline__ long long row_at(int n0, int t) {
+#if EPI
+    return (long long)(t < BN / 2 ? 0 : N / 2) + min(n0 + t % (BN / 2), N / 2 - 1);
+#else
+    return min(n0 + t, N - 1);
+#endif
+}
+
+// R rows from the block's row t of this chunk: words, scales, biases (rows past the end are never stored).
+__device__ __forceinline__ void load_rows(const uint4 *q, const u16 *s, const u16 *b, int n0, int t, int chunk,
+                                          int grp, uint4 *w, float *sc, float *bi) {
 #pragma unroll
     for (int i = 0; i < R; i++) {
-        const long long n = min(r + i, N - 1);
+        const long long n = row_at(n0, t + i);
         w[i] = load_stream(q + n * (K * BITS / 128) + chunk);
         sc[i] = to_f32(s[n * GROUPS + grp]);
         bi[i] = to_f32(b[n * GROUPS + grp]);
     }
 }
+
+#if EPI
+// round(round(act(g)) * u) of the GEMV's rounded outputs g, u: act_mul's roundings
+__device__ __forceinline__ u16 act_out(float g, float u) {
+    return from_f32(to_f32(from_f32(act_f32(to_f32(from_f32(g))))) * to_f32(from_f32(u)));
+}
+
+// store_block with the act epilogue: each output's gate and up sums (warps in order, as store_block adds),
+// or its split's partials of both in ws [SPLIT, M, N]
+__device__ __forceinline__ void store_act(float (*acc)[BN], u16 *y, float *ws, int n0, int split, int m, int M) {
+    for (int t = threadIdx.x; t < BN / 2; t += WARPS * 32) {
+        const int o = n0 + t;
+        float g = 0.f, u = 0.f;
+#pragma unroll
+        for (int v = 0; v < WARPS; v++) { g += acc[v][t]; u += acc[v][t + BN / 2]; }
+        if (o >= N / 2) continue;
+        if (SPLIT == 1) { y[(long long)m * (N / 2) + o] = act_out(g, u); continue; }
+        ws[((long long)split * M + m) * N + o] = g;
+        ws[((long long)split * M + m) * N + N / 2 + o] = u;
+    }
+}
+
+// finish_splits with the act epilogue: the last block to arrive adds each output's gate and up splits in order
+__device__ void finish_act(u16 *y, const float *ws, int *counts, int n0, int M) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counts[blockIdx.x], 1) == SPLIT - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int m = 0; m < M; m++)
+        for (int t = threadIdx.x; t < BN / 2 && n0 + t < N / 2; t += WARPS * 32) {
+            float g = 0.f, u = 0.f;
+            for (int sp = 0; sp < SPLIT; sp++) {
+                g += __ldcg(ws + ((long long)sp * M + m) * N + n0 + t);
+                u += __ldcg(ws + ((long long)sp * M + m) * N + N / 2 + n0 + t);
+            }
+            y[(long long)m * (N / 2) + n0 + t] = act_out(g, u);
+        }
+    if (threadIdx.x == 0) counts[blockIdx.x] = 0;
+}
+#endif
 
 #if RW
 __device__ __forceinline__ float rw_at(const void *rw, long long pair) {
@@ -201,7 +260,7 @@ kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y
                 const uint4 *hq, const u16 *hs, const u16 *hb) {
     __shared__ float acc[WARPS][BN];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int n0 = blockIdx.x * BN, split = blockIdx.y;
+    const int n0 = blockIdx.x * BROWS, split = blockIdx.y;
     const bool store = blockIdx.x == 0 && blockIdx.y == 0;
 #if PAIRS
     pdl_wait();            // the expert ids are the router's output, written by the kernel just before
@@ -213,7 +272,7 @@ kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y
     q += e * ((long long)N * (K * BITS / 128));
     s += e * ((long long)N * GROUPS);
     b += e * ((long long)N * GROUPS);
-    x += pair / XDIV * (long long)(ACT >= 0 ? 2 * K : K);
+    x += pair / XDIV * (long long)(PRO_ACT ? 2 * K : K);
     y += pair * N;
 #endif
     for (int m = 0; m < M; m++) {
@@ -228,21 +287,21 @@ kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y
             const int grp = chunk * VPL / G;
             uint4 w[R];
             float sc[R], bi[R];
-            load_rows(q, s, b, n0, chunk, grp, w, sc, bi);
+            load_rows(q, s, b, n0, 0, chunk, grp, w, sc, bi);
             pdl_wait();            // x is the kernel before's output
 #if NORM > 0
             if (slab == warp) rstd = row_rstd(x + (long long)m * K, rm, sum_out + (long long)m * K, store, eps);
 #endif
             u32 hi[NW], lo[NW];
             float unit, xs;
-            digits(x + (long long)m * (ACT >= 0 ? 2 * K : K), rm, nw, rstd, chunk, hi, lo, unit, xs);
+            digits(x + (long long)m * (PRO_ACT ? 2 * K : K), rm, nw, rstd, chunk, hi, lo, unit, xs);
 #pragma unroll 1
             for (int r0 = 0; r0 < BN; r0 += R) {
                 uint4 cw[R];
                 float csc[R], cbi[R];
 #pragma unroll
                 for (int i = 0; i < R; i++) { cw[i] = w[i]; csc[i] = sc[i]; cbi[i] = bi[i]; }
-                if (r0 + R < BN) load_rows(q, s, b, n0 + r0 + R, chunk, grp, w, sc, bi);   // next pass: in flight
+                if (r0 + R < BN) load_rows(q, s, b, n0, r0 + R, chunk, grp, w, sc, bi);   // next pass: in flight
                 float part[R];
 #pragma unroll
                 for (int i = 0; i < R; i++) {
@@ -273,12 +332,18 @@ kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y
         pdl_wait();                // warps without a slab store too
 #if RW
         store_weighted(acc, y, n0, rw_at(rw, pair));
+#elif EPI
+        store_act(acc, y, ws, n0, split, m, M);
 #else
         store_block(acc, y, ws, n0, split, m, M);
 #endif
         __syncthreads();
     }
+#if EPI
+    if (SPLIT > 1) finish_act(y, ws, counts, n0, M);
+#else
     if (SPLIT > 1) finish_splits(y, ws, counts, n0, M);
+#endif
 }
 """
 
@@ -300,10 +365,10 @@ def shape_fits(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: in
 
 def defines(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: int, split: int, f16: bool,
             act: int = -1, norm: int = 0, style: int = 0, xdiv: int = 0, rw: int = 0, idx32: bool = False,
-            host: bool = False) -> dict:
+            host: bool = False, epi: bool = False) -> dict:
     return {"N": n, "K": k, "G": group, "BITS": bits, "BN": bn, "WARPS": warps, "R": r, "SPLIT": split, "F16": f16,
             "ACT": act, "NORM": norm, "STYLE": style, "PAIRS": int(xdiv > 0), "XDIV": max(xdiv, 1), "RW": rw,
-            "IDX32": int(idx32), "HOST": int(host)}
+            "IDX32": int(idx32), "HOST": int(host), "EPI": int(epi)}
 
 
 def kernel(*args, **kw) -> nvrtc.Kernel:
@@ -329,21 +394,22 @@ def weights_take(x: torch.Tensor, w) -> bool:
 
 def run(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
         y: torch.Tensor, bn: int, warps: int, r: int, split: int, counts=None, warm: bool = False, act: int = -1,
-        norm: dict | None = None):
+        norm: dict | None = None, epi: bool = False):
     """y [M, N] = x [M, K] @ dequantize(w)^T with this form (act >= 0: x [M, 2K] = [g | u] and the
     input act(g) * u, rounded as act_mul rounds; norm {w, eps, style (an index of STYLES)[, r, s]}: the
     input rmsnorm(x), or rmsnorm(x + r) with s = x + r written, rounded as the rmsnorm kernel rounds);
-    `warm`: compile (and load) only."""
+    `epi` (with act >= 0): w is [gate; up] and y [M, N / 2] = act(gate) * up, rounded as act_mul rounds
+    the plain form's outputs; `warm`: compile (and load) only."""
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 32 // bits
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"{NAME} reads 16-bit x, not {x.dtype}")
     norm_kind = 0 if norm is None else 1 if norm.get("r") is None else 2
     assert norm_kind != 2 or norm.get("s") is not None, "a residual add writes s = x + r: pass s"
     kern = kernel(n, k, bits, group, bn, warps, r, split, x.dtype == torch.float16, act, norm_kind,
-                  0 if norm is None else norm["style"])
+                  0 if norm is None else norm["style"], epi=epi)
     if warm:
         return kern.function(x.device)
-    blocks = cdiv(n, bn)
+    blocks = cdiv(n // 2, bn // 2) if epi else cdiv(n, bn)
     ws = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     counts = y if split == 1 else counts
     pro = [y, y, y, 0.0] if norm is None else [norm["w"], norm["r"] if norm_kind == 2 else y,

@@ -380,17 +380,33 @@ def launch(kernel, grid: tuple, warm: bool, *args, **kwargs):
     return None
 
 
+def epilogue_reference(y: torch.Tensor, act_out: str | None) -> torch.Tensor:
+    """act(gate) * up of a [gate | up] GEMV output as the reference's act_mul computes it, or y itself."""
+    if act_out is None:
+        return y
+    g, u = y.split(y.shape[-1] // 2, dim=-1)
+    return GemmReference().act_mul(g, u, act_out)
+
+
 def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | None = None, act: str | None = None,
-          norm: dict | None = None, warm: bool = False):
+          norm: dict | None = None, warm: bool = False, act_out: str | None = None):
     """y = pro(x) @ dequantize(w)^T with variant `v`; x [M, K] contiguous ([M, 2K] = [g | u] with act),
     pro as prologue_reference says (the fma forms compute it as they load x; the others take none).
-    With `warm`, compiles the launch's kernel instead and returns it."""
+    act_out: w is [gate; up] and y [M, N / 2] = act(gate) * up as epilogue_reference says (the dp4a
+    forms compute it as they store; the others through act_mul). With `warm`, compiles the launch's
+    kernel instead and returns it."""
     p = v.p
     m, k, n = x.shape[0], w.shape[-1], w.shape[0]
     if y is None:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        y = torch.empty((m, n // 2 if act_out else n), dtype=x.dtype, device=x.device)
     if p.get("trusted"):
-        y.copy_(F.linear(prologue_reference(x, act, norm), dequantize(w)))
+        y.copy_(epilogue_reference(F.linear(prologue_reference(x, act, norm), dequantize(w)), act_out))
+        return y
+    if act_out is not None and not (p.get("dp4a") and dp4a.takes(x, w.packed) and dp4a.weights_take(x, w)):
+        assert not warm, f"{v.name} has no act epilogue"
+        h = qgemv(x, w, v, act=act, norm=norm)     # the plain form (a dp4a form off its inputs: the fma form)
+        g, u = h.split(n // 2, dim=-1)
+        y.copy_(act_mul(g.contiguous(), u.contiguous(), act_out))
         return y
     if p.get("dp4a"):
         extra = [] if norm is None else [t for t in (norm["w"], norm.get("r"), norm.get("s")) if t is not None]
@@ -401,8 +417,9 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
             return qgemv(x, w, v2 if pro_ok else TRUSTED, y, act=act, norm=norm)
         dnorm = None if norm is None else {**norm, "style": norm_kernels.STYLES[norm["style"]]}
         counts = arrival_counters(x.device, cdiv(n, p["bn"])) if p["sk"] > 1 else None
+        a = act_out if act_out is not None else act
         built = dp4a.run(x, w.packed, w.scales, w.biases, w.bits, w.group_size, y, p["bn"], p["w"], p["r"], p["sk"],
-                         counts, warm=warm, act=-1 if act is None else ACTS[act], norm=dnorm)
+                         counts, warm=warm, act=-1 if a is None else ACTS[a], norm=dnorm, epi=act_out is not None)
         return built if warm else y
     if p.get("mma"):
         assert act is None and norm is None, f"{v.name} takes no prologue"
@@ -471,10 +488,15 @@ class QGemvShape:
     act: str | None = None      # prologue: x rows are [g | u] and the input is act(g) * u
     style: str | None = None    # prologue: the input is rmsnorm(x) in this style ...
     add: bool = False           # ... of x + r, s = x + r written
+    out_act: str | None = None  # epilogue: the weight is [gate; up] (n = 2I rows), the output act(gate) * up
 
     @property
     def key(self) -> tuple:
-        return (self.n, self.k, self.bits, self.group) + self.prologue
+        return (self.n, self.k, self.bits, self.group) + self.prologue + self.epilogue
+
+    @property
+    def epilogue(self) -> tuple:
+        return (("out_act", self.out_act),) if self.out_act else ()
 
     @property
     def prologue(self) -> tuple:
@@ -487,10 +509,14 @@ class QGemvShape:
 
 def unfused(inputs: dict, outputs: dict, plan, trusted: bool = False) -> None:
     """The prologue's own kernel (act_mul, or the rmsnorm kernel as the plan chose), then the plain
-    quantised GEMV as the plan chose."""
+    quantised GEMV as the plan chose; or that GEMV, then the epilogue's act_mul."""
     x, w, act = inputs["x"], inputs["w"], inputs.get("act")
     shape = QGemvShape(x.shape[0], w.shape[0], w.shape[-1], w.bits, w.group_size)
     dev = plan.dev if plan is not None else device_info(x.device)
+    if inputs.get("out_act") is not None:
+        qgemv(x, w, plan.choose(OP, shape) if plan is not None else OP.default(shape, dev), outputs["y"],
+              act_out=inputs["out_act"])
+        return
     if act is not None:
         g, u = x.split(w.shape[-1], dim=-1)
         h = act_mul(g, u, act)
@@ -535,12 +561,12 @@ def dp4a_variant(bn: int, w: int, r: int, sk: int) -> Variant:
 
 
 def dp4a_forms(s: QGemvShape, forms: list[tuple]) -> list[Variant]:
-    """dp4a_variant of each form that fits (bits 4 and 8; no prologue, act(g) * u's or a norm's), its
-    warps cut to the split's slabs."""
+    """dp4a_variant of each form that fits (bits 4 and 8; no prologue, act(g) * u's or a norm's; or the
+    act epilogue), its warps cut to the split's slabs."""
     out = []
     for bn, w, r, sk in forms:
         chunks = s.k * s.bits // 128
-        if s.bits not in dp4a.BITS or (s.act and s.act not in ACTS) or chunks % sk:
+        if s.bits not in dp4a.BITS or any(a and a not in ACTS for a in (s.act, s.out_act)) or chunks % sk:
             continue
         w = max(1, min(w, cdiv(chunks // sk, 32)))
         if dp4a.shape_fits(s.n, s.k, s.bits, s.group, bn, w, r, sk):
@@ -662,16 +688,19 @@ class QGemvOp(Op):
 
     def shape_str(self, s: QGemvShape) -> str:
         pro = (f"_{s.act}" if s.act else "") + (f"_{s.style}" + ("_add" if s.add else "") if s.style else "")
-        return f"{s.rows}x{s.n}x{s.k}_q{s.bits}g{s.group}{pro}"
+        return f"{s.rows}x{s.n}x{s.k}_q{s.bits}g{s.group}{pro}" + (f"_out_{s.out_act}" if s.out_act else "")
 
     def with_rows(self, s: QGemvShape, rows: int) -> QGemvShape:
-        return QGemvShape(rows, s.n, s.k, s.bits, s.group, s.act, s.style, s.add)
+        return QGemvShape(rows, s.n, s.k, s.bits, s.group, s.act, s.style, s.add, s.out_act)
 
     def blocks(self, s: QGemvShape) -> tuple[int, int]:
         return max(2, s.rows), s.rows     # the rows loop taken more than once, and the rows asked for
 
     def catalogue(self, s: QGemvShape, dev) -> list[Variant]:
         only = self.only or ""
+        if s.epilogue:      # the GEMV then act_mul (trusted: the reference's), or a dp4a form computing it as it stores
+            forms = GPU_DP4A + GPU_DP4A_WIDE + (GPU_DP4A_NARROW if s.n <= GPU_DP4A_SMALL_N else [])
+            return [TRUSTED, UNFUSED] + [v for v in cuda_c_forms(s, forms, dev) if v.name.startswith(only)]
         if s.prologue:      # the composition (trusted), its tuned kernels, or the FMA form computing it as it loads
             # on the H200 every fused form lost to `unfused` at all 12 prologue shapes of the 0.8b and
             # 9B (bench/NOTES.md, 2026-12-02): two stay measured, in case a shape ever favours them
@@ -696,7 +725,7 @@ class QGemvOp(Op):
     def default(self, s: QGemvShape, dev) -> Variant:
         """Untuned: the FMA form's H200 winner (bn16, 128 words a step, no split) or its nearest that fits,
         else the widest gather form."""
-        if s.prologue:
+        if s.prologue or s.epilogue:
             return UNFUSED
         forms = [v for v in self.catalogue(s, dev) if v is not TRUSTED and not v.p.get("mma")
                  and not v.p.get("dp4a")]     # any dtype, any machine
@@ -715,12 +744,14 @@ class QGemvOp(Op):
             d = {"x": (torch.randn(s.rows, 2 * s.k, generator=gen, device=device) * 2.0).to(dtype), "act": s.act}
         else:
             d = {"x": torch.randn(s.rows, s.k, generator=gen, device=device).to(dtype)}
+            if s.out_act:       # gates across the activation's bend
+                d = {"x": d["x"] * 2.0, "out_act": s.out_act}
         w = torch.randn(s.n, s.k, generator=gen, device=device) * s.k ** -0.5
         return {**d, "w": quantize(w.to(dtype), s.bits, s.group)}
 
     def outputs(self, s: QGemvShape, inputs: dict) -> dict:
-        x = inputs["x"]
-        out = {"y": torch.empty((x.shape[0], inputs["w"].shape[0]), dtype=x.dtype, device=x.device)}
+        x, n = inputs["x"], inputs["w"].shape[0]
+        out = {"y": torch.empty((x.shape[0], n // 2 if inputs.get("out_act") else n), dtype=x.dtype, device=x.device)}
         if inputs.get("r") is not None:
             out["s"] = torch.empty_like(x)
         return out
@@ -730,7 +761,8 @@ class QGemvOp(Op):
         if "norm_w" in inputs:
             norm = {"w": inputs["norm_w"], "eps": inputs["eps"], "style": inputs["style"], "r": inputs.get("r"),
                     "s": outputs.get("s")}
-        qgemv(inputs["x"], inputs["w"], v, outputs["y"], act=inputs.get("act"), norm=norm)
+        qgemv(inputs["x"], inputs["w"], v, outputs["y"], act=inputs.get("act"), norm=norm,
+              act_out=inputs.get("out_act"))
 
     def compile(self, v: Variant, s: QGemvShape, dtype, device) -> list:
         if interpreting() or v.run is not None or v.p.get("trusted"):
@@ -743,7 +775,7 @@ class QGemvOp(Op):
         if s.style:
             r = torch.empty_like(x) if s.add else None
             norm = {"w": torch.empty(s.k, dtype=dtype, device=device), "eps": 1e-6, "style": s.style, "r": r, "s": r}
-        built = qgemv(x, w, v, act=s.act, norm=norm, warm=True)
+        built = qgemv(x, w, v, act=s.act, norm=norm, warm=True, act_out=s.out_act)
         return [] if v.p.get("dp4a") else [built]     # a CUDA C kernel: compiled and loaded, no Triton launcher
 
     def kernel_sources(self, v: Variant) -> list | str:
@@ -777,6 +809,12 @@ class QGemvOp(Op):
             return act in ACTS and x.shape[-1] == 2 * k and self.supports(x[:, :k], w)
         return (self.supports(x, w) and norm_w is not None and norm_w.shape == (k,) and norm_w.dtype == x.dtype
                 and style in norm_kernels.STYLES and (r is None or (r.shape == x.shape and r.dtype == x.dtype)))
+
+    def supports_epilogue(self, x: torch.Tensor, w, act: str) -> bool:
+        """One row of x, w as `supports` takes it with an even number of rows ([gate; up]), an
+        activation the kernels compute (SiLU, sigmoid)."""
+        return (x.dim() == 2 and x.shape[0] == 1 and act in ACTS and self.supports(x, w)
+                and w.shape[0] % 2 == 0)
 
 
 OP = register(QGemvOp())
