@@ -107,8 +107,9 @@ class CudaOps(ForkOps, NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, Samp
             tuner = Tuner(self.device, dtype, retune=retune, pins=pins, budget_s=budget_s, quiet=quiet)
         base = self.dense_workloads(type(model), model.cfg, max_batch, m_values)
         act = getattr(model.cfg, "hidden_act", None) or getattr(model.cfg, "hidden_activation", None)
+        after = (model.cfg.hidden_size, model.norm_style) if getattr(model, "projections_later", False) else None
         extra = [Workload(op, s) for op, s in quant_workloads(model.w, base, act, nvrtc.kernels_run(device_info(
-            self.device))) if op.family not in self.off]
+            self.device)), after) if op.family not in self.off]
         if extra:
             base = dense_decode_workloads(model.w, base)
         self.join_warm()

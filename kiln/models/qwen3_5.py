@@ -89,6 +89,7 @@ class Qwen35(Model):
     # Each residual add and the norm after it go to the next projections' GEMV (the mixer's input
     # projections, the MLP's gate|up) through one op, which can run them inside it at decode.
     norm_in_next_gemv = True
+    projections_later = True    # out_proj, o_proj and the dense MLP's down go through ops.linear_later
 
     def __init__(self, cfg, weights, ops):
         super().__init__(cfg, weights, ops)
@@ -220,7 +221,7 @@ class Qwen35(Model):
         y = per_request(state, lambda s, qkv, z, b, a: self.ops.gated_deltanet(qkv, z, b, a, params, s, dims),
                         qkv, z, b, a,
                         whole=lambda s, qkv, z, b, a: self.ops.gated_deltanet_rows(qkv, z, b, a, params, s, dims))
-        return self.ops.linear(y, w[p + "out_proj.weight"])
+        return self.ops.linear_later(y, w[p + "out_proj.weight"])     # the add + norm after it may compute it
 
     def full_attention(self, i, proj, positions, cache, rope):
         c, w, ops, p = self.cfg, self.w, self.ops, f"model.layers.{i}.self_attn."
@@ -234,11 +235,14 @@ class Qwen35(Model):
             q, k, v, gate, *rope, positions,
             whole=lambda s, q, k, v, g, cos, sin, pos: ops.qk_norm_rope_attention_rows(
                 q, k, v, qn, kn, eps, "offset", (cos, sin), s, pos, default_scale(d), gate=g))
-        return ops.linear(o.reshape(t, -1), w[p + "o_proj.weight"])
+        return ops.linear_later(o.reshape(t, -1), w[p + "o_proj.weight"])
 
     def mlp(self, i, x):
+        """The MLP's output, only ever the residual branch of the add + norm after it (norm_next, the
+        final norm): its down projection may be handed on to that norm (ops.linear_later)."""
         w, p = self.w, f"model.layers.{i}.mlp."
-        return self.ops.gated_mlp(x, w[p + "gate_up_proj.weight"], w[p + "down_proj.weight"], self.cfg.hidden_act)
+        return self.ops.gated_mlp(x, w[p + "gate_up_proj.weight"], w[p + "down_proj.weight"], self.cfg.hidden_act,
+                                  later=True)
 
     def norm_mlp(self, i, x, a):
         """The residual add, the post-attention norm and the MLP: (x + a, mlp(norm(x + a)))."""
@@ -249,7 +253,7 @@ class Qwen35(Model):
             return x, self.mlp(i, h)
         return self.ops.add_rmsnorm_gated_mlp(x, a, w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps,
                                               self.norm_style, w[p + "mlp.gate_up_proj.weight"],
-                                              w[p + "mlp.down_proj.weight"], self.cfg.hidden_act)
+                                              w[p + "mlp.down_proj.weight"], self.cfg.hidden_act, later=True)
 
     def forward(self, ids, positions, state, last_only=True):
         c, w, ops, eps = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps
@@ -266,7 +270,7 @@ class Qwen35(Model):
             if i + 1 < len(c.layer_types):
                 x, proj = self.norm_next(i + 1, x, m)
             self.layer_done()
-        x, m = last_rows(x, last_only), last_rows(m, last_only)
+        x, m = last_rows(x, last_only), last_rows(ops.now(m), last_only)
         return ops.logits(ops.add_rmsnorm(x, m, w["model.norm.weight"], eps, self.norm_style)[1], self.lm_head)
 
 

@@ -129,6 +129,42 @@ def test_dp4a_act_epilogue_equals_the_gemv_then_act_mul(n, k, bits, group, act):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k,bits,group,style", [(1024, 3584, 4, 64, "offset"), (1000, 2048, 8, 128, "llama"),
+                                                  (2048, 1024, 4, 32, "plain")])
+def test_dp4a_norm_epilogue_equals_the_gemv_then_the_add_and_norm(n, k, bits, group, style):
+    """rmsnorm(x W^T + r) and s = x W^T + r, written by the GEMV's last block, equal the same form's
+    plain output through the rmsnorm kernel with its add, bit for bit, on two rows (each its own rstd):
+    blocks of 8 to 64 rows, 1 to 8 warps, 1 to 8 rows a pass, 1 to 4 splits, N ragged against the block.
+    Scales 1/8, biases 0, four +-1 in each x row and r in 8ths below 4: every product, s and sum of
+    squares is exact in f32 in any order (|s| < 12, 8ths)."""
+    if not torch.cuda.is_available() or not nvrtc.available(torch.device("cuda")):
+        pytest.skip("needs a CUDA GPU and NVRTC")
+    from kiln.ops.norm import kernels as norm_kernels
+    from kiln.weights.quantized import QuantizedWeight
+    g = torch.Generator().manual_seed(n + k + bits)
+    s = qk.QGemvShape(1, n, k, bits, group, out_norm=style)
+    vs = qk.dp4a_forms(s, [(16, 4, 4, 1), (32, 8, 8, 2), (8, 4, 4, 2), (64, 4, 8, 4), (16, 2, 1, 1)])
+    assert any(v.p["sk"] > 1 for v in vs) and any(v.p["sk"] == 1 for v in vs)
+    for dtype in (torch.bfloat16, torch.float16):
+        packed = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k * bits // 32), generator=g, dtype=torch.int32)
+        sb = torch.full((n, k // group), 0.125, dtype=dtype)
+        w = QuantizedWeight(packed, sb, torch.zeros_like(sb), bits, group).to("cuda")
+        x = torch.zeros(2, k)
+        for row in x:
+            row[torch.randperm(k, generator=g)[:4]] = torch.randint(0, 2, (4,), generator=g).float() * 2 - 1
+        x = x.to(dtype).cuda()
+        r = (torch.randint(-31, 32, (2, n), generator=g).float() / 8).to(dtype).cuda()
+        nw = (torch.randn(n, generator=g) * 0.2 + (0.0 if style == "offset" else 1.0)).to(dtype).cuda()
+        for v in vs:
+            y, got_s = (torch.full((2, n), float("nan"), dtype=dtype, device="cuda") for _ in range(2))
+            qk.qgemv(x, w, v, y, norm_out={"w": nw, "r": r, "s": got_s, "eps": 1e-6, "style": style})
+            ref_s = torch.empty_like(r)
+            ref = norm_kernels.rmsnorm(qk.qgemv(x, w, v), nw, 1e-6, style, norm_kernels.TRUSTED, add=r, s=ref_s)
+            assert torch.equal(got_s, ref_s), f"{v.name} {dtype}: s differs"
+            assert torch.equal(y, ref), f"{v.name} {dtype}: max diff {(y - ref).abs().max()}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rw_dtype", [None, "x", torch.float32])
 @pytest.mark.parametrize("n,k,bits,group", [(1024, 2048, 4, 64), (200, 512, 8, 32)])
 def test_dp4a_pairs_equal_each_experts_plain_gemv(n, k, bits, group, rw_dtype):
@@ -275,6 +311,20 @@ def test_prologue_forms_compile():
                 p = v.p
                 d = dp4a.defines(n, k, 4, 64, p["bn"], p["w"], p["r"], p["sk"], False, **extra)
                 assert nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, d, (9, 0))[:4] == b"\x7fELF"
+
+
+def test_norm_epilogue_forms_compile():
+    """Every norm epilogue form on decode's projections into the residual stream compiles for sm_90."""
+    if not nvrtc.compiler_available():
+        pytest.skip("no libnvrtc here")
+    for n, k in ((5120, 17408), (1024, 3584)):
+        s = qk.QGemvShape(1, n, k, 4, 64, out_norm="offset")
+        vs = qk.dp4a_forms(s, qk.GPU_DP4A + qk.GPU_DP4A_WIDE + (qk.GPU_DP4A_NARROW if n <= qk.GPU_DP4A_SMALL_N else []))
+        assert vs
+        for v in vs:
+            p = v.p
+            d = dp4a.defines(n, k, 4, 64, p["bn"], p["w"], p["r"], p["sk"], False, style=1, nout=True)
+            assert nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, d, (9, 0))[:4] == b"\x7fELF", v.name
 
 
 def test_act_epilogue_forms_compile():

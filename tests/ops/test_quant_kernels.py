@@ -12,6 +12,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from kiln.backends.cuda import CudaOps  # noqa: E402
+from kiln.ops.norm.reference import NormReference  # noqa: E402
 from kiln.ops.quant import cuda as quant_cuda  # noqa: E402
 from kiln.ops.quant import kernels  # noqa: E402
 from kiln.ops.quant.reference import dequantize, quantize, unpack  # noqa: E402
@@ -161,6 +162,111 @@ def test_act_epilogue_workloads_come_from_the_gate_up_gemvs(cuda_c):
     plain = [kernels.QGemvShape(1, 64, 256, 3, 64), kernels.QGemvShape(1, 128, 64, 4, 32)]
     assert got == sorted(plain + ([kernels.QGemvShape(1, 128, 64, 4, 32, out_act="silu")] if cuda_c else []),
                          key=lambda s: (s.key[:4], len(s.key)))
+
+
+def test_gate_passes_the_norm_epilogue_candidates_and_rejects_one_without_the_add():
+    """The norm epilogue's shape (y = rmsnorm(x W^T + r), s = x W^T + r) through the gate: its candidates
+    pass; a form that norms x W^T without adding r is rejected."""
+    op, dev = kernels.OP, device_info(DEVICE)
+    s = kernels.QGemvShape(1, 64, 256, 4, 64, out_norm="offset")
+    assert op.shape_str(s) == "1x64x256_q4g64_out_offset_add" and op.default(s, dev) is kernels.UNFUSED
+
+    def no_add(inputs, outputs, plan):
+        lin = kernels.qgemv(inputs["x"], inputs["w"], kernels.TRUSTED)
+        outputs["s"].copy_(lin)
+        outputs["y"].copy_(NormReference().rmsnorm(lin, inputs["out_w"], inputs["out_eps"], "offset"))
+
+    cases = gate.trusted_cases(op, s, op.trusted(s, dev), torch.bfloat16, DEVICE,
+                               torch.Generator(device=DEVICE).manual_seed(7))
+    for v in op.candidates(s, dev):
+        assert gate.check(op, v, cases).ok, v.name
+    with extra_variant("qgemv", variant("no_add", run=no_add)) as bad:
+        assert not gate.check(op, bad, cases).ok
+
+
+def test_norm_epilogue_workloads_come_from_the_weights_into_the_residual_stream():
+    w_out, w_in = quantized(64, 128, 4, 64), quantized(96, 64, 4, 64)      # hidden 64: [64, 128] writes into it
+    weights = {"o": w_out, "qkv": w_in}
+    plain = [kernels.QGemvShape(1, 64, 128, 4, 64), kernels.QGemvShape(1, 96, 64, 4, 64)]
+    got = [s for _, s in quant_cuda.quant_workloads(weights, cuda_c=True, norm_after=(64, "offset"))]
+    assert got == [plain[0], kernels.QGemvShape(1, 64, 128, 4, 64, out_norm="offset"), plain[1]]
+    assert [s for _, s in quant_cuda.quant_workloads(weights, cuda_c=False, norm_after=(64, "offset"))] == plain
+    assert [s for _, s in quant_cuda.quant_workloads(weights, cuda_c=True)] == plain
+
+
+def test_a_projection_handed_on_is_added_and_normed_by_its_gemv_where_the_tuner_keeps_it(monkeypatch):
+    """ops.linear_later at one row on a quantised weight hands on a Later (where CUDA C runs: faked
+    here); add_rmsnorm, add_rmsnorm_linear_split and add_rmsnorm_gated_mlp take it as r and run the
+    GEMV with the add + norm in its epilogue where a form is kept (the trusted one stands in), else
+    compute the product first; every result equals the reference's on the computed product."""
+    from types import SimpleNamespace
+
+    from kiln.backends.reference import ReferenceOps
+    from kiln.ops.gemm import cuda as gemm_cuda
+    from kiln.ops.later import Later
+
+    ops, ref = CudaOps(DEVICE), ReferenceOps()
+    monkeypatch.setattr(gemm_cuda, "nvrtc", SimpleNamespace(kernels_run=lambda dev: True))
+    h, inner = 128, 256
+    w_o, wqkv = quantized(h, inner, 4, 64, seed=2), quantized(96, h, 4, 32, seed=3)
+    gate_up, down = quantized(2 * inner, h, 4, 64, seed=4), quantized(h, inner, 4, 64, seed=5)
+    y, x, nw = rand(1, inner, seed=6), rand(1, h, seed=7), 1.0 + 0.1 * rand(h, seed=8)
+    ran = []
+    real = kernels.OP.run
+    monkeypatch.setattr(kernels.OP, "run", lambda v, i, o, plan=None: ran.append(i.get("out_norm")) or real(v, i, o,
+                                                                                                             plan))
+
+    def close(a, b):
+        return (a.float() - b.float()).abs().max() <= 1e-5 * b.float().abs().max()
+
+    a = ops.linear_later(y, w_o)
+    assert isinstance(a, Later) and torch.equal(ops.now(a), ops.linear(y, w_o))
+    assert not isinstance(ops.linear_later(rand(2, inner, seed=9), w_o), Later)      # two rows: computed
+    a0 = ref.linear(y, w_o)
+    for kept in (True, False):
+        form = (lambda o, x, w, r, nw, style: kernels.TRUSTED if kernels.OP.supports_norm_epilogue(
+            x.reshape(1, -1), w, r.reshape(1, -1), nw, style) else None) if kept else (lambda *args: None)
+        monkeypatch.setattr(quant_cuda, "norm_after_form", form)
+        ran.clear()
+        s, n = ops.add_rmsnorm(x, a, nw, 1e-6, "offset")
+        s0, n0 = ref.add_rmsnorm(x, a0, nw, 1e-6, "offset")
+        assert close(s, s0) and close(n, n0)
+        s, parts = ops.add_rmsnorm_linear_split(x, a, nw, 1e-6, "offset", wqkv, [32, 64])
+        s0, parts0 = ref.add_rmsnorm_linear_split(x, a0, nw, 1e-6, "offset", wqkv, [32, 64])
+        assert close(s, s0) and all(close(p, q) for p, q in zip(parts, parts0))
+        s, m = ops.add_rmsnorm_gated_mlp(x, a, nw, 1e-6, "offset", gate_up, down, "silu", later=True)
+        s0, m0 = ref.add_rmsnorm_gated_mlp(x, a0, nw, 1e-6, "offset", gate_up, down, "silu")
+        assert close(s, s0) and close(ops.now(m), m0)
+        assert ran.count("offset") == (3 if kept else 0)
+
+
+def test_a_model_whose_projections_are_handed_on_gives_the_same_tokens():
+    """Qwen3.5's out_proj, o_proj and down through linear_later: a backend handing on every one as a Later
+    (computed by the add + norm that takes it, or by `now` before the LM head) gives the tokens of one
+    that computes them at once."""
+    import kiln
+    from kiln.backends.reference import ReferenceOps
+    from kiln.ops.later import Later
+
+    handed = []
+
+    class Handing(ReferenceOps):
+        def linear_later(self, x, w):
+            handed.append(w.shape)
+            return Later(x, w)
+
+        def gated_mlp(self, x, gate_up, down, act, later=False):
+            if not later:
+                return super().gated_mlp(x, gate_up, down, act)
+            g, u = self.linear_split(x, gate_up, [down.shape[1]] * 2)
+            return self.linear_later(self.act_mul(g, u, act), down)
+
+    llm = kiln.load("synth:tiny-qwen3.5", device="cpu", backend="reference", dtype="f32")
+    want = llm.generate([5, 17, 200, 33, 91, 4], max_new_tokens=6, temperature=0).token_ids
+    llm.model.ops.__class__ = Handing
+    assert llm.generate([5, 17, 200, 33, 91, 4], max_new_tokens=6, temperature=0).token_ids == want
+    layers = llm.model.cfg.num_hidden_layers
+    assert len(handed) >= 2 * layers * 6        # each step: every layer's mixer output and MLP handed on
 
 
 def test_gated_mlp_takes_the_act_epilogue_where_the_tuner_keeps_it(monkeypatch):

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import torch
 
+from .. import nvrtc
 from ..counters import keep_counters
 from ..dispatch import TunedOps
+from ..later import Later
 from ..quant.cuda import (
     gate_up_act_form,
     quant_act_down,
     quant_embed,
     quant_gate_up_act,
     quant_linear,
+    quant_linear_add_rmsnorm,
     quant_norm_linear,
 )
+from ..quant.kernels import OP as QGEMV
 from ..quant.reference import QuantizedWeight
 from . import activation, gelu, gemm, gemm_act, norm_gemm
 from .reference import GemmReference
@@ -57,12 +61,21 @@ class GemmCuda(TunedOps, GemmReference):
             return super().linear_split(x, w, sizes)
         return list(self.linear(x, w).split(sizes, dim=-1))
 
-    def gated_mlp(self, x, gate_up, down, act):
+    def linear_later(self, x, w):
+        """At one row on a quantised weight where kiln's CUDA C kernels run: a Later, computed by the
+        add + norm that takes it (in the GEMV's last block where the tuner keeps that form)."""
+        if (x.numel() == x.shape[-1] and not dense(w) and self.on("quant", x) and nvrtc.kernels_run(self.dev)
+                and QGEMV.supports(x.reshape(1, -1), w)):
+            return Later(x, w)
+        return self.linear(x, w)
+
+    def gated_mlp(self, x, gate_up, down, act, later=False):
         if not dense(down) and x.numel() == x.shape[-1]:      # one row, quantised down: the gate|up GEMV's
             # epilogue, or the down GEMV's prologue
             x1 = x.reshape(1, -1)
             if not dense(gate_up) and (h := quant_gate_up_act(self, x1, gate_up, act)) is not None:
-                return self.linear(h, down).view(*x.shape[:-1], -1)
+                h = h.view(*x.shape[:-1], -1)
+                return self.linear_later(h, down) if later else self.linear(h, down)
             return self._act_down(self.linear(x1, gate_up), down, act).view(*x.shape[:-1], -1)
         if not dense(gate_up, down) or not self.on("gemm", x) or not gemm_act.OP.supports(x, gate_up, act):
             gate, up = self.linear_split(x, gate_up, [down.shape[1]] * 2)
@@ -75,9 +88,20 @@ class GemmCuda(TunedOps, GemmReference):
         gemm_act.OP.run(v, {"x": x2, "w": gate_up, "act": act}, {"y": h}, self.plan)
         return self.linear(h.view(*x.shape[:-1], -1), down)
 
+    def _linear_add_rmsnorm(self, x, r, norm_w, eps, style):
+        """r a Later: (s, h) of its GEMV with the add + norm in the last block where the tuner keeps
+        that form, else None and r computed: (None, r)."""
+        if (got := quant_linear_add_rmsnorm(self, r.x, r.w, x, norm_w, eps, style)) is not None:
+            return got, r
+        return None, self.now(r)
+
     def add_rmsnorm_linear_split(self, x, r, norm_w, eps, style, w, sizes):
         """At one row, when the tuner chose the GEMV with the norm in its prologue: s = x + r and the
-        packed projections of rmsnorm(s) in one launch."""
+        packed projections of rmsnorm(s) in one launch. r a Later: its GEMV adds and norms (where kept)."""
+        if isinstance(r, Later):
+            got, r = self._linear_add_rmsnorm(x, r, norm_w, eps, style)
+            if got is not None:
+                return got[0], self.linear_split(got[1], w, sizes)
         if not dense(w) and (got := quant_norm_linear(self, x, r, norm_w, eps, style, w)) is not None:
             return got[0], list(got[1].split(sizes, dim=-1))
         v = self._norm_gemv_choice(x, r, norm_w, w, style)
@@ -86,9 +110,14 @@ class GemmCuda(TunedOps, GemmReference):
         s, y = self._norm_gemv(v, x, r, norm_w, eps, style, w)
         return s.view(x.shape), list(y.view(*x.shape[:-1], -1).split(sizes, dim=-1))
 
-    def add_rmsnorm_gated_mlp(self, x, r, norm_w, eps, style, gate_up, down, act):
+    def add_rmsnorm_gated_mlp(self, x, r, norm_w, eps, style, gate_up, down, act, later=False):
         """At one row, when the tuner chose the GEMV with the norm in its prologue (and the unfused
-        gate|up): s = x + r and gate|up of rmsnorm(s) in one launch, then the down projection."""
+        gate|up): s = x + r and gate|up of rmsnorm(s) in one launch, then the down projection. r a
+        Later: its GEMV adds and norms (where kept); `later` as gated_mlp's."""
+        if isinstance(r, Later):
+            got, r = self._linear_add_rmsnorm(x, r, norm_w, eps, style)
+            if got is not None:
+                return got[0], self.gated_mlp(got[1], gate_up, down, act, later=later)
         if (not dense(gate_up) and gate_up_act_form(self, x, gate_up, act) is None    # else: the norm's kernel,
                 # then gated_mlp's epilogue form
                 and (got := quant_norm_linear(self, x, r, norm_w, eps, style, gate_up)) is not None):
@@ -96,7 +125,7 @@ class GemmCuda(TunedOps, GemmReference):
         v = self._norm_gemv_choice(x, r, norm_w, gate_up, style)
         shape = gemm_act.GemmActShape(1, down.shape[1], x.shape[-1], act)
         if v is None or not dense(down) or self.choose(gemm_act.OP, shape).run is None:
-            return super().add_rmsnorm_gated_mlp(x, r, norm_w, eps, style, gate_up, down, act)
+            return super().add_rmsnorm_gated_mlp(x, r, norm_w, eps, style, gate_up, down, act, later=later)
         s, gu = self._norm_gemv(v, x, r, norm_w, eps, style, gate_up)
         return s.view(x.shape), self._act_down(gu, down, act).view(x.shape)
 

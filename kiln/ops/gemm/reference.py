@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ...indexcheck import checked
+from ..later import now
 from ..quant.reference import QuantizedWeight, dequantize
 
 ACTIVATIONS = {
@@ -55,8 +56,19 @@ class GemmReference:
         """Norm fused into the next projection (fused on GPU where the tuner finds it pays)."""
         return self.linear(self.rmsnorm(x, norm_w, eps, style), w)
 
-    def gated_mlp(self, x, gate_up, down, act: str) -> torch.Tensor:
-        """down(act(gate(x)) * up(x)): SwiGLU / GeGLU; gate_up [2I, H] packs gate's rows, then up's."""
+    def linear_later(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x @ w^T, used only as the residual branch of the add + norm that follows (add_rmsnorm and
+        the fused forms after it take it as r): here the product; a backend may hand on a Later
+        (kiln/ops/later.py) and compute it inside that norm."""
+        return self.linear(x, w)
+
+    def now(self, v):
+        """v, or the product of a Later that linear_later or gated_mlp(later=True) handed on."""
+        return now(self, v)
+
+    def gated_mlp(self, x, gate_up, down, act: str, later: bool = False) -> torch.Tensor:
+        """down(act(gate(x)) * up(x)): SwiGLU / GeGLU; gate_up [2I, H] packs gate's rows, then up's.
+        `later`: the output is only the residual branch of an add + norm (as linear_later's)."""
         gate, up = self.linear_split(x, gate_up, [down.shape[1]] * 2)
         return self.linear(self.act_mul(gate, up, act), down)
 
@@ -67,11 +79,12 @@ class GemmReference:
         s, h = self.add_rmsnorm(x, r, norm_w, eps, style)
         return s, self.linear_split(h, w, sizes)
 
-    def add_rmsnorm_gated_mlp(self, x, r, norm_w, eps: float, style: str, gate_up, down, act: str):
+    def add_rmsnorm_gated_mlp(self, x, r, norm_w, eps: float, style: str, gate_up, down, act: str,
+                              later: bool = False):
         """The residual add, the post-attention norm and the MLP: (x + r, gated_mlp(rmsnorm(x + r)));
-        on GPU at decode the norm can run inside the gate|up GEMV."""
+        on GPU at decode the norm can run inside the gate|up GEMV. `later` as gated_mlp's."""
         s, h = self.add_rmsnorm(x, r, norm_w, eps, style)
-        return s, self.gated_mlp(h, gate_up, down, act)
+        return s, self.gated_mlp(h, gate_up, down, act, later=later)
 
     def logits(self, x: torch.Tensor, w: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
         out = self.linear(x, w)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..later import now
+
 
 class NormReference:
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float, style: str = "llama") -> torch.Tensor:
@@ -18,8 +20,9 @@ class NormReference:
         return (normed * w.float()).to(x.dtype)
 
     def add_rmsnorm(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float, style: str = "llama"):
-        """The residual add and the next norm: (x + r, rmsnorm(x + r)) (one pass on GPU)."""
-        s = x + r
+        """The residual add and the next norm: (x + r, rmsnorm(x + r)) (one pass on GPU); r may be a
+        Later (kiln/ops/later.py)."""
+        s = x + now(self, r)
         return s, self.rmsnorm(s, w, eps, style)
 
     def rmsnorm_noscale(self, x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -216,6 +216,31 @@ def quant_gate_up_act(ops, x, w: QuantizedWeight, act: str):
     return y.view(*x.shape[:-1], -1)
 
 
+def norm_after_form(ops, x, w: QuantizedWeight, r, norm_w, style):
+    """The tuned dp4a form computing decode's rmsnorm(r + x W^T) in its last block (s = r + x W^T written),
+    or None: the family off, the inputs do not fit, or the tuner kept the GEMV then the norm's kernel."""
+    x2, r2 = x.reshape(-1, x.shape[-1]), r.reshape(-1, r.shape[-1])
+    if not ops.on("quant", x) or not kernels.OP.supports_norm_epilogue(x2, w, r2, norm_w, style):
+        return None
+    v = ops.choose(kernels.OP, kernels.QGemvShape(1, w.shape[0], w.shape[1], w.bits, w.group_size, out_norm=style))
+    return v if v.p.get("dp4a") else None
+
+
+def quant_linear_add_rmsnorm(ops, x, w: QuantizedWeight, r, norm_w, eps, style):
+    """(s, h) at one row: s = r + x W^T and h = rmsnorm(s) in one launch where norm_after_form finds a
+    form (what add_rmsnorm gives for r and the product); None where not (the caller computes the
+    product, then its add + norm). The 27B's decode ran 129 add + norm kernels of ~4 us a token in
+    its graph (bench/NOTES.md, 2026-12-06)."""
+    v = norm_after_form(ops, x, w, r, norm_w, style)
+    if v is None:
+        return None
+    x2, r2 = x.reshape(1, -1).contiguous(), r.reshape(1, -1).contiguous()
+    h, s = x2.new_empty((1, w.shape[0])), x2.new_empty((1, w.shape[0]))
+    kernels.OP.run(v, {"x": x2, "w": w, "out_r": r2, "out_w": norm_w, "out_eps": eps, "out_norm": style},
+                   {"y": h, "s": s}, ops.plan)
+    return s.view(r.shape), h.view(r.shape)
+
+
 def quant_norm_linear(ops, x, r, norm_w, eps, style, w: QuantizedWeight):
     """(s, y) at one row: s = x + r (None without r) and y = rmsnorm(s or x) @ dequantize(w)^T, by the
     tuned choice between the rmsnorm kernel then the GEMV and the GEMV norming x as it loads it; None
@@ -270,19 +295,26 @@ def dense_decode_workloads(weights: dict, base) -> list:
     return [wl for wl in base if not unused(wl)]
 
 
-def quant_workloads(weights: dict, base=(), act: str | None = None, cuda_c: bool = True) -> list[tuple]:
+def quant_workloads(weights: dict, base=(), act: str | None = None, cuda_c: bool = True,
+                    norm_after: tuple[int, str] | None = None) -> list[tuple]:
     """(op, shape) at one row for each distinct 2-D quantised weight a model holds (what decode runs)
     and, where the dp4a pair mode would run (on, and the experts' activation `act` one it computes),
     one expert of each quantised [E, N, K] stack (the pair GEMVs then take that shape's tuned form:
     pair_form; the fma pairs take a default, nothing to tune), and the prologue forms of those the
     model's one-row norm and activation GEMVs (`base`: workloads of ops rmsnorm_gemm and act_gemm,
     matched to the weights by (n, k)) read, and, where kiln's CUDA C kernels run (`cuda_c`: only the
-    dp4a forms compute it), the act epilogue of its gate|up GEMVs (gemm_act's)."""
+    dp4a forms compute it), the act epilogue of its gate|up GEMVs (gemm_act's) and, with `norm_after`
+    (hidden size, norm style: a model whose projections into the residual stream are handed on to the
+    add + norm after them, ops.linear_later), the norm epilogue of every weight with that many rows."""
     formats, pairs = {}, act in DP4A_ACTS and dp4a_pairs_on()
     for w in weights.values():      # an [E, N, K] expert stack: one expert's shape (the pair GEMVs' form)
         if isinstance(w, QuantizedWeight) and (w.packed.dim() == 2 or (w.packed.dim() == 3 and pairs)):
             formats.setdefault((w.shape[-2], w.shape[-1]), set()).add((w.bits, w.group_size))
     shapes = {kernels.QGemvShape(1, n, k, b, g) for (n, k), fs in formats.items() for b, g in fs}
+    if cuda_c and norm_after is not None:
+        d, style = norm_after
+        shapes.update(kernels.QGemvShape(1, n, k, b, g, out_norm=style) for (n, k), fs in formats.items()
+                      for b, g in fs if n == d and d % 8 == 0 and b in dp4a.BITS)
     for wl in base:
         s, name = wl.shape, wl.op.name
         if cuda_c and name == "gemm_act" and s.rows == 1 and s.act in kernels.ACTS:   # act epilogue, [gate; up]

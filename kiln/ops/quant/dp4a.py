@@ -38,7 +38,9 @@ SOURCE = cuda_common.HELPERS + r"""
 // weight rw[pair] as moe/kernels.py's `weighted`: 0 none, 1 16-bit as x, 2 f32), IDX32 (idx int32, else
 // int64), HOST (a negative idx names row -1 - idx of the second stacks hq, hs, hb: streamed experts' misses),
 // EPI (ACT in the epilogue: the weight is [gate; up], N = 2I rows, y [M, I] = act(x Wg^T) * (x Wu^T); a block
-// takes BN / 2 gate rows and the same up rows)
+// takes BN / 2 gate rows and the same up rows), NOUT (the add + norm in the epilogue: once every block has stored
+// y = x W^T (N the hidden size), the last to arrive writes s = round(y + r) into sum_out and rmsnorm(s) over y,
+// as the rmsnorm kernel with its add computes them; r is `res` [M, N], the norm's weight `nw` [N], STYLE)
 #define VPL (128 / BITS)                 // values a lane's 16-byte load holds: its chunk
 #define CH (K / VPL)                     // chunks a row
 #define CPS (CH / SPLIT)                 // chunks a split
@@ -51,6 +53,7 @@ static_assert(NORM == 0 || SLABS >= WARPS, "row_rstd's barrier needs every warp 
 static_assert(PAIRS == 0 || (SPLIT == 1 && NORM == 0), "routed experts: no split, no norm prologue");
 static_assert(RW == 0 || PAIRS, "a routing weight is a pair's");
 static_assert(HOST == 0 || PAIRS, "second stacks are a pair's");
+static_assert(NOUT == 0 || (NORM == 0 && ACT < 0 && PAIRS == 0 && N % 8 == 0), "the norm epilogue: a plain GEMV");
 static_assert(EPI == 0 || (ACT >= 0 && NORM == 0 && PAIRS == 0 && BN % 2 == 0 && N % 2 == 0),
               "the act epilogue: an activation, no norm, no pairs, half the block's rows each of gate and up");
 
@@ -233,6 +236,68 @@ __device__ void finish_act(u16 *y, const float *ws, int *counts, int n0, int M) 
 }
 #endif
 
+#if NOUT
+// 8 values from p (16-byte aligned) as f32 through L2: other blocks wrote them in this launch
+__device__ __forceinline__ void load8_cg(const u16 *p, float *v) {
+    const uint4 u = __ldcg((const uint4 *)p);
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) { v[2 * j] = to_f32((u16)(w[j] & 0xFFFF)); v[2 * j + 1] = to_f32((u16)(w[j] >> 16)); }
+}
+
+__device__ __forceinline__ void store8(u16 *p, const float *v) {
+    u32 h[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) h[j] = (u32)from_f32(v[2 * j]) | ((u32)from_f32(v[2 * j + 1]) << 16);
+    *(uint4 *)p = make_uint4(h[0], h[1], h[2], h[3]);
+}
+
+// The norm epilogue: the last block to arrive at counts[gridDim.x] (every block's stores and split finishes done)
+// writes s = round(y + r) and then rmsnorm(s) over y, each row's squares summed as row_rstd sums them.
+__device__ void finish_norm(u16 *y, const u16 *r, u16 *so, const u16 *nw, float eps, int *counts, int M) {
+    __shared__ int last;
+    __shared__ float red[WARPS];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counts[gridDim.x], 1) == gridDim.x * gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int m = 0; m < M; m++) {
+        u16 *ym = y + (long long)m * N, *sm = so + (long long)m * N;
+        const u16 *rm = r + (long long)m * N;
+        float sq = 0.f;
+        for (int c = threadIdx.x; c < N / 8; c += WARPS * 32) {
+            float v[8], rr[8];
+            load8_cg(ym + c * 8, v);
+            load_f32(rm + c * 8, rr, 8);
+#pragma unroll
+            for (int i = 0; i < 8; i++) { v[i] = to_f32(from_f32(v[i] + rr[i])); sq += v[i] * v[i]; }
+            store8(sm + c * 8, v);
+        }
+#pragma unroll
+        for (int off = 16; off >= 1; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+        if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = sq;
+        __syncthreads();
+        float total = 0.f, mean, rstd;
+#pragma unroll
+        for (int v = 0; v < WARPS; v++) total += red[v];
+        __syncthreads();
+        asm("div.full.f32 %0, %1, %2;" : "=f"(mean) : "f"(total), "f"((float)N));
+        asm("rsqrt.approx.f32 %0, %1;" : "=f"(rstd) : "f"(mean + eps));
+        for (int c = threadIdx.x; c < N / 8; c += WARPS * 32) {      // this thread's own s: visible to it
+            float v[8], wn[8];
+            load_f32(sm + c * 8, v, 8);
+            load_f32(nw + c * 8, wn, 8);
+#pragma unroll
+            for (int i = 0; i < 8; i++) v[i] = styled(v[i] * rstd, wn[i]);
+            store8(ym + c * 8, v);
+        }
+    }
+    if (threadIdx.x == 0) counts[gridDim.x] = 0;
+}
+#endif
+
 #if RW
 __device__ __forceinline__ float rw_at(const void *rw, long long pair) {
 #if RW == 2
@@ -344,6 +409,9 @@ kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y
 #else
     if (SPLIT > 1) finish_splits(y, ws, counts, n0, M);
 #endif
+#if NOUT
+    finish_norm(y, res, sum_out, nw, eps, counts, M);
+#endif
 }
 """
 
@@ -365,10 +433,10 @@ def shape_fits(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: in
 
 def defines(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: int, split: int, f16: bool,
             act: int = -1, norm: int = 0, style: int = 0, xdiv: int = 0, rw: int = 0, idx32: bool = False,
-            host: bool = False, epi: bool = False) -> dict:
+            host: bool = False, epi: bool = False, nout: bool = False) -> dict:
     return {"N": n, "K": k, "G": group, "BITS": bits, "BN": bn, "WARPS": warps, "R": r, "SPLIT": split, "F16": f16,
             "ACT": act, "NORM": norm, "STYLE": style, "PAIRS": int(xdiv > 0), "XDIV": max(xdiv, 1), "RW": rw,
-            "IDX32": int(idx32), "HOST": int(host), "EPI": int(epi)}
+            "IDX32": int(idx32), "HOST": int(host), "EPI": int(epi), "NOUT": int(nout)}
 
 
 def kernel(*args, **kw) -> nvrtc.Kernel:
@@ -394,26 +462,32 @@ def weights_take(x: torch.Tensor, w) -> bool:
 
 def run(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
         y: torch.Tensor, bn: int, warps: int, r: int, split: int, counts=None, warm: bool = False, act: int = -1,
-        norm: dict | None = None, epi: bool = False):
+        norm: dict | None = None, epi: bool = False, norm_out: dict | None = None):
     """y [M, N] = x [M, K] @ dequantize(w)^T with this form (act >= 0: x [M, 2K] = [g | u] and the
     input act(g) * u, rounded as act_mul rounds; norm {w, eps, style (an index of STYLES)[, r, s]}: the
     input rmsnorm(x), or rmsnorm(x + r) with s = x + r written, rounded as the rmsnorm kernel rounds);
     `epi` (with act >= 0): w is [gate; up] and y [M, N / 2] = act(gate) * up, rounded as act_mul rounds
-    the plain form's outputs; `warm`: compile (and load) only."""
+    the plain form's outputs; norm_out {w, r, s, eps, style (an index of STYLES)}: y [M, N] is written as
+    rmsnorm(s) and s = y + r, rounded as the rmsnorm kernel with its add rounds them (`counts` given,
+    cdiv(N, bn) + 1 of them); `warm`: compile (and load) only."""
     m, n, k = x.shape[0], packed.shape[0], packed.shape[1] * 32 // bits
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"{NAME} reads 16-bit x, not {x.dtype}")
     norm_kind = 0 if norm is None else 1 if norm.get("r") is None else 2
     assert norm_kind != 2 or norm.get("s") is not None, "a residual add writes s = x + r: pass s"
-    kern = kernel(n, k, bits, group, bn, warps, r, split, x.dtype == torch.float16, act, norm_kind,
-                  0 if norm is None else norm["style"], epi=epi)
+    assert norm_out is None or (norm is None and act < 0 and counts is not None), "the norm epilogue: a plain GEMV"
+    style = norm["style"] if norm is not None else norm_out["style"] if norm_out is not None else 0
+    kern = kernel(n, k, bits, group, bn, warps, r, split, x.dtype == torch.float16, act, norm_kind, style, epi=epi,
+                  nout=norm_out is not None)
     if warm:
         return kern.function(x.device)
     blocks = cdiv(n // 2, bn // 2) if epi else cdiv(n, bn)
     ws = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    counts = y if split == 1 else counts
+    counts = y if split == 1 and norm_out is None else counts
     pro = [y, y, y, 0.0] if norm is None else [norm["w"], norm["r"] if norm_kind == 2 else y,
                                                norm["s"] if norm_kind == 2 else y, float(norm["eps"])]
+    if norm_out is not None:
+        pro = [norm_out["w"], norm_out["r"], norm_out["s"], float(norm_out["eps"])]
     kern((blocks, split), warps * 32, [x, packed, scales, biases, y, ws, counts, m, *pro, y, y, y, y, y],
          pdl=pdl(x)["PDL"])
     return y

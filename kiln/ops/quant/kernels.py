@@ -388,20 +388,43 @@ def epilogue_reference(y: torch.Tensor, act_out: str | None) -> torch.Tensor:
     return GemmReference().act_mul(g, u, act_out)
 
 
+def norm_after_reference(y: torch.Tensor, norm_out: dict) -> torch.Tensor:
+    """rmsnorm(y + r) as the reference's add_rmsnorm computes it, s = y + r written (norm_out {w, r, s,
+    eps, style})."""
+    s, h = NormReference().add_rmsnorm(y, norm_out["r"], norm_out["w"], norm_out["eps"], norm_out["style"])
+    norm_out["s"].copy_(s)
+    return h
+
+
+def norm_after(y: torch.Tensor, norm_out: dict, out: torch.Tensor, nv: Variant | None = None) -> torch.Tensor:
+    """The rmsnorm kernel with its add on a GEMV's output y: out = rmsnorm(y + r), s = y + r written."""
+    nv = nv or norm_kernels.OP.default(norm_kernels.NormShape(y.shape[0], y.shape[1], norm_out["style"]),
+                                       device_info(y.device))
+    return norm_kernels.rmsnorm(y, norm_out["w"], norm_out["eps"], norm_out["style"], nv, y=out, add=norm_out["r"],
+                                s=norm_out["s"])
+
+
 def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | None = None, act: str | None = None,
-          norm: dict | None = None, warm: bool = False, act_out: str | None = None):
+          norm: dict | None = None, warm: bool = False, act_out: str | None = None, norm_out: dict | None = None):
     """y = pro(x) @ dequantize(w)^T with variant `v`; x [M, K] contiguous ([M, 2K] = [g | u] with act),
     pro as prologue_reference says (the fma forms compute it as they load x; the others take none).
     act_out: w is [gate; up] and y [M, N / 2] = act(gate) * up as epilogue_reference says (the dp4a
-    forms compute it as they store; the others through act_mul). With `warm`, compiles the launch's
-    kernel instead and returns it."""
+    forms compute it as they store; the others through act_mul). norm_out {w, r, s, eps, style}: y is
+    rmsnorm(x W^T + r) and s = x W^T + r, as norm_after_reference says (the dp4a forms in their last
+    block; the others through the rmsnorm kernel). With `warm`, compiles the launch's kernel instead
+    and returns it."""
     p = v.p
     m, k, n = x.shape[0], w.shape[-1], w.shape[0]
     if y is None:
         y = torch.empty((m, n // 2 if act_out else n), dtype=x.dtype, device=x.device)
     if p.get("trusted"):
-        y.copy_(epilogue_reference(F.linear(prologue_reference(x, act, norm), dequantize(w)), act_out))
+        lin = F.linear(prologue_reference(x, act, norm), dequantize(w))
+        y.copy_(epilogue_reference(lin, act_out) if norm_out is None else norm_after_reference(lin, norm_out))
         return y
+    if norm_out is not None and not (p.get("dp4a") and dp4a.takes(x, w.packed, norm_out["w"], norm_out["r"],
+                                                                    norm_out["s"]) and dp4a.weights_take(x, w)):
+        assert not warm and act is None and norm is None, f"{v.name} has no norm epilogue"
+        return norm_after(qgemv(x, w, v), norm_out, y)     # the plain form (a dp4a form off its inputs: fma)
     if act_out is not None and not (p.get("dp4a") and dp4a.takes(x, w.packed) and dp4a.weights_take(x, w)):
         assert not warm, f"{v.name} has no act epilogue"
         h = qgemv(x, w, v, act=act, norm=norm)     # the plain form (a dp4a form off its inputs: the fma form)
@@ -418,8 +441,13 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
         dnorm = None if norm is None else {**norm, "style": norm_kernels.STYLES[norm["style"]]}
         counts = arrival_counters(x.device, cdiv(n, p["bn"])) if p["sk"] > 1 else None
         a = act_out if act_out is not None else act
+        dout = None
+        if norm_out is not None:
+            dout = {**norm_out, "style": norm_kernels.STYLES[norm_out["style"]]}
+            counts = arrival_counters(x.device, cdiv(n, p["bn"]) + 1)      # the last one: the grid's arrivals
         built = dp4a.run(x, w.packed, w.scales, w.biases, w.bits, w.group_size, y, p["bn"], p["w"], p["r"], p["sk"],
-                         counts, warm=warm, act=-1 if a is None else ACTS[a], norm=dnorm, epi=act_out is not None)
+                         counts, warm=warm, act=-1 if a is None else ACTS[a], norm=dnorm, epi=act_out is not None,
+                         norm_out=dout)
         return built if warm else y
     if p.get("mma"):
         assert act is None and norm is None, f"{v.name} takes no prologue"
@@ -489,6 +517,7 @@ class QGemvShape:
     style: str | None = None    # prologue: the input is rmsnorm(x) in this style ...
     add: bool = False           # ... of x + r, s = x + r written
     out_act: str | None = None  # epilogue: the weight is [gate; up] (n = 2I rows), the output act(gate) * up
+    out_norm: str | None = None  # epilogue: the output rmsnorm(y + r) in this style, s = y + r written
 
     @property
     def key(self) -> tuple:
@@ -496,7 +525,8 @@ class QGemvShape:
 
     @property
     def epilogue(self) -> tuple:
-        return (("out_act", self.out_act),) if self.out_act else ()
+        return ((("out_act", self.out_act),) if self.out_act else ()) + (
+            (("out_norm", self.out_norm),) if self.out_norm else ())
 
     @property
     def prologue(self) -> tuple:
@@ -517,6 +547,12 @@ def unfused(inputs: dict, outputs: dict, plan, trusted: bool = False) -> None:
         qgemv(x, w, plan.choose(OP, shape) if plan is not None else OP.default(shape, dev), outputs["y"],
               act_out=inputs["out_act"])
         return
+    if inputs.get("out_norm") is not None:
+        ns = norm_kernels.NormShape(x.shape[0], w.shape[0], inputs["out_norm"])
+        y = qgemv(x, w, plan.choose(OP, shape) if plan is not None else OP.default(shape, dev))
+        norm_after(y, norm_out_of(inputs, outputs), outputs["y"],
+                   plan.choose(norm_kernels.OP, ns) if plan is not None else None)
+        return
     if act is not None:
         g, u = x.split(w.shape[-1], dim=-1)
         h = act_mul(g, u, act)
@@ -529,6 +565,14 @@ def unfused(inputs: dict, outputs: dict, plan, trusted: bool = False) -> None:
 
 
 UNFUSED = variant("unfused", run=unfused)
+
+
+def norm_out_of(inputs: dict, outputs: dict) -> dict | None:
+    """qgemv's norm_out from an out_norm shape's inputs and outputs (None for other shapes)."""
+    if inputs.get("out_norm") is None:
+        return None
+    return {"w": inputs["out_w"], "r": inputs["out_r"], "s": outputs["s"], "eps": inputs["out_eps"],
+            "style": inputs["out_norm"]}
 
 
 def qgemv_variant(bn: int, bk: int, w: int, gather: bool, grouped: bool = False, acc: bool = False) -> Variant:
@@ -566,7 +610,8 @@ def dp4a_forms(s: QGemvShape, forms: list[tuple]) -> list[Variant]:
     out = []
     for bn, w, r, sk in forms:
         chunks = s.k * s.bits // 128
-        if s.bits not in dp4a.BITS or any(a and a not in ACTS for a in (s.act, s.out_act)) or chunks % sk:
+        if (s.bits not in dp4a.BITS or any(a and a not in ACTS for a in (s.act, s.out_act)) or chunks % sk
+                or (s.out_norm and s.n % 8)):       # the norm epilogue's 16-byte loads of the output row
             continue
         w = max(1, min(w, cdiv(chunks // sk, 32)))
         if dp4a.shape_fits(s.n, s.k, s.bits, s.group, bn, w, r, sk):
@@ -688,17 +733,19 @@ class QGemvOp(Op):
 
     def shape_str(self, s: QGemvShape) -> str:
         pro = (f"_{s.act}" if s.act else "") + (f"_{s.style}" + ("_add" if s.add else "") if s.style else "")
-        return f"{s.rows}x{s.n}x{s.k}_q{s.bits}g{s.group}{pro}" + (f"_out_{s.out_act}" if s.out_act else "")
+        return (f"{s.rows}x{s.n}x{s.k}_q{s.bits}g{s.group}{pro}" + (f"_out_{s.out_act}" if s.out_act else "")
+                + (f"_out_{s.out_norm}_add" if s.out_norm else ""))
 
     def with_rows(self, s: QGemvShape, rows: int) -> QGemvShape:
-        return QGemvShape(rows, s.n, s.k, s.bits, s.group, s.act, s.style, s.add, s.out_act)
+        return QGemvShape(rows, s.n, s.k, s.bits, s.group, s.act, s.style, s.add, s.out_act, s.out_norm)
 
     def blocks(self, s: QGemvShape) -> tuple[int, int]:
         return max(2, s.rows), s.rows     # the rows loop taken more than once, and the rows asked for
 
     def catalogue(self, s: QGemvShape, dev) -> list[Variant]:
         only = self.only or ""
-        if s.epilogue:      # the GEMV then act_mul (trusted: the reference's), or a dp4a form computing it as it stores
+        if s.epilogue:      # the GEMV then act_mul or the add + norm kernel (trusted: the reference's), or a dp4a
+            # form computing it as it stores
             forms = GPU_DP4A + GPU_DP4A_WIDE + (GPU_DP4A_NARROW if s.n <= GPU_DP4A_SMALL_N else [])
             return [TRUSTED, UNFUSED] + [v for v in cuda_c_forms(s, forms, dev) if v.name.startswith(only)]
         if s.prologue:      # the composition (trusted), its tuned kernels, or the FMA form computing it as it loads
@@ -746,6 +793,9 @@ class QGemvOp(Op):
             d = {"x": torch.randn(s.rows, s.k, generator=gen, device=device).to(dtype)}
             if s.out_act:       # gates across the activation's bend
                 d = {"x": d["x"] * 2.0, "out_act": s.out_act}
+            if s.out_norm:      # the residual r and the norm's weights as the rmsnorm op draws them
+                nd = norm_kernels.norm_inputs(s.rows, s.n, s.out_norm, dtype, device, gen)
+                d.update(out_r=nd["x"], out_w=nd["norm_w"], out_eps=nd["eps"], out_norm=s.out_norm)
         w = torch.randn(s.n, s.k, generator=gen, device=device) * s.k ** -0.5
         return {**d, "w": quantize(w.to(dtype), s.bits, s.group)}
 
@@ -754,6 +804,8 @@ class QGemvOp(Op):
         out = {"y": torch.empty((x.shape[0], n // 2 if inputs.get("out_act") else n), dtype=x.dtype, device=x.device)}
         if inputs.get("r") is not None:
             out["s"] = torch.empty_like(x)
+        if inputs.get("out_norm") is not None:
+            out["s"] = torch.empty_like(out["y"])
         return out
 
     def launch(self, v: Variant, inputs: dict, outputs: dict, plan=None) -> None:
@@ -762,7 +814,7 @@ class QGemvOp(Op):
             norm = {"w": inputs["norm_w"], "eps": inputs["eps"], "style": inputs["style"], "r": inputs.get("r"),
                     "s": outputs.get("s")}
         qgemv(inputs["x"], inputs["w"], v, outputs["y"], act=inputs.get("act"), norm=norm,
-              act_out=inputs.get("out_act"))
+              act_out=inputs.get("out_act"), norm_out=norm_out_of(inputs, outputs))
 
     def compile(self, v: Variant, s: QGemvShape, dtype, device) -> list:
         if interpreting() or v.run is not None or v.p.get("trusted"):
@@ -775,7 +827,12 @@ class QGemvOp(Op):
         if s.style:
             r = torch.empty_like(x) if s.add else None
             norm = {"w": torch.empty(s.k, dtype=dtype, device=device), "eps": 1e-6, "style": s.style, "r": r, "s": r}
-        built = qgemv(x, w, v, act=s.act, norm=norm, warm=True, act_out=s.out_act)
+        nout = None
+        if s.out_norm:
+            y = torch.empty((1, s.n), dtype=dtype, device=device)
+            nout = {"w": torch.empty(s.n, dtype=dtype, device=device), "r": y, "s": y, "eps": 1e-6,
+                    "style": s.out_norm}
+        built = qgemv(x, w, v, act=s.act, norm=norm, warm=True, act_out=s.out_act, norm_out=nout)
         return [] if v.p.get("dp4a") else [built]     # a CUDA C kernel: compiled and loaded, no Triton launcher
 
     def kernel_sources(self, v: Variant) -> list | str:
@@ -809,6 +866,14 @@ class QGemvOp(Op):
             return act in ACTS and x.shape[-1] == 2 * k and self.supports(x[:, :k], w)
         return (self.supports(x, w) and norm_w is not None and norm_w.shape == (k,) and norm_w.dtype == x.dtype
                 and style in norm_kernels.STYLES and (r is None or (r.shape == x.shape and r.dtype == x.dtype)))
+
+    def supports_norm_epilogue(self, x: torch.Tensor, w, r, norm_w, style) -> bool:
+        """One row of x, w as `supports` takes it, r [1, N] and the norm's weight [N] in x's dtype, a
+        known style."""
+        n = w.shape[0] if isinstance(w, QuantizedWeight) else -1
+        return (x.dim() == 2 and x.shape[0] == 1 and self.supports(x, w) and style in norm_kernels.STYLES
+                and norm_w is not None and norm_w.shape == (n,) and norm_w.dtype == x.dtype
+                and r is not None and r.shape == (1, n) and r.dtype == x.dtype)
 
     def supports_epilogue(self, x: torch.Tensor, w, act: str) -> bool:
         """One row of x, w as `supports` takes it with an even number of rows ([gate; up]), an
