@@ -184,7 +184,9 @@ def test_gate_passes_the_norm_epilogue_candidates_and_rejects_one_without_the_ad
         assert not gate.check(op, bad, cases).ok
 
 
-def test_norm_epilogue_workloads_come_from_the_weights_into_the_residual_stream():
+def test_norm_epilogue_workloads_come_from_the_weights_into_the_residual_stream(monkeypatch):
+    """With KILN_NORM_EPILOGUE=1 (off by default), where the dp4a forms run."""
+    monkeypatch.setenv("KILN_NORM_EPILOGUE", "1")
     w_out, w_in = quantized(64, 128, 4, 64), quantized(96, 64, 4, 64)      # hidden 64: [64, 128] writes into it
     weights = {"o": w_out, "qkv": w_in}
     plain = [kernels.QGemvShape(1, 64, 128, 4, 64), kernels.QGemvShape(1, 96, 64, 4, 64)]
@@ -192,6 +194,8 @@ def test_norm_epilogue_workloads_come_from_the_weights_into_the_residual_stream(
     assert got == [plain[0], kernels.QGemvShape(1, 64, 128, 4, 64, out_norm="offset"), plain[1]]
     assert [s for _, s in quant_cuda.quant_workloads(weights, cuda_c=False, norm_after=(64, "offset"))] == plain
     assert [s for _, s in quant_cuda.quant_workloads(weights, cuda_c=True)] == plain
+    monkeypatch.setenv("KILN_NORM_EPILOGUE", "0")
+    assert [s for _, s in quant_cuda.quant_workloads(weights, cuda_c=True, norm_after=(64, "offset"))] == plain
 
 
 def test_a_projection_handed_on_is_added_and_normed_by_its_gemv_where_the_tuner_keeps_it(monkeypatch):
@@ -207,6 +211,9 @@ def test_a_projection_handed_on_is_added_and_normed_by_its_gemv_where_the_tuner_
 
     ops, ref = CudaOps(DEVICE), ReferenceOps()
     monkeypatch.setattr(gemm_cuda, "nvrtc", SimpleNamespace(kernels_run=lambda dev: True))
+    monkeypatch.setenv("KILN_NORM_EPILOGUE", "0")
+    assert not isinstance(ops.linear_later(rand(1, 256, seed=1), quantized(128, 256, 4, 64)), Later)     # off
+    monkeypatch.setenv("KILN_NORM_EPILOGUE", "1")
     h, inner = 128, 256
     w_o, wqkv = quantized(h, inner, 4, 64, seed=2), quantized(96, h, 4, 32, seed=3)
     gate_up, down = quantized(2 * inner, h, 4, 64, seed=4), quantized(h, inner, 4, 64, seed=5)

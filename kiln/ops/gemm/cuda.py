@@ -12,6 +12,7 @@ from ..dispatch import TunedOps
 from ..later import Later
 from ..quant.cuda import (
     gate_up_act_form,
+    norm_epilogue_on,
     quant_act_down,
     quant_embed,
     quant_gate_up_act,
@@ -62,10 +63,11 @@ class GemmCuda(TunedOps, GemmReference):
         return list(self.linear(x, w).split(sizes, dim=-1))
 
     def linear_later(self, x, w):
-        """At one row on a quantised weight where kiln's CUDA C kernels run: a Later, computed by the
-        add + norm that takes it (in the GEMV's last block where the tuner keeps that form)."""
-        if (x.numel() == x.shape[-1] and not dense(w) and self.on("quant", x) and nvrtc.kernels_run(self.dev)
-                and QGEMV.supports(x.reshape(1, -1), w)):
+        """At one row on a quantised weight where kiln's CUDA C kernels run and KILN_NORM_EPILOGUE=1: a
+        Later, computed by the add + norm that takes it (in the GEMV's last block where the tuner keeps
+        that form)."""
+        if (x.numel() == x.shape[-1] and not dense(w) and norm_epilogue_on() and self.on("quant", x)
+                and nvrtc.kernels_run(self.dev) and QGEMV.supports(x.reshape(1, -1), w)):
             return Later(x, w)
         return self.linear(x, w)
 

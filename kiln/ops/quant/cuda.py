@@ -147,6 +147,12 @@ def experts_in(room: int, *stacks: QuantizedWeight) -> int:
     return 1 << (max(1, room // expert_bytes(*stacks)).bit_length() - 1)
 
 
+def norm_epilogue_on() -> bool:
+    """The add + norm in the projection's last block (KILN_NORM_EPILOGUE=1; off by default): its GPU test
+    has not yet passed in full and its speed is not yet measured (bench/NOTES.md, 2026-12-06)."""
+    return os.environ.get("KILN_NORM_EPILOGUE", "0") == "1"
+
+
 def dp4a_pairs_on() -> bool:
     """The routed experts' dp4a pair mode is on (the default; KILN_DP4A_PAIRS=0 takes the fma pairs)."""
     return os.environ.get("KILN_DP4A_PAIRS", "1") != "0"
@@ -311,7 +317,7 @@ def quant_workloads(weights: dict, base=(), act: str | None = None, cuda_c: bool
         if isinstance(w, QuantizedWeight) and (w.packed.dim() == 2 or (w.packed.dim() == 3 and pairs)):
             formats.setdefault((w.shape[-2], w.shape[-1]), set()).add((w.bits, w.group_size))
     shapes = {kernels.QGemvShape(1, n, k, b, g) for (n, k), fs in formats.items() for b, g in fs}
-    if cuda_c and norm_after is not None:
+    if cuda_c and norm_after is not None and norm_epilogue_on():
         d, style = norm_after
         shapes.update(kernels.QGemvShape(1, n, k, b, g, out_norm=style) for (n, k), fs in formats.items()
                       for b, g in fs if n == d and d % 8 == 0 and b in dp4a.BITS)
