@@ -316,31 +316,20 @@ def test_prologue_forms_compile():
                 assert nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, d, (9, 0))[:4] == b"\x7fELF"
 
 
-def test_norm_epilogue_forms_compile():
-    """Every norm epilogue form on decode's projections into the residual stream compiles for sm_90."""
+@pytest.mark.parametrize("epilogue", [{"out_norm": "offset"}, {"out_act": "silu"}], ids=["norm", "act"])
+def test_epilogue_forms_compile(epilogue):
+    """Every norm and act epilogue form on decode's shapes (projections into the residual stream, a
+    [gate; up] GEMV) compiles for sm_90."""
     if not nvrtc.compiler_available():
         pytest.skip("no libnvrtc here")
-    for n, k in ((5120, 17408), (1024, 3584)):
-        s = qk.QGemvShape(1, n, k, 4, 64, out_norm="offset")
+    extra = {"style": 1, "nout": True} if "out_norm" in epilogue else {"act": 0, "epi": True}
+    for n, k in ((5120, 17408), (1024, 3584)) if "out_norm" in epilogue else ((34816, 5120), (7168, 1024)):
+        s = qk.QGemvShape(1, n, k, 4, 64, **epilogue)
         vs = qk.dp4a_forms(s, qk.GPU_DP4A + qk.GPU_DP4A_WIDE + (qk.GPU_DP4A_NARROW if n <= qk.GPU_DP4A_SMALL_N else []))
         assert vs
         for v in vs:
             p = v.p
-            d = dp4a.defines(n, k, 4, 64, p["bn"], p["w"], p["r"], p["sk"], False, style=1, nout=True)
-            assert nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, d, (9, 0))[:4] == b"\x7fELF", v.name
-
-
-def test_act_epilogue_forms_compile():
-    """Every act epilogue form the catalogue offers on decode's gate|up shapes compiles for sm_90."""
-    if not nvrtc.compiler_available():
-        pytest.skip("no libnvrtc here")
-    for n, k in ((34816, 5120), (7168, 1024)):
-        s = qk.QGemvShape(1, n, k, 4, 64, out_act="silu")
-        vs = qk.dp4a_forms(s, qk.GPU_DP4A + qk.GPU_DP4A_WIDE + (qk.GPU_DP4A_NARROW if n <= qk.GPU_DP4A_SMALL_N else []))
-        assert vs
-        for v in vs:
-            p = v.p
-            d = dp4a.defines(n, k, 4, 64, p["bn"], p["w"], p["r"], p["sk"], False, act=0, epi=True)
+            d = dp4a.defines(n, k, 4, 64, p["bn"], p["w"], p["r"], p["sk"], False, **extra)
             assert nvrtc.compile_cubin(dp4a.SOURCE, dp4a.NAME, d, (9, 0))[:4] == b"\x7fELF", v.name
 
 

@@ -97,26 +97,17 @@ __device__ __forceinline__ void norm_source(const u16 *xm, const u16 *rm, int c,
 #endif
 }
 
-// rstd of the norm's source row, every thread of the block taking part (all are in their first slab);
-// as the rmsnorm kernel computes it: f32 sum of squares, div.full by K, rsqrt.approx. Block (0, 0)
-// (`store`) writes s = round(x + r) as it goes.
-__device__ float row_rstd(const u16 *xm, const u16 *rm, u16 *sm, bool store, float eps) {
+__device__ __forceinline__ void store8(u16 *p, const float *v) {     // 8 values rounded, one 16-byte store
+    u32 h[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) h[j] = (u32)from_f32(v[2 * j]) | ((u32)from_f32(v[2 * j + 1]) << 16);
+    *(uint4 *)p = make_uint4(h[0], h[1], h[2], h[3]);
+}
+
+// rstd from each thread's partial sum of squares of an n-wide row, as the rmsnorm kernel computes it: f32
+// sums (lanes by halving exchanges, then warps in order), div.full by n, rsqrt.approx. Every thread calls it.
+__device__ float block_rstd(float sq, float n, float eps) {
     __shared__ float red[WARPS];
-    float sq = 0.f;
-    for (int c = threadIdx.x; c < K / 8; c += WARPS * 32) {
-        float v[8];
-        norm_source(xm, rm, c * 8, v, 8);
-#if NORM == 2
-        if (store) {
-            u32 h[4];
-#pragma unroll
-            for (int j = 0; j < 4; j++) h[j] = (u32)from_f32(v[2 * j]) | ((u32)from_f32(v[2 * j + 1]) << 16);
-            ((uint4 *)sm)[c] = make_uint4(h[0], h[1], h[2], h[3]);
-        }
-#endif
-#pragma unroll
-        for (int i = 0; i < 8; i++) sq += v[i] * v[i];
-    }
 #pragma unroll
     for (int off = 16; off >= 1; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
     if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = sq;
@@ -125,9 +116,25 @@ __device__ float row_rstd(const u16 *xm, const u16 *rm, u16 *sm, bool store, flo
 #pragma unroll
     for (int v = 0; v < WARPS; v++) total += red[v];
     __syncthreads();
-    asm("div.full.f32 %0, %1, %2;" : "=f"(mean) : "f"(total), "f"((float)K));
+    asm("div.full.f32 %0, %1, %2;" : "=f"(mean) : "f"(total), "f"(n));
     asm("rsqrt.approx.f32 %0, %1;" : "=f"(rstd) : "f"(mean + eps));
     return rstd;
+}
+
+// rstd of the norm's source row, every thread of the block taking part (all are in their first slab).
+// Block (0, 0) (`store`) writes s = round(x + r) as it goes.
+__device__ float row_rstd(const u16 *xm, const u16 *rm, u16 *sm, bool store, float eps) {
+    float sq = 0.f;
+    for (int c = threadIdx.x; c < K / 8; c += WARPS * 32) {
+        float v[8];
+        norm_source(xm, rm, c * 8, v, 8);
+#if NORM == 2
+        if (store) store8(sm + c * 8, v);
+#endif
+#pragma unroll
+        for (int i = 0; i < 8; i++) sq += v[i] * v[i];
+    }
+    return block_rstd(sq, (float)K, eps);
 }
 
 // Lane's chunk of row m's x as digits (hi signed, lo unsigned), its unit and its sum; through the norm
@@ -193,6 +200,18 @@ __device__ __forceinline__ void load_rows(const uint4 *q, const u16 *s, const u1
     }
 }
 
+// Whether this block is the last of `total` to arrive at *count (every thread calls it; the last one's
+// threads then see every block's writes, and reset the count for the next launch).
+__device__ bool arrived_last(int *count, int total) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(count, 1) == total - 1;
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
 #if EPI
 // round(round(act(g)) * u) of the GEMV's rounded outputs g, u: act_mul's roundings
 __device__ __forceinline__ u16 act_out(float g, float u) {
@@ -216,13 +235,7 @@ __device__ __forceinline__ void store_act(float (*acc)[BN], u16 *y, float *ws, i
 
 // finish_splits with the act epilogue: the last block to arrive adds each output's gate and up splits in order
 __device__ void finish_act(u16 *y, const float *ws, int *counts, int n0, int M) {
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&counts[blockIdx.x], 1) == SPLIT - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!arrived_last(&counts[blockIdx.x], SPLIT)) return;
     for (int m = 0; m < M; m++)
         for (int t = threadIdx.x; t < BN / 2 && n0 + t < N / 2; t += WARPS * 32) {
             float g = 0.f, u = 0.f;
@@ -245,24 +258,10 @@ __device__ __forceinline__ void load8_cg(const u16 *p, float *v) {
     for (int j = 0; j < 4; j++) { v[2 * j] = to_f32((u16)(w[j] & 0xFFFF)); v[2 * j + 1] = to_f32((u16)(w[j] >> 16)); }
 }
 
-__device__ __forceinline__ void store8(u16 *p, const float *v) {
-    u32 h[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) h[j] = (u32)from_f32(v[2 * j]) | ((u32)from_f32(v[2 * j + 1]) << 16);
-    *(uint4 *)p = make_uint4(h[0], h[1], h[2], h[3]);
-}
-
 // The norm epilogue: the last block to arrive at counts[gridDim.x] (every block's stores and split finishes done)
 // writes s = round(y + r) and then rmsnorm(s) over y, each row's squares summed as row_rstd sums them.
 __device__ void finish_norm(u16 *y, const u16 *r, u16 *so, const u16 *nw, float eps, int *counts, int M) {
-    __shared__ int last;
-    __shared__ float red[WARPS];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&counts[gridDim.x], 1) == gridDim.x * gridDim.y - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!arrived_last(&counts[gridDim.x], gridDim.x * gridDim.y)) return;
     for (int m = 0; m < M; m++) {
         u16 *ym = y + (long long)m * N, *sm = so + (long long)m * N;
         const u16 *rm = r + (long long)m * N;
@@ -275,16 +274,7 @@ __device__ void finish_norm(u16 *y, const u16 *r, u16 *so, const u16 *nw, float 
             for (int i = 0; i < 8; i++) { v[i] = to_f32(from_f32(v[i] + rr[i])); sq += v[i] * v[i]; }
             store8(sm + c * 8, v);
         }
-#pragma unroll
-        for (int off = 16; off >= 1; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-        if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = sq;
-        __syncthreads();
-        float total = 0.f, mean, rstd;
-#pragma unroll
-        for (int v = 0; v < WARPS; v++) total += red[v];
-        __syncthreads();
-        asm("div.full.f32 %0, %1, %2;" : "=f"(mean) : "f"(total), "f"((float)N));
-        asm("rsqrt.approx.f32 %0, %1;" : "=f"(rstd) : "f"(mean + eps));
+        const float rstd = block_rstd(sq, (float)N, eps);
         for (int c = threadIdx.x; c < N / 8; c += WARPS * 32) {      // this thread's own s: visible to it
             float v[8], wn[8];
             load_f32(sm + c * 8, v, 8);
