@@ -164,6 +164,25 @@ def test_act_epilogue_workloads_come_from_the_gate_up_gemvs(cuda_c):
                          key=lambda s: (s.key[:4], len(s.key)))
 
 
+def test_the_act_epilogues_unfused_form_runs_the_plain_gemv_then_act_mul(monkeypatch):
+    """`unfused` for an out_act shape runs the plan's plain choice without its epilogue, even where that
+    choice is a dp4a form (which would compute the epilogue itself), then the act_mul kernel."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    def fake(x, w, v, y=None, **kw):
+        calls.append((v.name, kw.get("act_out")))
+        return torch.ones(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+
+    monkeypatch.setattr(kernels, "qgemv", fake)
+    plan = SimpleNamespace(dev=device_info(DEVICE), choose=lambda op, s: kernels.dp4a_variant(16, 4, 4, 1))
+    y = torch.full((1, 40), float("nan"))
+    kernels.unfused({"x": rand(1, 256, seed=1), "w": quantized(80, 256, 4, 64), "out_act": "silu"}, {"y": y}, plan)
+    assert calls == [("dp4a_bn16_w4_r4_sk1", None)]
+    assert torch.allclose(y, torch.full_like(y, F.silu(torch.tensor(1.0)).item()))
+
+
 def test_gate_passes_the_norm_epilogue_candidates_and_rejects_one_without_the_add():
     """The norm epilogue's shape (y = rmsnorm(x W^T + r), s = x W^T + r) through the gate: its candidates
     pass; a form that norms x W^T without adding r is rejected."""

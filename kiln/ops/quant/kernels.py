@@ -396,6 +396,12 @@ def norm_after_reference(y: torch.Tensor, norm_out: dict) -> torch.Tensor:
     return h
 
 
+def act_after(h: torch.Tensor, act_out: str, y: torch.Tensor) -> torch.Tensor:
+    """The act_mul kernel on a [gate | up] GEMV output h: y = act(gate) * up (the epilogue's composition)."""
+    g, u = h.split(h.shape[-1] // 2, dim=-1)
+    return act_mul(g, u, act_out, y=y)
+
+
 def norm_after(y: torch.Tensor, norm_out: dict, out: torch.Tensor, nv: Variant | None = None) -> torch.Tensor:
     """The rmsnorm kernel with its add on a GEMV's output y: out = rmsnorm(y + r), s = y + r written."""
     nv = nv or norm_kernels.OP.default(norm_kernels.NormShape(y.shape[0], y.shape[1], norm_out["style"]),
@@ -427,10 +433,8 @@ def qgemv(x: torch.Tensor, w: QuantizedWeight, v: Variant, y: torch.Tensor | Non
         return norm_after(qgemv(x, w, v), norm_out, y)     # the plain form (a dp4a form off its inputs: fma)
     if act_out is not None and not (p.get("dp4a") and dp4a.takes(x, w.packed) and dp4a.weights_take(x, w)):
         assert not warm, f"{v.name} has no act epilogue"
-        h = qgemv(x, w, v, act=act, norm=norm)     # the plain form (a dp4a form off its inputs: the fma form)
-        g, u = h.split(n // 2, dim=-1)
-        y.copy_(act_mul(g.contiguous(), u.contiguous(), act_out))
-        return y
+        # the plain form (a dp4a form off its inputs: the fma form), then act_mul
+        return act_after(qgemv(x, w, v, act=act, norm=norm), act_out, y)
     if p.get("dp4a"):
         extra = [] if norm is None else [t for t in (norm["w"], norm.get("r"), norm.get("s")) if t is not None]
         if not (dp4a.takes(x, w.packed, *extra) and dp4a.weights_take(x, w)):   # f32 x or scales, or a view off
@@ -543,9 +547,9 @@ def unfused(inputs: dict, outputs: dict, plan, trusted: bool = False) -> None:
     x, w, act = inputs["x"], inputs["w"], inputs.get("act")
     shape = QGemvShape(x.shape[0], w.shape[0], w.shape[-1], w.bits, w.group_size)
     dev = plan.dev if plan is not None else device_info(x.device)
-    if inputs.get("out_act") is not None:
-        qgemv(x, w, plan.choose(OP, shape) if plan is not None else OP.default(shape, dev), outputs["y"],
-              act_out=inputs["out_act"])
+    if inputs.get("out_act") is not None:      # the plain GEMV (never its epilogue form), then act_mul
+        act_after(qgemv(x, w, plan.choose(OP, shape) if plan is not None else OP.default(shape, dev)),
+                  inputs["out_act"], outputs["y"])
         return
     if inputs.get("out_norm") is not None:
         ns = norm_kernels.NormShape(x.shape[0], w.shape[0], inputs["out_norm"])
