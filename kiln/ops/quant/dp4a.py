@@ -250,38 +250,54 @@ __device__ void finish_act(u16 *y, const float *ws, int *counts, int n0, int M) 
 #endif
 
 #if NOUT
-// 8 values from p (16-byte aligned) as f32 through L2: other blocks wrote them in this launch
-__device__ __forceinline__ void load8_cg(const u16 *p, float *v) {
-    const uint4 u = __ldcg((const uint4 *)p);
+// 8 16-bit values of a 16-byte word as f32
+__device__ __forceinline__ void unpack8(uint4 u, float *v) {
     const u32 w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int j = 0; j < 4; j++) { v[2 * j] = to_f32((u16)(w[j] & 0xFFFF)); v[2 * j + 1] = to_f32((u16)(w[j] >> 16)); }
 }
 
+#define OCH (N / 8)                                    // 16-byte chunks of an output row
+#define CPT ((OCH + WARPS * 32 - 1) / (WARPS * 32))    // a thread's chunks of it
+static_assert(CPT <= NOUT_CHUNKS, "the norm epilogue holds a thread's chunks of the row in registers");
+
 // The norm epilogue: the last block to arrive at counts[gridDim.x] (every block's stores and split finishes done)
-// writes s = round(y + r) and then rmsnorm(s) over y, each row's squares summed as row_rstd sums them.
+// writes s = round(y + r) and then rmsnorm(s) over y, each thread's squares summed over its chunks in order. Why
+// registers: a thread's y, r and norm weights are loaded in one round trip and its s kept, not read back; the first
+// form (a loop of dependent L2 loads, s re-read) made the tail ~4.8 us on an H100 (bench/NOTES.md, 2026-12-06).
 __device__ void finish_norm(u16 *y, const u16 *r, u16 *so, const u16 *nw, float eps, int *counts, int M) {
     if (!arrived_last(&counts[gridDim.x], gridDim.x * gridDim.y)) return;
     for (int m = 0; m < M; m++) {
         u16 *ym = y + (long long)m * N, *sm = so + (long long)m * N;
-        const u16 *rm = r + (long long)m * N;
-        float sq = 0.f;
-        for (int c = threadIdx.x; c < N / 8; c += WARPS * 32) {
-            float v[8], rr[8];
-            load8_cg(ym + c * 8, v);
-            load_f32(rm + c * 8, rr, 8);
+        const uint4 *rm = (const uint4 *)(r + (long long)m * N);
+        uint4 yv[CPT], rv[CPT], wv[CPT];
 #pragma unroll
-            for (int i = 0; i < 8; i++) { v[i] = to_f32(from_f32(v[i] + rr[i])); sq += v[i] * v[i]; }
-            store8(sm + c * 8, v);
+        for (int i = 0; i < CPT; i++) {
+            const int c = threadIdx.x + i * WARPS * 32;
+            if (c < OCH) { yv[i] = __ldcg((const uint4 *)ym + c); rv[i] = rm[c]; wv[i] = ((const uint4 *)nw)[c]; }
+        }
+        float v[CPT][8], sq = 0.f;
+#pragma unroll
+        for (int i = 0; i < CPT; i++) {
+            const int c = threadIdx.x + i * WARPS * 32;
+            if (c >= OCH) continue;
+            float rr[8];
+            unpack8(yv[i], v[i]);
+            unpack8(rv[i], rr);
+#pragma unroll
+            for (int j = 0; j < 8; j++) { v[i][j] = to_f32(from_f32(v[i][j] + rr[j])); sq += v[i][j] * v[i][j]; }
+            store8(sm + c * 8, v[i]);
         }
         const float rstd = block_rstd(sq, (float)N, eps);
-        for (int c = threadIdx.x; c < N / 8; c += WARPS * 32) {      // this thread's own s: visible to it
-            float v[8], wn[8];
-            load_f32(sm + c * 8, v, 8);
-            load_f32(nw + c * 8, wn, 8);
 #pragma unroll
-            for (int i = 0; i < 8; i++) v[i] = styled(v[i] * rstd, wn[i]);
-            store8(ym + c * 8, v);
+        for (int i = 0; i < CPT; i++) {
+            const int c = threadIdx.x + i * WARPS * 32;
+            if (c >= OCH) continue;
+            float wn[8];
+            unpack8(wv[i], wn);
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[i][j] = styled(v[i][j] * rstd, wn[j]);
+            store8(ym + c * 8, v[i]);
         }
     }
     if (threadIdx.x == 0) counts[gridDim.x] = 0;
@@ -406,6 +422,7 @@ kiln_qgemv_dp4a(const u16 *x, const uint4 *q, const u16 *s, const u16 *b, u16 *y
 """
 
 NAME = "kiln_qgemv_dp4a"
+NOUT_CHUNKS = 8     # the norm epilogue's 16-byte chunks of the output row a thread at most (in registers)
 BITS = (4, 8)
 _KERNELS: dict[tuple, nvrtc.Kernel] = {}
 
@@ -426,7 +443,7 @@ def defines(n: int, k: int, bits: int, group: int, bn: int, warps: int, r: int, 
             host: bool = False, epi: bool = False, nout: bool = False) -> dict:
     return {"N": n, "K": k, "G": group, "BITS": bits, "BN": bn, "WARPS": warps, "R": r, "SPLIT": split, "F16": f16,
             "ACT": act, "NORM": norm, "STYLE": style, "PAIRS": int(xdiv > 0), "XDIV": max(xdiv, 1), "RW": rw,
-            "IDX32": int(idx32), "HOST": int(host), "EPI": int(epi), "NOUT": int(nout)}
+            "IDX32": int(idx32), "HOST": int(host), "EPI": int(epi), "NOUT": int(nout), "NOUT_CHUNKS": NOUT_CHUNKS}
 
 
 def kernel(*args, **kw) -> nvrtc.Kernel:

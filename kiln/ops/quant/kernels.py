@@ -610,7 +610,8 @@ def dp4a_variant(bn: int, w: int, r: int, sk: int) -> Variant:
 
 def dp4a_forms(s: QGemvShape, forms: list[tuple]) -> list[Variant]:
     """dp4a_variant of each form that fits (bits 4 and 8; no prologue, act(g) * u's or a norm's; or the
-    act epilogue), its warps cut to the split's slabs."""
+    act epilogue; or the norm epilogue where a thread holds at most NOUT_CHUNKS of the output row), its warps
+    cut to the split's slabs."""
     out = []
     for bn, w, r, sk in forms:
         chunks = s.k * s.bits // 128
@@ -618,6 +619,8 @@ def dp4a_forms(s: QGemvShape, forms: list[tuple]) -> list[Variant]:
                 or (s.out_norm and s.n % 8)):       # the norm epilogue's 16-byte loads of the output row
             continue
         w = max(1, min(w, cdiv(chunks // sk, 32)))
+        if s.out_norm and cdiv(s.n // 8, w * 32) > dp4a.NOUT_CHUNKS:     # the tail's row in registers
+            continue
         if dp4a.shape_fits(s.n, s.k, s.bits, s.group, bn, w, r, sk):
             out.append(dp4a_variant(bn, w, r, sk))
     return list(dict.fromkeys(out))
