@@ -149,7 +149,8 @@ def experts_in(room: int, *stacks: QuantizedWeight) -> int:
 
 def norm_epilogue_on() -> bool:
     """The add + norm in the projection's last block (KILN_NORM_EPILOGUE=1; off by default): its GPU test
-    has not yet passed in full and its speed is not yet measured (bench/NOTES.md, 2026-12-06)."""
+    passes, but on an H100 the tuner kept the GEMV then the norm kernel at every 9B and 27B shape, the tail
+    ~0.2-1 us slower than the norm's own launch in a graph (bench/NOTES.md, 2026-12-06; docs/quant.md)."""
     return os.environ.get("KILN_NORM_EPILOGUE", "0") == "1"
 
 
