@@ -264,7 +264,7 @@ static_assert(CPT <= NOUT_CHUNKS, "the norm epilogue holds a thread's chunks of 
 // The norm epilogue: the last block to arrive at counts[gridDim.x] (every block's stores and split finishes done)
 // writes s = round(y + r) and then rmsnorm(s) over y, each thread's squares summed over its chunks in order. Why
 // registers: a thread's y, r and norm weights are loaded in one round trip and its s kept, not read back; the first
-// form (a loop of dependent L2 loads, s re-read) made the tail ~4.8 us on an H100 (bench/NOTES.md, 2026-12-06).
+// form (a loop of dependent L2 loads, s re-read) made the tail ~3.7 us on an H100 (bench/NOTES.md, 2026-12-06).
 __device__ void finish_norm(u16 *y, const u16 *r, u16 *so, const u16 *nw, float eps, int *counts, int M) {
     if (!arrived_last(&counts[gridDim.x], gridDim.x * gridDim.y)) return;
     for (int m = 0; m < M; m++) {
