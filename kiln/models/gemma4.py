@@ -13,7 +13,6 @@ import torch
 
 from ..cache import RingKVCache, StateBatch
 from ..errors import KilnError
-from ..ops.fork import join
 from .base import (
     Model,
     config_from_dict,
@@ -372,10 +371,7 @@ class Gemma4(Model):
         c, w, ops, style, eps = self.cfg, self.w, self.ops, self.norm_style, self.cfg.rms_norm_eps
         x = ops.embed(ids, w["model.embed_tokens.weight"], scale=c.hidden_size ** 0.5)     # [T, H]
         ple = self.per_layer_inputs(ids, x) if c.hidden_size_per_layer_input else None
-        # the first layer's tables at once; at decode the others' small kernels (eight a set) run beside the
-        # layers before their first use, joined there
-        ropes = {t: ops.rope_tables(positions, f, x.dtype) if t == c.layer_types[0] else
-                 ops.fork(lambda f=f: ops.rope_tables(positions, f, x.dtype), x) for t, f in self.inv_freq.items()}
+        ropes = {t: ops.rope_tables(positions, f, x.dtype) for t, f in self.inv_freq.items()}
         y = ops.rmsnorm(x, w["model.layers.0.input_layernorm.weight"], eps, style)
         cut = False
         for i in range(c.num_hidden_layers):
@@ -383,14 +379,13 @@ class Gemma4(Model):
                 x, y = last_rows(x, last_only), last_rows(y, last_only)    # the rows asked for
                 positions = last_rows(positions, last_only)
                 ple = None if ple is None else last_rows(ple, last_only)
-                ropes = {t: tuple(last_rows(a, last_only) for a in join(r)) for t, r in ropes.items()}
+                ropes = {t: (last_rows(cos, last_only), last_rows(sin, last_only)) for t, (cos, sin) in ropes.items()}
                 for layer in state[i:]:         # several prompts: one row each from here
                     if isinstance(layer, StateBatch) and layer.rows is not None:
                         layer.rows = [1] * len(layer.rows)
                 cut = True
             last = i + 1 == c.num_hidden_layers
             next_w = w["model.norm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"]
-            ropes[c.layer_types[i]] = join(ropes[c.layer_types[i]])
             x, y = self.layer(i, x, y, positions, state[i], ropes[c.layer_types[i]],
                               None if ple is None else ple[:, i], next_w)
             self.layer_done()

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from ..cache import GDNState
 from ..errors import KilnError
-from ..ops.fork import join
 from .base import (
     Model,
     attention_shapes,
@@ -259,14 +258,12 @@ class Qwen35(Model):
     def forward(self, ids, positions, state, last_only=True):
         c, w, ops, eps = self.cfg, self.w, self.ops, self.cfg.rms_norm_eps
         x = ops.embed(ids, w["model.embed_tokens.weight"])
-        # at decode the tables' few small kernels run beside the linear-attention layers before the first full one
-        rope = ops.fork(lambda: ops.rope_tables(positions, self.inv_freq, x.dtype), x)
+        rope = ops.rope_tables(positions, self.inv_freq, x.dtype)
         proj = self.mixer_input(0, ops.rmsnorm(x, w["model.layers.0.input_layernorm.weight"], eps, self.norm_style))
         for i, kind in enumerate(c.layer_types):
             if kind == "linear_attention":
                 a = self.linear_attention(i, proj, state[i])
             else:
-                rope = join(rope)
                 a = self.full_attention(i, proj, positions, state[i], rope)
             # each residual add fused into the norm that follows it (bit-equal: the sum is rounded first)
             x, m = self.norm_mlp(i, x, a)

@@ -1,10 +1,8 @@
 """Two branches of a layer at once: `ops.fork(fn, x)` queues fn's kernels on a side stream forked from
 the current one, so that the kernels queued next on the current stream run beside them; `join(v)`
 makes the current stream wait for them and returns fn's result. Gemma 4's dense MLP runs beside its
-router and routed experts, Qwen's shared expert beside its router and routed experts, and the RoPE
-tables (eight small torch kernels a set) beside the layers before their first attention layer (Qwen3.5's
-linear-attention layers, Gemma 4's first full-attention layer): at decode each branch is a few small,
-latency-bound kernels, and the GPU fills its idle SMs with the other's.
+router and routed experts, Qwen's shared expert beside its router and routed experts: at decode each
+branch is a few small, latency-bound kernels, and the GPU fills its idle SMs with the other's.
 
 Where the work is large (a prefill chunk) or not on a GPU, fork runs fn at once and returns its
 result: join of a plain value is that value. Inside a CUDA graph capture the fork and the join are the
