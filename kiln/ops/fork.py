@@ -3,6 +3,10 @@ the current one, so that the kernels queued next on the current stream run besid
 makes the current stream wait for them and returns fn's result. Gemma 4's dense MLP runs beside its
 router and routed experts, Qwen's shared expert beside its router and routed experts: at decode each
 branch is a few small, latency-bound kernels, and the GPU fills its idle SMs with the other's.
+A fork pays only where its branch is long: the RoPE tables' eight small torch kernels forked beside
+Qwen3.5's first linear-attention layers made the 0.8b's decode slower on an H100 (bf16 1,056 against
+1,060 tok/s, 4-bit 1,631-1,674 against 1,680-1,696; bench/NOTES.md, 2026-12-06): a join is a full
+dependency, so the kernel after it loses its programmatic early launch.
 
 Where the work is large (a prefill chunk) or not on a GPU, fork runs fn at once and returns its
 result: join of a plain value is that value. Inside a CUDA graph capture the fork and the join are the
