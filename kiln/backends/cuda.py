@@ -24,6 +24,7 @@ from ..ops.gemm.cuda import GemmCuda
 from ..ops.moe.cuda import MoeCuda
 from ..ops.norm.cuda import NormCuda
 from ..ops.quant.cuda import dense_decode_workloads, quant_workloads
+from ..ops.rope.cuda import RopeCuda
 from ..ops.sample.cuda import SampleCuda
 from ..tune.device import device_info, interpreting
 from ..tune.registry import REGISTRY
@@ -42,7 +43,7 @@ OPS = ("gemm", "rmsnorm", "residual_norms", "rmsnorm_gemm", "gdn_prefill", "gdn_
        "attention_decode", "qk_rope", "gemm_act", "act_gemm", "qgemv")
 
 
-class CudaOps(ForkOps, NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, ReferenceOps):
+class CudaOps(ForkOps, NormCuda, GemmCuda, AttentionCuda, GdnCuda, MoeCuda, SampleCuda, RopeCuda, ReferenceOps):
     name = "cuda"
     batch_invariant = False  # its kernels are tuned per row count: a batch may run other ones (docs/batching.md)
     pooled = True    # batched decode reads each request's state from a slot pool (kiln.cache.SlotPool)

@@ -1,10 +1,10 @@
-"""The kernels outside the tuner (nothing to measure): the greedy choice, the routers, the shared expert's
-gate, Gemma's GELU, the GDN's unpacking of its packed projection. Unwarmed, a cold start compiled them at
-its first prefill or decode step (Gemma 4: six kernels, ~2 s of its first prefill on the H200). The cuda
-backend compiles them on a thread while the weights load (`warm`); tools/cross_compile.py compiles them
-for another GPU. Each is launched once, at the model's shapes, on small stand-ins that keep each
-kernel's contract (finite values, distinct expert ids): the kernels specialise on widths and dtypes,
-not on rows.
+"""The kernels outside the tuner (nothing to measure): the greedy choice, the RoPE tables (where on), the
+routers, the shared expert's gate, Gemma's GELU, the GDN's unpacking of its packed projection. Unwarmed, a
+cold start compiled them at its first prefill or decode step (Gemma 4: six kernels, ~2 s of its first
+prefill on the H200). The cuda backend compiles them on a thread while the weights load (`warm`);
+tools/cross_compile.py compiles them for another GPU. Each is launched once, at the model's shapes, on
+small stand-ins that keep each kernel's contract (finite values, distinct expert ids): the kernels
+specialise on widths and dtypes, not on rows.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from .gdn import unpack
 from .gemm import gelu
 from .moe import kernels as moe
 from .moe import router
+from .rope import tables as rope_tables
 from .sample import kernels as sample
 
 
@@ -28,6 +29,8 @@ def plain_kernels(cfg, dtype: torch.dtype, device: torch.device) -> list[tuple[s
 
     one, h = torch.zeros(1, dtype=torch.long, device=device), cfg.hidden_size
     out = [("greedy", lambda: sample.greedy_next(empty(cfg.vocab_size), one, one.clone()))]
+    if rope_tables.tables_on():         # every family's RoPE tables (one compile a dtype: widths are runtime values)
+        out.append(("rope_tables", lambda: rope_tables.rope_tables(one, torch.ones(1, device=device), dtype)))
     if "linear_attention" in (getattr(cfg, "layer_types", None) or ()):       # the GDN's packed inputs
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim

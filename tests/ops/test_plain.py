@@ -19,12 +19,21 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
                           "gdn_unpack_padded"}),
     ("tiny-gemma4-moe-p2", {"greedy", "gelu_mul_96", "scaled_topk", "router_gemv_topk"}),
 ])
-def test_plain_kernels_listed_and_launch(name, want):
+def test_plain_kernels_listed_and_launch(name, want, monkeypatch):
+    monkeypatch.setenv("KILN_ROPE_TABLES", "0")
     _, cfg = model_config(synth_config(name))
     kernels = plain.plain_kernels(cfg, torch.bfloat16, DEVICE)
     assert {n for n, _ in kernels} == want
     for _, launch in kernels:
         launch()
+
+
+def test_the_rope_tables_are_warmed_where_they_are_on(monkeypatch):
+    monkeypatch.setenv("KILN_ROPE_TABLES", "1")
+    _, cfg = model_config(synth_config("tiny-gemma4-moe-p2"))
+    kernels = dict(plain.plain_kernels(cfg, torch.bfloat16, DEVICE))
+    assert "rope_tables" in kernels
+    kernels["rope_tables"]()
 
 
 def test_warm_logs_instead_of_failing(monkeypatch):
