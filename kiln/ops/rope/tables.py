@@ -8,7 +8,7 @@ library that torch's own kernels call), times the scaling where it is not 1 (x *
 the table's dtype, and stored at column j and j + R/2 (torch.cat([freqs, freqs])).
 
 Whether libdevice's cos and sin give torch's bits is not assumed: the cuda backend (rope/cuda.py)
-compares this kernel's tables with the reference's at the first call over 2^17 positions, once per
+compares this kernel's tables with the reference's at the first call over 2^18 positions, once per
 inverse-frequency tensor and dtype, and keeps the torch ops where one value differs. The interpreter
 has no libdevice: there the kernel takes tl.cos and tl.sin (numpy's), for tests of its indexing.
 """
