@@ -126,19 +126,19 @@ class MoeCuda(TunedOps, MoeReference):
                 and gate_w.shape[0] == 1
                 and gate_w.dtype == s.dtype == x.dtype and s.shape == x.shape and x.dim() == 2):
             v = self.choose(kernels.OP, self._moe_shape(x, idx, gate_up, down, act))
-            if isinstance(shared, Forked) and v.p.get("gemv") and not v.p.get("fin") and x.shape[0] > 0:
+            if (isinstance(shared, Forked) and (v.p.get("gemv") or v.p.get("pairs")) and not v.p.get("fin")
+                    and x.shape[0] > 0):
                 return self._gemv_then_gated_combine(x, idx, weights, gate_up, down, act, v, gate_w, shared)
             return kernels.moe_experts(x, idx, weights, gate_up, down, act, v=v, gate=(gate_w, join(shared)))
         return super().moe_experts_gated(x, idx, weights, gate_up, down, act, gate_w, join(shared))
 
     @staticmethod
     def _gemv_then_gated_combine(x, idx, weights, gate_up, down, act, v, gate_w, forked):
-        """kernels.moe_experts with GEMV form v (not fin), the fork joined between the routed GEMVs
-        and the combine that reads it. (Here, not in kernels.moe_experts: an edit of kernels.py
-        retires the shipped moe choices.)"""
+        """kernels.moe_experts with GEMV or pair form v (not fin), the fork joined between the routed
+        GEMVs and the combine that reads it."""
         x, idx, weights = x.contiguous(), idx.contiguous(), weights.contiguous()
         y = torch.empty((idx.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
-        kernels.run_gemv(x, idx, weights, gate_up, down, act, v.p, y)
+        kernels.routed(x, idx, weights, gate_up, down, act, v.p, y)
         out = torch.empty_like(x)
         kernels.combine(y, idx, out, x, (gate_w, forked.join()))
         return out

@@ -25,8 +25,10 @@ import triton.language as tl
 
 from ...tune.device import device_info, interpreting
 from ...tune.registry import Op, Variant, register, variant
+from .. import cuda_common, nvrtc
 from ..common import COMMON, EXACT_ROUNDING, SUPPORTED, cdiv, dot_flags, next_pow2, pdl, pdl_wait, rne_flag, round_to
-from ..gemm import gemm, helpers
+from ..gemm import gemm, helpers, hgemv
+from . import hpairs
 
 ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
 COMBINE_BH = 256     # columns per combine program: the combine reads k rows, it is never the bottleneck
@@ -467,9 +469,17 @@ def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_
     if v.p.get("fin"):
         run_gemv(x, idx, weights, gate_up, down, act, v.p, y, out, gate)
         return out
-    (run_gemv if v.p.get("gemv") else run_grouped)(x, idx, weights, gate_up, down, act, v.p, y)
+    routed(x, idx, weights, gate_up, down, act, v.p, y)
     combine(y, idx, out, x, gate)
     return out
+
+
+def routed(x, idx, weights, gate_up, down, act, p: dict, y: torch.Tensor) -> None:
+    """The routed experts' weighted rows y [T*k, H] (pair order) by form p (not fin): the combine's input."""
+    if p.get("pairs"):
+        hpairs.routed(x, idx, weights, gate_up, down, act, p, y)
+    else:
+        (run_gemv if p.get("gemv") else run_grouped)(x, idx, weights, gate_up, down, act, p, y)
 
 
 # -- the op: variants, inputs, outputs ---------------------------------------------------------------
@@ -504,6 +514,22 @@ def gemv_variant(bn, bk, w, s=1, acc=False, dn=None, dk=None, fin=False) -> Vari
                    bk=bk, w=w, s=s, acc=acc, **extra)
 
 
+def pairs_variant(g: tuple, d: tuple) -> Variant:
+    """hpairs.py's CUDA C pair GEMVs: gate_up's form g = (bn, warps, r), down's d, then the combine."""
+    return variant("hpairs_g{}w{}r{}_d{}w{}r{}".format(*g, *d), pairs=True, g=g, d=d)
+
+
+def pairs_forms(s: MoeShape, dev) -> list[Variant]:
+    """The pair forms where CUDA C kernels run and the prologue computes the activation, warps cut to each
+    weight's slabs."""
+    if not nvrtc.kernels_run(dev) or s.act not in hpairs.ACTS:
+        return []
+    gs = [(bn, hpairs.warps_for(s.h, w), r) for bn, w, r in GPU_PAIRS_GATE_UP]
+    ds = [(bn, hpairs.warps_for(s.i, w), r) for bn, w, r in GPU_PAIRS_DOWN]
+    return list(dict.fromkeys(pairs_variant(g, d) for g in gs if hpairs.fits(2 * s.i, s.h, g)
+                              for d in ds if hpairs.fits(s.h, s.i, d)))
+
+
 TRUSTED = grouped_variant(16, 32, 32, 4, 1)     # small tiles, no pipelining
 # (bm, bn, bk, warps, stages): BM 16/32 for few rows per expert (decode batches, short prompts), 64 for prefill.
 # (..., dn, dk): down on tiles of its own (its K is the expert's FFN size, gate_up's the hidden size).
@@ -521,6 +547,10 @@ GPU_GEMV_ACC = [(8, 256, 4, 1, 16, 128), (8, 256, 4, 2, 16, 128), (16, 256, 4, 2
                 (16, 128, 4, 2, 32, 64), (32, 128, 8, 2, 32, 128), (16, 512, 8, 1, 8, 512), (8, 256, 4, 3, 8, 128)]
 # ... and the best of them (H200, bench/NOTES.md 2026-12-03) with the combine in the down kernel's last arrival
 GPU_GEMV_FIN = [(8, 256, 4, 3, 8, 128), (8, 512, 4, 2, 8, 256), (8, 256, 4, 1, 16, 128)]
+# (bn, warps, r) of the CUDA C pair GEMVs (hpairs.py): hgemv's one-row forms, gate_up's K the hidden size
+# (the 35B-A3B: 8 slabs of 32 chunks), down's the expert's FFN size (512: 2 slabs)
+GPU_PAIRS_GATE_UP = [(8, 4, 4), (16, 4, 8), (16, 8, 8), (32, 4, 8)]
+GPU_PAIRS_DOWN = [(8, 2, 4), (16, 2, 8), (8, 1, 8)]
 GEMV_MAX_ROWS = 64     # beyond this the gemv rereads each expert's weights for too many pairs
 CPU_GROUPED = [(32, 32, 64, 4, 1), (64, 64, 32, 4, 1)]
 CPU_GEMV = [(64, 64, 4)]
@@ -530,7 +560,8 @@ CPU_GEMV_FIN = [(16, 32, 4, 1, 32, 16)]
 
 class MoeOp(Op):
     name = "moe"
-    sources = (__file__, helpers.__file__, COMMON)   # its kernels call gemm/helpers.py's, none of gemm.py's
+    # its kernels call gemm/helpers.py's, none of gemm.py's; the pair forms' CUDA C is hgemv's and hpairs'
+    sources = (__file__, helpers.__file__, COMMON, hpairs.__file__, hgemv.__file__, cuda_common.__file__)
     shape_type = MoeShape
 
     def shape_str(self, s: MoeShape) -> str:
@@ -545,7 +576,8 @@ class MoeOp(Op):
                                    else (GPU_GROUPED, GPU_GEMV, GPU_GEMV_ACC, GPU_GEMV_FIN))
         return ([TRUSTED] + [grouped_variant(*t) for t in grouped] + [gemv_variant(*t) for t in gemv]
                 + [gemv_variant(bn, bk, w, st, True, dn, dk) for bn, bk, w, st, dn, dk in acc]
-                + [gemv_variant(bn, bk, w, st, True, dn, dk, True) for bn, bk, w, st, dn, dk in fin])
+                + [gemv_variant(bn, bk, w, st, True, dn, dk, True) for bn, bk, w, st, dn, dk in fin]
+                + pairs_forms(s, dev))
 
     def candidates(self, s: MoeShape, dev) -> list[Variant]:
         forms = self.catalogue(s, dev)
@@ -553,7 +585,8 @@ class MoeOp(Op):
             return forms
         per_expert = s.rows * s.k / s.e     # mean rows per expert
         return [v for v in forms if v == TRUSTED or
-                (s.rows <= GEMV_MAX_ROWS if v.p.get("gemv") else v.p["bm"] <= max(16, 4 * next_pow2(int(per_expert))))]
+                (s.rows <= GEMV_MAX_ROWS if v.p.get("gemv") or v.p.get("pairs")
+                 else v.p["bm"] <= max(16, 4 * next_pow2(int(per_expert))))]
 
     def trusted(self, s, dev) -> Variant:
         return TRUSTED
@@ -586,6 +619,14 @@ class MoeOp(Op):
         kernels = [combine_kernel.warmup(a, i64, a, a, a, a, 1, KTOP=k, KP=next_pow2(k), H=s.h,
                                          BH=min(COMBINE_BH, next_pow2(s.h)), RNE=False, num_warps=4, grid=grid,
                                          **pdl(a), **EXACT_ROUNDING)]
+        if p.get("pairs"):          # CUDA C: compiled and loaded (cubins cached), no Triton launcher
+            x = torch.empty((1, s.h), dtype=dtype, device=device)
+            gu = torch.empty((1, 2 * s.i, s.h), dtype=dtype, device=device)
+            dn = torch.empty((1, s.h, s.i), dtype=dtype, device=device)
+            hpairs.run_pairs(x, gu, i64, x, p["g"], k, warm=True)
+            for rw in (a, torch.empty(64, dtype=torch.float32, device=device)):   # the tuner's weights, the router's
+                hpairs.run_pairs(x, dn, i64, x, p["d"], 1, hpairs.ACTS[s.act], rw=rw, warm=True)
+            return kernels
         if p.get("gemv"):
             opts = dict(RNE=False, ACC=p.get("acc", False), num_warps=p["w"], num_stages=p.get("s", 1), grid=grid,
                         **pdl(a))
@@ -606,6 +647,8 @@ class MoeOp(Op):
 
     def kernel_sources(self, v: Variant) -> list:
         shared = [combine_kernel, combine_cols, gate_term, glu, activate, weighted, round_to, pdl_wait]
+        if v.p.get("pairs"):
+            return hpairs.SOURCE
         if v.p.get("gemv"):
             return [gemv_gate_up_kernel, gemv_down_kernel, tile_w, tile_x, helpers.last_arrival] + shared
         return ([grouped_gate_up_kernel, grouped_down_kernel, table_block, block_table, rank_kernel, place_kernel,
