@@ -98,3 +98,21 @@ def test_gpu_the_moe_ops_pair_forms_pass_its_gate():
         for v in forms:
             verdict = gate.check(moe.OP, v, cases)
             assert verdict.ok, (v.name, verdict)
+
+
+def test_a_pair_form_on_tensors_it_does_not_take_runs_the_gemv_form(monkeypatch):
+    """x at an odd element offset (not 16-byte aligned): the default GEMV form runs instead, same result."""
+    calls = []
+    monkeypatch.setattr(hpairs, "routed", lambda *a: calls.append(a))
+    g = torch.Generator().manual_seed(3)
+    s = moe.MoeShape(2, 8, 2, 64, 32, "silu")
+    i = moe.moe_inputs(s, torch.bfloat16, torch.device("cpu"), g)
+    wide = torch.randn(2 * 64 + 1, generator=g).to(torch.bfloat16)
+    x = wide[1:].view(2, 64)          # contiguous, 2 bytes past an aligned start
+    assert x.data_ptr() % 16 and not hpairs.takes(x, i["gate_up"], i["down"], "silu")
+    assert hpairs.takes(x.clone(), i["gate_up"], i["down"], "silu")
+    v = moe.pairs_variant((8, 1, 4), (8, 1, 4))
+    got = moe.moe_experts(x, i["idx"], i["weights"], i["gate_up"], i["down"], "silu", v=v)
+    want = moe.moe_experts(x.clone(), i["idx"], i["weights"], i["gate_up"], i["down"], "silu",
+                           v=moe.gemv_variant(16, 256, 4))
+    assert not calls and torch.equal(got, want)

@@ -475,9 +475,12 @@ def moe_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_
 
 
 def routed(x, idx, weights, gate_up, down, act, p: dict, y: torch.Tensor) -> None:
-    """The routed experts' weighted rows y [T*k, H] (pair order) by form p (not fin): the combine's input."""
-    if p.get("pairs"):
+    """The routed experts' weighted rows y [T*k, H] (pair order) by form p (not fin): the combine's input.
+    A pair form on tensors its 16-byte loads do not take (unaligned, strided) runs the default GEMV form."""
+    if p.get("pairs") and hpairs.takes(x, gate_up, down, act):
         hpairs.routed(x, idx, weights, gate_up, down, act, p, y)
+    elif p.get("pairs"):
+        run_gemv(x, idx, weights, gate_up, down, act, gemv_variant(16, 256, 4).p, y)
     else:
         (run_gemv if p.get("gemv") else run_grouped)(x, idx, weights, gate_up, down, act, p, y)
 
