@@ -3,7 +3,7 @@
 # alternating (ROUNDS pairs) in one kiln cache (the first run tunes, the rest hit: the same tuned kernels both
 # sides, so only the switch differs), then the GPU tests of TEST_FILE. Env: SWITCH (default KILN_FORK, the
 # decode forks of kiln/ops/fork.py; KILN_ROPE_TABLES: the RoPE table kernel), TEST_FILE (default the switch's
-# tests), KILN_COMMIT, TAG, MODELS (specs, default the 0.8b in bf16 and at 4 bits), ROUNDS (2).
+# tests; none: no tests), KILN_COMMIT, TAG, MODELS (specs, default the 0.8b in bf16 and at 4 bits), ROUNDS (2).
 # (Until 2026-12-06 this was tools/fork_ab.sh, KILN_FORK only.)
 set -u
 sw=${SWITCH:-KILN_FORK}
@@ -20,4 +20,4 @@ for m in ${MODELS:-synth:qwen3.5-0.8b synth:qwen3.5-0.8b:bits=4:router=8}; do
   done
 done
 t=${TEST_FILE:-$tests}
-[ -z "$t" ] || GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-240} bash tools/gpu_run.sh gputests "$t"
+[ -z "$t" ] || [ "$t" = none ] || GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-240} bash tools/gpu_run.sh gputests "$t"
