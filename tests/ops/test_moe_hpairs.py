@@ -116,3 +116,13 @@ def test_a_pair_form_on_tensors_it_does_not_take_runs_the_gemv_form(monkeypatch)
     want = moe.moe_experts(x.clone(), i["idx"], i["weights"], i["gate_up"], i["down"], "silu",
                            v=moe.gemv_variant(16, 256, 4))
     assert not calls and torch.equal(got, want)
+
+
+def test_pair_forms_are_candidates_up_to_8_tokens(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(nvrtc, "kernels_run", lambda dev: True)
+    dev = SimpleNamespace(capability=(9, 0), sms=132, device=torch.device("cpu"))
+    for rows, want in ((1, True), (8, True), (16, False)):
+        s = moe.MoeShape(rows, 256, 8, 2048, 512, "silu")
+        assert any(v.p.get("pairs") for v in moe.OP.candidates(s, dev)) == want, rows

@@ -555,6 +555,9 @@ GPU_GEMV_FIN = [(8, 256, 4, 3, 8, 128), (8, 512, 4, 2, 8, 256), (8, 256, 4, 1, 1
 GPU_PAIRS_GATE_UP = [(8, 4, 4), (16, 4, 8), (16, 8, 8), (32, 4, 8)]
 GPU_PAIRS_DOWN = [(8, 2, 4), (16, 2, 8), (8, 1, 8)]
 GEMV_MAX_ROWS = 64     # beyond this the gemv rereads each expert's weights for too many pairs
+# the pair forms read an expert's weights once a pair: at 8 tokens (64 pairs of the 35B) about the bytes of
+# the experts those tokens touch (57 of 256); past that, more
+PAIRS_MAX_ROWS = 8
 CPU_GROUPED = [(32, 32, 64, 4, 1), (64, 64, 32, 4, 1)]
 CPU_GEMV = [(64, 64, 4)]
 CPU_GEMV_ACC = [(16, 32, 4, 1, 32, 16)]
@@ -588,7 +591,7 @@ class MoeOp(Op):
             return forms
         per_expert = s.rows * s.k / s.e     # mean rows per expert
         return [v for v in forms if v == TRUSTED or
-                (s.rows <= GEMV_MAX_ROWS if v.p.get("gemv") or v.p.get("pairs")
+                (s.rows <= PAIRS_MAX_ROWS if v.p.get("pairs") else s.rows <= GEMV_MAX_ROWS if v.p.get("gemv")
                  else v.p["bm"] <= max(16, 4 * next_pow2(int(per_expert))))]
 
     def trusted(self, s, dev) -> Variant:
