@@ -10,7 +10,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \
   tests/ops/test_moe_hpairs.py tests/ops/test_rope_tables.py 2>&1 | tail -25 | tee "$OUT/gputests_${TAG:-new}.txt"
 export KILN_CACHE_DIR=/tmp/kc_moe_pairs
-timeout "${TUNE_TIMEOUT:-200}" python3 -m kiln.cli tune synth:qwen3.5-35b-a3b --dtype bf16 --ops moe --m 1 --m 4 \
+KILN_MOE_PAIRS=1 timeout "${TUNE_TIMEOUT:-200}" python3 -m kiln.cli tune synth:qwen3.5-35b-a3b --dtype bf16 --ops moe --m 1 --m 4 \
   --quiet 2>&1 | tail -8
 python3 - <<'P' 2>&1 | tee "$OUT/moe_pairs_${TAG:-new}.txt"
 import glob, json

@@ -43,13 +43,16 @@ def test_pair_forms_fit_the_35b_and_compile():
                     assert nvrtc.compile_cubin(hpairs.SOURCE, hpairs.NAME, d, (9, 0))[:4] == b"\x7fELF"
 
 
-def test_pair_forms_are_offered_only_where_cuda_c_runs_and_for_silu(monkeypatch):
+def test_pair_forms_are_offered_only_where_cuda_c_runs_for_silu_and_switched_on(monkeypatch):
     dev = device_info("cpu")
+    monkeypatch.setenv("KILN_MOE_PAIRS", "1")
     assert moe.pairs_forms(SHAPE, dev) == []          # the interpreter: no CUDA C
     monkeypatch.setattr(nvrtc, "kernels_run", lambda dev: True)
     forms = moe.pairs_forms(SHAPE, dev)
     assert forms and all(v.p["pairs"] for v in forms)
     assert moe.pairs_forms(moe.MoeShape(1, 16, 4, 512, 160, "gelu_pytorch_tanh"), dev) == []
+    monkeypatch.setenv("KILN_MOE_PAIRS", "0")
+    assert moe.pairs_forms(SHAPE, dev) == []
 
 
 @pytest.mark.gpu
@@ -82,9 +85,11 @@ def test_gpu_each_pair_is_its_experts_hgemv(dtype, rw_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_gpu_the_moe_ops_pair_forms_pass_its_gate():
+def test_gpu_the_moe_ops_pair_forms_pass_its_gate(monkeypatch):
     """At the 35B-A3B's expert shapes, one and four tokens: every pair form within the gate of the trusted form."""
     from kiln.tune import gate
+
+    monkeypatch.setenv("KILN_MOE_PAIRS", "1")
 
     if not nvrtc.available(torch.device("cuda")):
         pytest.skip("needs NVRTC")
@@ -121,6 +126,7 @@ def test_a_pair_form_on_tensors_it_does_not_take_runs_the_gemv_form(monkeypatch)
 def test_pair_forms_are_candidates_up_to_8_tokens(monkeypatch):
     from types import SimpleNamespace
 
+    monkeypatch.setenv("KILN_MOE_PAIRS", "1")
     monkeypatch.setattr(nvrtc, "kernels_run", lambda dev: True)
     dev = SimpleNamespace(capability=(9, 0), sms=132, device=torch.device("cpu"))
     for rows, want in ((1, True), (8, True), (16, False)):

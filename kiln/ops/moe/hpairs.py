@@ -20,6 +20,8 @@ output, written by the kernel just before: the wait comes first, then the weight
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .. import nvrtc
@@ -94,6 +96,12 @@ kiln_hgemv_pairs(const u16 *x, const uint4 *w, const void *idx, const void *rw, 
 """
 
 NAME = "kiln_hgemv_pairs"
+def pairs_on() -> bool:
+    """KILN_MOE_PAIRS=1 offers the pair forms to the tuner (off until their GPU tests and a measurement have run:
+    written on 2026-12-06 without device time; tools/session_2026_12_06_set.sh)."""
+    return os.environ.get("KILN_MOE_PAIRS", "0") == "1"
+
+
 ACTS = {"silu": 0}          # act(g) * u as the down's prologue computes it (cuda_common.act_f32)
 _KERNELS: dict[tuple, nvrtc.Kernel] = {}
 

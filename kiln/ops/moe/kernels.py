@@ -523,9 +523,9 @@ def pairs_variant(g: tuple, d: tuple) -> Variant:
 
 
 def pairs_forms(s: MoeShape, dev) -> list[Variant]:
-    """The pair forms where CUDA C kernels run and the prologue computes the activation, warps cut to each
-    weight's slabs."""
-    if not nvrtc.kernels_run(dev) or s.act not in hpairs.ACTS:
+    """The pair forms where CUDA C kernels run, the prologue computes the activation and KILN_MOE_PAIRS=1
+    (until their GPU tests have run), warps cut to each weight's slabs."""
+    if not nvrtc.kernels_run(dev) or s.act not in hpairs.ACTS or not hpairs.pairs_on():
         return []
     gs = [(bn, hpairs.warps_for(s.h, w), r) for bn, w, r in GPU_PAIRS_GATE_UP]
     ds = [(bn, hpairs.warps_for(s.i, w), r) for bn, w, r in GPU_PAIRS_DOWN]
